@@ -1,0 +1,122 @@
+"""The SM-budget contract: device SM count, budget validation and the launch recorder.
+
+Every kernel in `spaceserve.kernels` takes `num_sms: int | None`. `None` means the whole
+device. On CPU (the Triton interpreter) the device counts as an H200's 132 SMs, overridable with
+the environment variable ``SPACESERVE_NUM_SMS``. A budget outside ``1..device SMs`` raises
+`ValueError` before anything is launched.
+
+Every launch is observable through `record_launches()`; when nobody records, recording costs one
+truthiness check of an empty list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+CPU_NUM_SMS = 132
+NUM_SMS_ENV = "SPACESERVE_NUM_SMS"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_num_sms(device: torch.device | str | int | None = None) -> int:
+    """SM count of `device` (default: the current CUDA device, else the CPU stand-in).
+
+    Inside a green context the driver still reports the whole GPU, which is why the budget is
+    always passed explicitly rather than read from here.
+    """
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    elif isinstance(device, str):
+        device = torch.device(device)
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_sm_count(index)
+    env = os.environ.get(NUM_SMS_ENV)
+    if env is not None:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"{NUM_SMS_ENV}={env!r} is not an integer") from None
+        if value < 1:
+            raise ValueError(f"{NUM_SMS_ENV}={value} must be >= 1")
+        return value
+    return CPU_NUM_SMS
+
+
+def resolve_num_sms(num_sms: int | None, device: torch.device | str | int | None = None) -> int:
+    """Validate a budget and turn `None` into the whole device; raises `ValueError`."""
+    total = device_num_sms(device)
+    if num_sms is None:
+        return total
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int):
+        raise ValueError(f"num_sms must be an int or None, got {type(num_sms).__name__}")
+    if not 1 <= num_sms <= total:
+        raise ValueError(f"num_sms={num_sms} is outside 1..{total} (SMs of this device)")
+    return num_sms
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """One kernel launch: what ran, with how many programs, under which budget."""
+
+    name: str
+    grid: tuple[int, ...]
+    num_sms: int
+    programs_per_sm: int = 1
+    num_tiles: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def programs(self) -> int:
+        n = 1
+        for g in self.grid:
+            n *= g
+        return n
+
+    @property
+    def within_budget(self) -> bool:
+        return self.programs <= self.num_sms * self.programs_per_sm
+
+
+_recorders: list[list[LaunchRecord]] = []
+_lock = threading.Lock()
+
+
+def is_recording() -> bool:
+    return bool(_recorders)
+
+
+def record(rec: LaunchRecord) -> None:
+    """Append `rec` to every active recorder (called by `launch_persistent`)."""
+    for sink in _recorders:
+        sink.append(rec)
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[LaunchRecord]]:
+    """Collect one `LaunchRecord` per kernel launch made (from any thread) inside the block."""
+    sink: list[LaunchRecord] = []
+    with _lock:
+        _recorders.append(sink)
+    try:
+        yield sink
+    finally:
+        with _lock:
+            for i, s in enumerate(_recorders):
+                if s is sink:
+                    del _recorders[i]
+                    break
