@@ -1,0 +1,152 @@
+"""Timing and reporting helpers shared by the benchmark modules and the GPU harness.
+
+Times are medians in milliseconds. On CUDA they come from `triton.testing.do_bench` (which
+flushes L2 between calls and syncs the device); on CPU from wall-clock repeats. Nothing here
+imports a kernel module, so the demo can set TRITON_INTERPRET before kernels are imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    """Wait for the device (no-op on CPU)."""
+    dev = torch.device(device) if device is not None else None
+    if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
+        torch.cuda.synchronize(dev)
+
+
+def bench_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100,
+             device: torch.device | str | None = None, min_reps: int = 1) -> float:
+    """Median time of one call of `fn` in milliseconds."""
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=int(warmup_ms), rep=int(rep_ms), return_mode="median"))
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start) * 1e3 < rep_ms:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if len(times) >= 1000:
+            break
+    return statistics.median(times)
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    """GB/s (1e9 bytes per second) for `nbytes` moved in `ms` milliseconds."""
+    return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else math.nan
+
+
+def tflops(flops: float, ms: float) -> float:
+    """TFLOP/s for `flops` in `ms` milliseconds."""
+    return flops / (ms * 1e-3) / 1e12 if ms > 0 else math.nan
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, device: torch.device | str = "cuda",
+                       rep_ms: float = 200) -> dict[str, float]:
+    """Device-to-device copy of `nbytes`: GB/s counting the read and the write (2 x nbytes)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), rep_ms=rep_ms, device=device)
+    return {"bytes": float(nbytes), "ms": ms, "gbs_read_write": gbps(2 * nbytes, ms)}
+
+
+def matmul_tflops(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                  device: torch.device | str = "cuda", rep_ms: float = 200) -> dict[str, float]:
+    """torch.matmul [m, k] x [k, n] on random data: median ms and TFLOP/s."""
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    ms = bench_ms(lambda: torch.matmul(a, b), rep_ms=rep_ms, device=device)
+    return {"m": m, "n": n, "k": k, "ms": ms, "tflops": tflops(2.0 * m * n * k, ms)}
+
+
+def _jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, (torch.dtype, torch.device, Path)):
+        return str(obj)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().tolist()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    return repr(obj)
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write `obj` as indented JSON (dtypes, devices, dataclasses turned into plain values)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, default=_jsonable, allow_nan=True))
+    return path
+
+
+def plot_lines(path: str | Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], *,
+               xlabel: str, ylabel: str, title: str, logx: bool = False,
+               logy: bool = False) -> Path | None:
+    """Line plot of {label: (xs, ys)} to a PNG; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (xs, ys) in series.items():
+        ax.plot(list(xs), list(ys), marker="o", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        if v == 0:
+            return "0"
+        a = abs(v)
+        return f"{v:.3g}" if a < 1e-2 or a >= 1e5 else f"{v:.2f}" if a < 100 else f"{v:.0f}"
+    return "-" if v is None else str(v)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """Plain-text table of dict rows (columns default to the keys of the first row)."""
+    if not rows:
+        return "(no rows)"
+    cols = list(columns) if columns else list(rows[0])
+    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()
+    out = [line, "-" * len(line)]
+    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+            for row in cells]
+    return "\n".join(out)
