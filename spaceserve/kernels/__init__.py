@@ -19,3 +19,5 @@ __all__ = [
     "resolve_num_sms",
 ]
 # Kernel exports (one line per kernel module):
+from .norms import layer_norm, rms_norm  # noqa: E402,F401
+from .rotary import apply_rotary, mrope_cos_sin, rope_cos_sin, vision_rotary_cos_sin  # noqa: E402,F401
