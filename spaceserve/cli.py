@@ -1,0 +1,42 @@
+"""The `spaceserve` command: one subcommand per tool, each imported only when it runs.
+
+Each entry of `COMMANDS` names a module whose `main(argv: list[str] | None) -> int` takes the
+arguments after the subcommand, so `spaceserve demo --help` shows the demo's own options. A new
+tool is one line in `COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with main(argv) -> int, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("bench.kernels", "run every kernel at several SM budgets against its reference"),
+    "compile-check": ("spaceserve.kernels.aot",
+                      "compile every kernel configuration for sm_90a (no GPU needed)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spaceserve",
+        description="SpaceServe: a vision encoder and an LLM decoder on disjoint SM budgets.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Only the subcommand is parsed here; everything after it belongs to the tool.
+    args = build_parser().parse_args(argv[:1])
+    module = importlib.import_module(COMMANDS[args.command][0])
+    rc = module.main(argv[1:])
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
