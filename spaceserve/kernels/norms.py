@@ -149,7 +149,8 @@ def norm_config(K: int) -> dict[str, int | bool]:
     single = K <= MAX_BLOCK_K
     block_k = triton.next_power_of_2(max(K, 1)) if single else CHUNK_K
     block_m = max(1, min(MAX_BLOCK_M, TILE_ELEMS // block_k)) if single else 1
-    num_warps = 4 if block_m * block_k <= 2048 else 8
+    elems = block_m * block_k
+    num_warps = 4 if elems <= 2048 else 8 if elems <= 4096 else 16  # <= ~120 regs on sm_90
     return {"BLOCK_M": block_m, "BLOCK_K": block_k, "SINGLE_PASS": single,
             "num_warps": num_warps, "num_stages": 1}
 
@@ -285,7 +286,7 @@ def compile_specs() -> list[CompileSpec]:
     specs = []
     for dtype in (torch.bfloat16, torch.float16):
         t = "*" + _TRITON_TYPE[dtype]
-        for K in (1280, 3584, 16384):
+        for K in (1280, 3584, 8192, 16384):
             cfg = norm_config(K)
             blocks = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_K", "SINGLE_PASS")}
             for has_res in (False, True):
