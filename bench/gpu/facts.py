@@ -1,0 +1,236 @@
+"""The "facts" section: what the lent GPU offers, measured in under a minute.
+
+SM count; device-to-device copy GB/s; bf16 matmul TFLOP/s on random data; green contexts through
+cuda.bindings (creatable? SMs granted for several requests); HBM read GB/s of a persistent Triton
+streaming kernel against its program count and tile size; Triton launch overhead; first-call
+(compile) time of each SpaceServe kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from bench.common import bench_ms, copy_bandwidth_gbs, gbps, matmul_tflops, plot_lines, write_json
+
+GREEN_REQUESTS = (8, 16, 32, 64, 66, 100)
+STREAM_PROGRAMS = (8, 16, 32, 48, 64, 66, 96, 132)
+STREAM_TILE_KB = (4, 16, 64)
+
+
+@triton.jit
+def _stream_read(x_ptr, out_ptr, num_tiles, BLOCK: tl.constexpr):
+    """Persistent read-only stream: each program sums its tiles (so the loads are not dead)."""
+    pid = tl.program_id(0)
+    acc = tl.zeros((1,), tl.float32)
+    for tile in tl.range(pid, num_tiles, tl.num_programs(0)):
+        offs = tile * BLOCK + tl.arange(0, BLOCK)  # < 2**31: the buffer holds 2**30 elements
+        acc += tl.sum(tl.load(x_ptr + offs).to(tl.float32), 0)
+    tl.store(out_ptr + pid + tl.arange(0, 1), acc)
+
+
+@triton.jit
+def _empty(x_ptr, n):
+    pass
+
+
+def _check(result: tuple, what: str) -> Any:
+    """Unwrap a cuda.bindings (CUresult, values...) tuple, raising with the error name."""
+    from cuda.bindings import driver
+
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"{what}: {name.decode() if isinstance(name, bytes) else name}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def compile_specs() -> list:
+    """The facts kernels, for the sm_90 compile check (python -m spaceserve.kernels.aot
+    --module bench/gpu/facts.py)."""
+    from spaceserve.kernels.persistent import CompileSpec
+
+    sig = {"x_ptr": "*bf16", "out_ptr": "*fp32", "num_tiles": "i32"}
+    specs = [CompileSpec(f"stream_read[{kb}KB]", _stream_read, sig, {"BLOCK": kb * 512},
+                         num_warps=8) for kb in STREAM_TILE_KB]
+    return specs + [CompileSpec("empty", _empty, {"x_ptr": "*fp32", "n": "i32"}, {})]
+
+
+def green_contexts(requests: tuple[int, ...] = GREEN_REQUESTS) -> list[dict[str, Any]]:
+    """For each SM request: split, create a green context and a stream, run work on it."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        return [{"request": None, "created": False, "error": f"cuda.bindings missing: {exc}"}]
+    torch.cuda.init()
+    rows = []
+    try:
+        dev = _check(driver.cuDeviceGet(torch.cuda.current_device()), "cuDeviceGet")
+        whole = _check(driver.cuDeviceGetDevResource(
+            dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource")
+    except Exception as exc:
+        return [{"request": None, "created": False, "error": str(exc)}]
+    for n in requests:
+        row: dict[str, Any] = {"request": n, "created": False, "granted": None, "remaining": None}
+        ctx = stream = None
+        try:
+            groups, _, remaining = _check(
+                driver.cuDevSmResourceSplitByCount(1, whole, 0, n), "cuDevSmResourceSplitByCount")
+            row["granted"], row["remaining"] = groups[0].sm.smCount, remaining.sm.smCount
+            desc = _check(driver.cuDevResourceGenerateDesc([groups[0]], 1),
+                          "cuDevResourceGenerateDesc")
+            ctx = _check(driver.cuGreenCtxCreate(
+                desc, dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM),
+                "cuGreenCtxCreate")
+            stream = _check(driver.cuGreenCtxStreamCreate(
+                ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate")
+            ts = torch.cuda.get_stream_from_external(int(stream))
+            with torch.cuda.stream(ts):
+                x = torch.ones(1 << 20, device="cuda")
+                ok = bool((x * 2).sum().item() == 2 * (1 << 20))
+            ts.synchronize()
+            row["created"], row["work_ok"] = True, ok
+        except Exception as exc:
+            row["error"] = str(exc)[:200]
+        finally:
+            if stream is not None:
+                driver.cuStreamDestroy(stream)
+            if ctx is not None:
+                driver.cuGreenCtxDestroy(ctx)
+        rows.append(row)
+    return rows
+
+
+def hbm_stream_sweep(deadline: float, gib: float = 2.0) -> list[dict[str, Any]]:
+    """Read GB/s of `_stream_read` over program counts and tile sizes (bf16 data)."""
+    n = int(gib * (1 << 30)) // 2
+    x = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_()
+    out = torch.empty(max(STREAM_PROGRAMS), dtype=torch.float32, device="cuda")
+    rows = []
+    for kb in STREAM_TILE_KB:
+        block = kb * 1024 // 2
+        tiles = n // block
+        for p in STREAM_PROGRAMS:
+            if time.perf_counter() > deadline:
+                return rows
+            ms = bench_ms(lambda p=p, block=block, tiles=tiles:
+                          _stream_read[(p,)](x, out, tiles, BLOCK=block, num_warps=8),
+                          rep_ms=40)
+            rows.append({"programs": p, "tile_kb": kb, "ms": ms,
+                         "gbs": gbps(tiles * block * 2, ms)})
+    return rows
+
+
+def launch_overhead_us(n: int = 2000) -> dict[str, float]:
+    """Host time per launch of an empty Triton kernel (after compile), and per synced launch."""
+    x = torch.empty(16, device="cuda")
+    _empty[(1,)](x, 16)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        _empty[(1,)](x, 16)
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        _empty[(1,)](x, 16)
+        torch.cuda.synchronize()
+    synced = (time.perf_counter() - t0) / 200 * 1e6
+    return {"launch_host_us": host, "launch_sync_us": synced}
+
+
+def compile_times(deadline: float) -> list[dict[str, Any]]:
+    """First call (JIT compile + run) vs second call of each demo kernel, small bf16 shapes."""
+    from bench.kernels import CASES, resolve
+
+    rows = []
+    dev = torch.device("cuda")
+    for case in CASES:
+        if time.perf_counter() > deadline:
+            rows.append({"kernel": case.name, "status": "skipped (time)"})
+            continue
+        found = resolve(case)
+        if isinstance(found, str):
+            rows.append({"kernel": case.name, "status": found})
+            continue
+        try:
+            _, call, _ = case.make(dev, torch.bfloat16, False, found)
+            t0 = time.perf_counter()
+            call(132)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            call(132)
+            torch.cuda.synchronize()
+            rows.append({"kernel": case.name, "first_call_s": first,
+                         "second_call_ms": (time.perf_counter() - t0) * 1e3, "status": "ok"})
+        except Exception as exc:
+            rows.append({"kernel": case.name, "status": f"error: {exc}"[:160]})
+    return rows
+
+
+def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
+    # A fresh Triton cache: compile times below are cold, as on a fresh machine.
+    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="spaceserve-triton-"))
+    start = time.perf_counter()
+    deadline = start + time_budget_s
+    results_dir = Path(results_dir)
+    props = torch.cuda.get_device_properties(0)
+    facts: dict[str, Any] = {"name": props.name, "sms": props.multi_processor_count,
+                             "memory_gib": props.total_memory / 2**30,
+                             "torch": torch.__version__, "triton": triton.__version__,
+                             "cuda": torch.version.cuda}
+    rows: list[dict[str, Any]] = [{"fact": "device", "value": f"{props.name}",
+                                   "headline": f"{props.name}: {props.multi_processor_count} SMs, "
+                                   f"{facts['memory_gib']:.0f} GiB, torch {torch.__version__}, "
+                                   f"triton {triton.__version__}"}]
+    copy = copy_bandwidth_gbs(1 << 30)
+    mm = matmul_tflops(8192, 8192, 8192, torch.bfloat16)
+    facts.update(copy=copy, matmul=mm)
+    rows.append({"fact": "copy_gbs", "value": copy["gbs_read_write"],
+                 "headline": f"d2d copy {copy['gbs_read_write']:.0f} GB/s (read+write)"})
+    rows.append({"fact": "bf16_matmul_tflops", "value": mm["tflops"],
+                 "headline": f"bf16 matmul 8192^3 {mm['tflops']:.0f} TFLOP/s"})
+
+    green = green_contexts()
+    facts["green_contexts"] = green
+    granted = ", ".join(f"{g['request']}->{g['granted']}" + ("" if g["created"] else "(x)")
+                        for g in green if g.get("request") is not None)
+    ok = all(g["created"] for g in green)
+    rows.append({"fact": "green_contexts", "value": ok,
+                 "headline": f"green contexts {'ok' if ok else 'FAILED'}: {granted or green}"})
+
+    sweep = hbm_stream_sweep(start + 0.55 * time_budget_s)
+    facts["hbm_stream"] = sweep
+    if sweep:
+        best = max(sweep, key=lambda r: r["gbs"])
+        rows.append({"fact": "stream_read_gbs", "value": best["gbs"],
+                     "headline": f"Triton stream read best {best['gbs']:.0f} GB/s at "
+                     f"{best['programs']} programs x {best['tile_kb']} KB tiles"})
+        plot_lines(results_dir / "facts_hbm_stream.png",
+                   {f"{kb} KB tiles": ([r["programs"] for r in sweep if r["tile_kb"] == kb],
+                                       [r["gbs"] for r in sweep if r["tile_kb"] == kb])
+                    for kb in STREAM_TILE_KB},
+                   xlabel="programs (persistent grid)", ylabel="read GB/s",
+                   title=f"HBM read of a persistent Triton kernel ({props.name})")
+    launch = launch_overhead_us()
+    facts["launch"] = launch
+    rows.append({"fact": "triton_launch_us", "value": launch["launch_host_us"],
+                 "headline": f"Triton launch {launch['launch_host_us']:.1f} us host, "
+                 f"{launch['launch_sync_us']:.1f} us with sync"})
+    comp = compile_times(deadline - 3)
+    facts["compile"] = comp
+    done = [c for c in comp if "first_call_s" in c]
+    if done:
+        rows.append({"fact": "compile_s_total", "value": sum(c["first_call_s"] for c in done),
+                     "headline": "first calls (cold compile): " + ", ".join(
+                         f"{c['kernel']} {c['first_call_s']:.1f}s" for c in done)})
+    write_json(results_dir / "facts_details.json", facts)
+    return rows

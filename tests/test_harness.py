@@ -1,0 +1,174 @@
+"""CPU tests of the benchmark machinery: the GPU harness's section runner (dummy sections,
+timeouts, summary), its argument parsing, the shared table/JSON helpers, the kernel demo and the
+`spaceserve` CLI. The GPU sections themselves only run on a GPU (bench/gpu/run.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.common import bench_ms, format_table, write_json
+from bench.gpu import harness
+from bench.gpu.harness import Section
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DUMMY = textwrap.dedent('''
+    import time
+    from pathlib import Path
+
+
+    def ok(results_dir, time_budget_s):
+        (Path(results_dir) / "dummy.txt").write_text(f"budget {time_budget_s}")
+        return [{"x": 1, "ms": 0.5}, {"x": 2, "headline": "dummy headline 42"}]
+
+
+    def slow(results_dir, time_budget_s):
+        time.sleep(60)
+        return [{"never": True}]
+
+
+    def boom(results_dir, time_budget_s):
+        raise RuntimeError("dummy failure")
+''')
+
+
+@pytest.fixture
+def dummy_sections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Section]:
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "dummy_section.py").write_text(DUMMY)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(tmp_path / "mods"), os.environ.get("PYTHONPATH")])))
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    return {
+        "good": Section(30, "dummy_section:ok"),
+        "slow": Section(4, "dummy_section:slow"),
+        "boom": Section(30, "dummy_section:boom"),
+        "cmd": Section(30, command=(sys.executable, "-c", "print('first'); print('cmd done')")),
+        "cmd5": Section(30, command=(sys.executable, "-c", "raise SystemExit(5)"),
+                        ok_codes=(0, 5)),
+        "absent": Section(30, "no_such_module_xyz:run"),
+    }
+
+
+def test_sections_run_isolated_with_timeouts(dummy_sections, tmp_path: Path, capsys) -> None:
+    out_dir = tmp_path / "results"
+    t0 = time.perf_counter()
+    rc = harness.main([str(out_dir), "--total-s", "100"], sections=dummy_sections)
+    elapsed = time.perf_counter() - t0
+    assert rc == 1  # the failing and the timed-out sections fail the run
+    assert elapsed < 40, "the slow section was not cut at its budget"
+    summary = json.loads((out_dir / "summary.json").read_text())
+    status = {o["name"]: o["status"] for o in summary}
+    assert status["good"] == "ok" and status["cmd"] == "ok" and status["cmd5"] == "ok"
+    assert status["slow"].startswith("timeout")
+    assert status["boom"].startswith("failed")
+    assert status["absent"].startswith("skipped") and "no_such_module_xyz" in status["absent"]
+    data = json.loads((out_dir / "good.json").read_text())
+    assert data["rows"][0] == {"x": 1, "ms": 0.5}
+    budget = float((out_dir / "dummy.txt").read_text().split()[1])
+    assert 0 < budget < 30  # the section is told a soft budget under its hard one
+    text = capsys.readouterr().out
+    tail = text[text.index("=== SpaceServe GPU harness summary ==="):]
+    assert "dummy headline 42" in tail and "cmd done" in tail
+    assert "dummy failure" in (out_dir / "boom.log").read_text()
+
+
+def test_total_cap_skips_late_sections(dummy_sections, tmp_path: Path) -> None:
+    outcomes = harness.run_all(["slow", "good"], tmp_path, total_s=5, sections=dummy_sections)
+    assert outcomes[0].status.startswith("timeout")
+    assert outcomes[1].status == "skipped (no time left)"
+
+
+def test_only_and_list(dummy_sections, tmp_path: Path, capsys) -> None:
+    assert harness.main(["--list"], sections=dummy_sections) == 0
+    assert "good" in capsys.readouterr().out
+    assert harness.main([str(tmp_path), "--only", "good", "cmd"], sections=dummy_sections) == 0
+    names = [o["name"] for o in json.loads((tmp_path / "summary.json").read_text())]
+    assert names == ["good", "cmd"]
+    with pytest.raises(SystemExit):
+        harness.main(["--only", "nope"], sections=dummy_sections)
+
+
+def test_registered_sections() -> None:
+    assert list(harness.SECTIONS)[:3] == ["facts", "gpu-tests", "kernels"]
+    assert sum(s.budget_s for s in harness.SECTIONS.values()) <= harness.DEFAULT_TOTAL_S < 480
+    for name, s in harness.SECTIONS.items():
+        assert (s.target is None) != (s.command is None), name
+    assert harness.SECTIONS["facts"].missing() is None
+    assert harness.SECTIONS["kernels"].missing() is None
+
+
+def test_run_sh_lists_sections() -> None:
+    out = subprocess.run(["bash", str(ROOT / "bench/gpu/run.sh"), "--list"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "facts" in out.stdout and "paged-attention" in out.stdout
+
+
+def test_gpu_section_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    """The harness's own Triton kernels pass the sm_90 compile check."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-m", "spaceserve.kernels.aot", "--no-spills",
+                          "--module", "bench/gpu/facts.py"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "4 ok, 0 failing" in out.stdout
+
+
+def test_common_helpers(tmp_path: Path) -> None:
+    table = format_table([{"a": 1, "b": 0.123456}, {"a": 22, "b": None}])
+    lines = table.splitlines()
+    assert lines[0].split() == ["a", "b"] and lines[2].split() == ["1", "0.12"]
+    assert lines[3].split() == ["22", "-"]
+    assert format_table([]) == "(no rows)"
+    import torch
+
+    p = write_json(tmp_path / "x" / "r.json", {"dtype": torch.bfloat16, "v": float("nan")})
+    assert json.loads(p.read_text())["dtype"] == "torch.bfloat16"
+    calls = []
+    ms = bench_ms(lambda: calls.append(1), rep_ms=5, device="cpu", min_reps=3)
+    assert ms >= 0 and len(calls) >= 4
+
+
+def test_demo_runs_and_reports(capsys) -> None:
+    from bench import kernels as demo
+
+    rc = demo.main(["--quick", "--only", "rms_norm", "store_kv"])
+    text = capsys.readouterr().out
+    assert "kernel" in text and "budget" in text
+    rows = demo.run_case(next(c for c in demo.CASES if c.name == "store_kv"), [1, 3],
+                         demo.torch.device("cpu"), demo.torch.float16, False)
+    if rows[0].get("status", "").startswith("not available"):
+        pytest.skip(rows[0]["status"])
+    assert rc == 0, text
+    assert [r["budget"] for r in rows] == [1, 3]
+    assert all(r["status"] == "ok" and r["bitwise_same"] for r in rows), rows
+
+
+def test_cli_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spaceserve import cli
+
+    seen = {}
+
+    class Fake:
+        @staticmethod
+        def main(argv):
+            seen["argv"] = argv
+            return 3
+
+    monkeypatch.setitem(sys.modules, "fake_tool_mod", Fake)
+    monkeypatch.setitem(cli.COMMANDS, "fake", ("fake_tool_mod", "a fake tool"))
+    assert cli.main(["fake", "--quick", "x"]) == 3
+    assert seen["argv"] == ["--quick", "x"]
+    with pytest.raises(SystemExit):
+        cli.main(["nope"])
+    assert cli.COMMANDS["demo"][0] == "bench.kernels"
