@@ -19,5 +19,7 @@ __all__ = [
     "resolve_num_sms",
 ]
 # Kernel exports (one line per kernel module):
+from .gated_mlp import gated_mlp  # noqa: E402,F401
+from .linear import linear  # noqa: E402,F401
 from .norms import layer_norm, rms_norm  # noqa: E402,F401
 from .rotary import apply_rotary, mrope_cos_sin, rope_cos_sin, vision_rotary_cos_sin  # noqa: E402,F401
