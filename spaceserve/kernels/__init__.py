@@ -22,4 +22,11 @@ __all__ = [
 from .gated_mlp import gated_mlp  # noqa: E402,F401
 from .linear import linear  # noqa: E402,F401
 from .norms import layer_norm, rms_norm  # noqa: E402,F401
+from .paged_attention import (  # noqa: E402,F401
+    DecodePlan,
+    PrefillPlan,
+    paged_decode_attention,
+    paged_prefill_attention,
+    store_kv,
+)
 from .rotary import apply_rotary, mrope_cos_sin, rope_cos_sin, vision_rotary_cos_sin  # noqa: E402,F401
