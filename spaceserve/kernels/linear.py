@@ -31,9 +31,7 @@ from .budget import resolve_num_sms
 from .configs import kernel_config
 from .persistent import CompileSpec, grouped_tile, launch_persistent
 
-ACTIVATIONS: dict[str | None, int] = {
-    None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3, "silu": 4,
-}
+ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3, "silu": 4}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SKINNY_M = 64
 
@@ -370,7 +368,7 @@ def reduce_spec(dt: str, act: int, gated: bool, has_bias: bool) -> CompileSpec:
 
 
 def block_meta(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The constexpr part of a config (everything but num_warps / num_stages)."""
+    """The constexpr part of a config (all but num_warps, num_stages)."""
     return {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
 
 
