@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("bench.kernels", "run every kernel at several SM budgets against its reference"),
     "compile-check": ("spaceserve.kernels.aot",
                       "compile every kernel configuration for sm_90a (no GPU needed)"),
+    "sim": ("spaceserve.runtime.sim.cli",
+            "simulate TWSRFT + SIS on resource-utility curves: TPOT against image rate per mode"),
 }
 
 

@@ -1,0 +1,240 @@
+"""Analytic resource-utility curves: a roofline model of Qwen2-VL stages on a device preset.
+
+Before anything is profiled, SIS and the simulator need curves. This module derives them from
+each op's FLOPs and bytes, computed from a transformers config, and a device preset:
+
+- compute scales linearly with SMs, up to the op's parallelism (output tiles of 128x128, times a
+  split-K factor of K/1024 for GEMMs; query blocks x heads for attention);
+- bandwidth saturates at ``min(HBM, sms * per_sm_bw)`` (a single SM only keeps so many bytes in
+  flight), again counting only SMs the op can occupy;
+- an op takes ``max(compute, memory)``; every layer adds a fixed launch overhead;
+- co-running with the other stage derates both the HBM ceiling and the FLOP rate by the preset's
+  ``contention`` factor (shared HBM/L2 and power-capped clocks).
+
+Results are marked ``source="modelled"``. The numbers are a model: they fix orders of magnitude
+and the shape of the trade-off (memory-bound decode saturates at about half an H200, the
+compute-bound encoder keeps scaling), not measured latencies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .curves import STAGE_AXES, Curve, CurveSet
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    """Throughput figures of one GPU (achievable, not datasheet peaks)."""
+
+    name: str
+    num_sms: int
+    flops: float  # dense bf16 FLOP/s of the whole device
+    hbm_bw: float  # HBM bytes/s of the whole device
+    per_sm_bw: float  # most bytes/s one SM can pull from HBM
+    contention: float  # fraction of HBM bandwidth and clock lost while the other stage runs
+    layer_overhead_s: float  # fixed launch cost of one layer's kernels
+    attn_efficiency: float = 0.6  # attention FLOP rate relative to GEMMs (D=80/128 tiles)
+
+
+PRESETS: dict[str, DevicePreset] = {
+    # H200: ~790 TFLOP/s bf16 matmul and ~4.3 TB/s copy measured; HBM saturates near 66 SMs.
+    "H200": DevicePreset("H200", 132, 790e12, 4.3e12, 65e9, 0.08, 12e-6),
+    "H100": DevicePreset("H100", 132, 700e12, 3.0e12, 65e9, 0.08, 12e-6),
+    "A100": DevicePreset("A100", 108, 250e12, 1.7e12, 32e9, 0.08, 15e-6),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Qwen2-VL-style model that its costs depend on."""
+
+    name: str
+    vision_depth: int
+    vision_embed: int
+    vision_heads: int
+    vision_mlp: int
+    vision_gated: bool
+    vision_out: int
+    merge: int
+    patch_dim: int
+    text_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
+        """Read a transformers Qwen2VLConfig (or Qwen2.5-VL) into the dimensions used here."""
+        vc = getattr(config, "vision_config", None)
+        tc = getattr(config, "text_config", None) or config
+        if vc is None:
+            raise ValueError("config: needs a vision_config (a Qwen2-VL style config)")
+        if hasattr(vc, "embed_dim"):  # Qwen2-VL: LayerNorm + GELU MLP, hidden_size = LLM width
+            embed, mlp, gated, out = vc.embed_dim, int(vc.embed_dim * vc.mlp_ratio), False, \
+                vc.hidden_size
+        else:  # Qwen2.5-VL: SwiGLU MLP, merger to out_hidden_size
+            embed, mlp, gated, out = vc.hidden_size, vc.intermediate_size, True, vc.out_hidden_size
+        heads = tc.num_attention_heads
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+        patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        return cls(name or getattr(config, "model_type", "model"), vc.depth, embed, vc.num_heads,
+                   mlp, gated, out, vc.spatial_merge_size, patch_dim, tc.num_hidden_layers,
+                   tc.hidden_size, tc.intermediate_size, heads, tc.num_key_value_heads, head_dim,
+                   tc.vocab_size)
+
+
+def qwen2_vl_7b_config() -> Any:
+    """Qwen2-VL-7B's config, built offline (no hub access)."""
+    from transformers import Qwen2VLConfig
+
+    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                 "mrope_section": [16, 24, 24]})
+    vision = dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4,
+                  hidden_act="quick_gelu", patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    return Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
+                         video_token_id=151656, vision_start_token_id=151652,
+                         vision_end_token_id=151653)
+
+
+class Roofline:
+    """Per-stage latencies of one model on one device preset (bf16 by default)."""
+
+    def __init__(self, shape: ModelShape, device: DevicePreset, dtype_bytes: int = 2) -> None:
+        self.s, self.d, self.b = shape, device, dtype_bytes
+
+    def _rates(self, sms: int, par: float, corun: bool) -> tuple[float, float]:
+        derate = 1.0 - self.d.contention if corun else 1.0
+        used = max(1.0, min(float(sms), par))
+        flops = self.d.flops / self.d.num_sms * derate * used
+        bw = min(self.d.hbm_bw * derate, self.d.per_sm_bw * used)
+        return flops, bw
+
+    def _op(self, flops: float, nbytes: float, par: float, sms: int, corun: bool,
+            efficiency: float = 1.0) -> float:
+        rate, bw = self._rates(sms, par, corun)
+        return max(flops / (rate * efficiency), nbytes / bw)
+
+    def _gemm(self, m: float, k: int, n: int, sms: int, corun: bool) -> float:
+        if m <= 0:
+            return 0.0
+        par = math.ceil(m / 128) * math.ceil(n / 128) * max(1, k // 1024)
+        return self._op(2.0 * m * k * n, self.b * (m * k + k * n + m * n), par, sms, corun)
+
+    def _rowwise(self, rows: float, width: int, sms: int, corun: bool) -> float:
+        """A norm or elementwise pass: read and write `rows x width`."""
+        return self._op(0.0, 2.0 * self.b * rows * width, math.ceil(rows / 4), sms, corun)
+
+    def encoder_layer(self, patches: float, sms: int, corun: bool = False) -> float:
+        """One vision-layer equivalent: a full pass over `patches` ViT tokens divided by depth.
+
+        Attention is costed as one sequence of `patches` tokens (an upper bound for a batch of
+        several images).
+        """
+        s, p = self.s, float(patches)
+        e, hd = s.vision_embed, s.vision_embed // s.vision_heads
+        layer = 2 * self._rowwise(p, e, sms, corun)
+        layer += self._gemm(p, e, 3 * e, sms, corun) + self._gemm(p, e, e, sms, corun)
+        attn_par = math.ceil(p / 128) * s.vision_heads
+        layer += self._op(4.0 * p * p * s.vision_heads * hd, 4.0 * self.b * p * e, attn_par, sms,
+                          corun, self.d.attn_efficiency)
+        up = 2 * s.vision_mlp if s.vision_gated else s.vision_mlp
+        layer += self._gemm(p, e, up, sms, corun) + self._gemm(p, s.vision_mlp, e, sms, corun)
+        m, wide = p / s.merge ** 2, e * s.merge ** 2
+        extra = self._gemm(p, s.patch_dim, e, sms, corun) + self._rowwise(p, e, sms, corun)
+        extra += self._gemm(m, wide, wide, sms, corun) + self._gemm(m, wide, s.vision_out, sms,
+                                                                   corun)
+        total = s.vision_depth * layer + extra + (s.vision_depth + 2) * self.d.layer_overhead_s
+        return total / s.vision_depth
+
+    def _text_layer(self, rows: float, attn: float, sms: int, corun: bool) -> float:
+        s = self.s
+        q_width = s.heads * s.head_dim
+        t = 2 * self._rowwise(rows, s.hidden, sms, corun)
+        t += self._gemm(rows, s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim, sms, corun)
+        t += attn + self._gemm(rows, q_width, s.hidden, sms, corun)
+        t += self._gemm(rows, s.hidden, 2 * s.intermediate, sms, corun)
+        t += self._gemm(rows, s.intermediate, s.hidden, sms, corun)
+        return t + self.d.layer_overhead_s
+
+    def prefill(self, tokens: float, context: float, sms: int, corun: bool = False) -> float:
+        """One chunk of `tokens` new tokens of one sequence after `context` cached tokens."""
+        s, t, c = self.s, float(tokens), float(context)
+        pairs = t * c + t * (t + 1) / 2
+        kv_bytes = self.b * (c + t) * 2 * s.kv_heads * s.head_dim
+        io_bytes = 2 * self.b * t * s.heads * s.head_dim
+        attn = self._op(4.0 * pairs * s.heads * s.head_dim, kv_bytes + io_bytes,
+                        math.ceil(t / 128) * s.heads, sms, corun, self.d.attn_efficiency)
+        layers = s.text_layers * self._text_layer(t, attn, sms, corun)
+        return layers + self._gemm(1, s.hidden, s.vocab, sms, corun)
+
+    def decode(self, batch: float, context: float, sms: int, corun: bool = False) -> float:
+        """One decode step of `batch` sequences with `context` cached tokens each."""
+        s, bsz, c = self.s, float(batch), float(context)
+        kv_bytes = self.b * bsz * (c + 1) * 2 * s.kv_heads * s.head_dim
+        par = bsz * s.kv_heads * max(1, math.ceil(c / 512))
+        attn = self._op(4.0 * bsz * (c + 1) * s.heads * s.head_dim, kv_bytes, par, sms, corun)
+        layers = s.text_layers * self._text_layer(bsz, attn, sms, corun)
+        return layers + self._gemm(bsz, s.hidden, s.vocab, sms, corun)
+
+
+GRIDS: dict[str, dict[str, list[int]]] = {
+    "encoder": {"patches": [64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536]},
+    "prefill": {"tokens": [16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384],
+                "context": [0, 1024, 4096, 16384]},
+    "decode": {"batch": [1, 2, 4, 8, 16, 32, 64, 128, 256],
+               "context": [0, 256, 1024, 2048, 4096, 8192, 16384, 32768]},
+}
+
+
+def sms_grid(num_sms: int, step: int = 4) -> list[int]:
+    """SM counts sampled by the curves: every `step` SMs and the whole device."""
+    return sorted({*range(step, num_sms + 1, step), num_sms})
+
+
+def _table(fn, sms: list[int], axes: list[list[int]], corun: bool) -> list:
+    def rec(prefix: tuple, rest: list[list[int]]) -> Any:
+        if not rest:
+            return fn(*prefix, corun=corun)
+        return [rec((*prefix, x), rest[1:]) for x in rest[0]]
+
+    return [rec((n,), axes) for n in sms]
+
+
+def analytic_curves(config: Any = None, device: str | DevicePreset = "H200", *,
+                    name: str | None = None, dtype: str = "bfloat16") -> CurveSet:
+    """Modelled curves for `config` (default Qwen2-VL-7B) on a device preset."""
+    if config is None:
+        config, name = qwen2_vl_7b_config(), name or "Qwen2-VL-7B"
+    if isinstance(device, str):
+        if device not in PRESETS:
+            raise ValueError(f"device: unknown preset {device!r}; choose from {sorted(PRESETS)}")
+        device = PRESETS[device]
+    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}.get(dtype)
+    if dtype_bytes is None:
+        raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
+    shape = ModelShape.from_config(config, name)
+    model = Roofline(shape, device, dtype_bytes)
+    sms = sms_grid(device.num_sms)
+    fns = {"encoder": model.encoder_layer, "prefill": model.prefill, "decode": model.decode}
+    curves = {}
+    for stage, fn in fns.items():
+        axes = [GRIDS[stage][a] for a in STAGE_AXES[stage]]
+
+        def call(n: int, *work: int, corun: bool, fn=fn) -> float:
+            return fn(*work, n, corun)
+
+        curves[stage] = Curve(STAGE_AXES[stage], {a: list(GRIDS[stage][a])
+                                                  for a in STAGE_AXES[stage]}, sms,
+                              _table(call, sms, axes, False), _table(call, sms, axes, True))
+    meta = asdict(shape) | {"device_preset": asdict(device)}
+    return CurveSet(device.name, device.num_sms, meta, dtype, "modelled", curves["encoder"],
+                    curves["prefill"], curves["decode"])

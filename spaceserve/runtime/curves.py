@@ -1,0 +1,297 @@
+"""Resource-utility curves: stage latency as a function of SM count, and their JSON file format.
+
+SIS, TWSRFT's cost model and the simulator all ask the same question: how long does this piece of
+work take on this many SMs, alone or while the other stage runs? A `CurveSet` answers it from a
+grid of latencies (measured by the profiler or modelled by `analytic.py`) for three stages:
+
+- ``encoder``: one vision-layer equivalent (a full pass divided by the depth, so patch embedding
+  and merger are spread over the layers), by ``patches`` (ViT sequence length of the batch);
+- ``prefill``: one prompt chunk through the whole LLM, by ``tokens`` and ``context`` (tokens
+  already in the KV cache before the chunk);
+- ``decode``: one decode step of the whole batch, by ``batch`` and ``context`` (mean per request).
+
+Each stage has an ``isolated`` and a ``corun`` grid (latency while the other stage runs). File
+layout (latencies in seconds, nested as ``[sms][axis0][axis1]...``)::
+
+    {"format": "spaceserve-curves-v1",
+     "device": {"name": "H200", "num_sms": 132}, "model": {...}, "dtype": "bfloat16",
+     "source": "measured" | "modelled",
+     "curves": {"encoder": {"axes": ["patches"], "grid": {"patches": [...]}, "sms": [...],
+                            "isolated": [[...]], "corun": [[...]]},
+                "prefill": {"axes": ["tokens", "context"], ...},
+                "decode":  {"axes": ["batch", "context"], ...}}}
+
+Lookups interpolate multilinearly on a monotone envelope of the data (latency never rises with
+SMs, never falls with work), so noisy measurements cannot make SIS see "more SMs, slower".
+Outside the grid: fewer SMs than measured scale latency by ``sms_min / sms``; more work than
+measured scales it proportionally; otherwise values clamp to the edge.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "spaceserve-curves-v1"
+SOURCES = ("measured", "modelled")
+STAGE_AXES: dict[str, tuple[str, ...]] = {
+    "encoder": ("patches",),
+    "prefill": ("tokens", "context"),
+    "decode": ("batch", "context"),
+}
+
+
+def _fail(path: str, msg: str) -> ValueError:
+    return ValueError(f"curves: {path}: {msg}")
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_axis(values: Any, path: str, *, integer: bool, minimum: float) -> list:
+    if not isinstance(values, list) or not values:
+        raise _fail(path, "expected a non-empty list")
+    for i, v in enumerate(values):
+        if not _is_num(v) or (integer and int(v) != v) or v < minimum:
+            kind = "an integer" if integer else "a number"
+            raise _fail(f"{path}[{i}]", f"expected {kind} >= {minimum}, got {v!r}")
+        if i and v <= values[i - 1]:
+            raise _fail(f"{path}[{i}]", f"values must increase strictly ({values[i - 1]} -> {v})")
+    return [int(v) if integer else float(v) for v in values]
+
+
+def _check_grid(data: Any, shape: tuple[int, ...], path: str) -> Any:
+    if len(shape) == 0:
+        if not _is_num(data) or data <= 0:
+            raise _fail(path, f"expected a positive finite latency in seconds, got {data!r}")
+        return float(data)
+    if not isinstance(data, list) or len(data) != shape[0]:
+        got = len(data) if isinstance(data, list) else type(data).__name__
+        raise _fail(path, f"expected a list of {shape[0]} entries, got {got}")
+    return [_check_grid(v, shape[1:], f"{path}[{i}]") for i, v in enumerate(data)]
+
+
+def _envelope(values: list, axis: int, depth: int, op) -> list:
+    """Running `op` (min or max) along `axis` of a nested list `depth` levels deep."""
+    if axis == 0:
+        out = [values[0]]
+        for v in values[1:]:
+            out.append(_combine(out[-1], v, op))
+        return out
+    return [_envelope(v, axis - 1, depth - 1, op) for v in values]
+
+
+def _combine(a: Any, b: Any, op) -> Any:
+    if isinstance(a, list):
+        return [_combine(x, y, op) for x, y in zip(a, b, strict=True)]
+    return op(a, b)
+
+
+def _bracket(axis: list[float], x: float) -> tuple[int, int, float]:
+    """Indices (lo, hi) around `x` and the weight of `hi`; clamped to the axis ends."""
+    if x <= axis[0]:
+        return 0, 0, 0.0
+    if x >= axis[-1]:
+        n = len(axis) - 1
+        return n, n, 0.0
+    hi = bisect.bisect_right(axis, x)
+    lo = hi - 1
+    return lo, hi, (x - axis[lo]) / (axis[hi] - axis[lo])
+
+
+@dataclass
+class Curve:
+    """One stage's latency grid over SMs and its workload axes, isolated and co-running."""
+
+    axes: tuple[str, ...]
+    grid: dict[str, list[float]]
+    sms: list[float]
+    isolated: list
+    corun: list
+    _env: dict[bool, list] = field(default_factory=dict, init=False, repr=False)
+    _cache: dict[tuple, float] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        depth = 1 + len(self.axes)
+        for corun, raw in ((False, self.isolated), (True, self.corun)):
+            env = raw
+            for a in range(len(self.axes)):
+                env = _envelope(env, a + 1, depth, max)
+            self._env[corun] = _envelope(env, 0, depth, min)
+
+    def __call__(self, sms: float, *work: float, corun: bool = False) -> float:
+        """Latency in seconds of this stage's unit of work on `sms` SMs."""
+        key = (sms, work, corun)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        if len(work) != len(self.axes):
+            raise ValueError(f"expected {len(self.axes)} workload values {self.axes}, got {work}")
+        if sms <= 0:
+            raise ValueError(f"sms must be positive, got {sms}")
+        scale = 1.0
+        if sms < self.sms[0]:
+            scale *= self.sms[0] / sms
+        brackets = [_bracket(self.sms, sms)]
+        for name, x in zip(self.axes, work, strict=True):
+            axis = self.grid[name]
+            if x > axis[-1] and axis[-1] > 0:
+                scale *= x / axis[-1]
+            brackets.append(_bracket(axis, x))
+        value = scale * self._interp(self._env[corun], brackets)
+        if len(self._cache) > 200_000:
+            self._cache.clear()
+        self._cache[key] = value
+        return value
+
+    def _interp(self, values: Any, brackets: list[tuple[int, int, float]]) -> float:
+        if not brackets:
+            return values
+        lo, hi, w = brackets[0]
+        a = self._interp(values[lo], brackets[1:])
+        if w == 0.0:
+            return a
+        return (1.0 - w) * a + w * self._interp(values[hi], brackets[1:])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"axes": list(self.axes), "grid": {k: list(v) for k, v in self.grid.items()},
+                "sms": list(self.sms), "isolated": self.isolated, "corun": self.corun}
+
+    @classmethod
+    def from_dict(cls, data: Any, stage: str, num_sms: int, path: str) -> Curve:
+        if not isinstance(data, dict):
+            raise _fail(path, "expected an object")
+        axes = STAGE_AXES[stage]
+        if data.get("axes") != list(axes):
+            raise _fail(f"{path}.axes", f"expected {list(axes)}, got {data.get('axes')!r}")
+        sms = _check_axis(data.get("sms"), f"{path}.sms", integer=True, minimum=1)
+        if sms[-1] > num_sms:
+            raise _fail(f"{path}.sms[{len(sms) - 1}]", f"{sms[-1]:g} exceeds device num_sms "
+                        f"{num_sms}")
+        grid_in = data.get("grid")
+        if not isinstance(grid_in, dict):
+            raise _fail(f"{path}.grid", "expected an object")
+        grid = {}
+        for name in axes:
+            integer = name != "context"
+            minimum = 0 if name == "context" else 1
+            grid[name] = _check_axis(grid_in.get(name), f"{path}.grid.{name}", integer=integer,
+                                     minimum=minimum)
+        shape = (len(sms), *(len(grid[a]) for a in axes))
+        iso = _check_grid(data.get("isolated"), shape, f"{path}.isolated")
+        cor = _check_grid(data.get("corun"), shape, f"{path}.corun")
+        return cls(axes, grid, sms, iso, cor)
+
+
+@dataclass
+class CurveSet:
+    """Latency curves of the three stages for one device, model and dtype."""
+
+    device: str
+    num_sms: int
+    model: dict[str, Any]
+    dtype: str
+    source: str
+    encoder_curve: Curve
+    prefill_curve: Curve
+    decode_curve: Curve
+
+    def encoder(self, patches: float, layers: float, sms: float, corun: bool = False) -> float:
+        """Seconds for `layers` vision layers over a batch of `patches` ViT tokens."""
+        if layers <= 0 or patches <= 0:
+            return 0.0
+        return layers * self.encoder_curve(sms, patches, corun=corun)
+
+    def prefill(self, tokens: float, context: float, sms: float, corun: bool = False) -> float:
+        """Seconds for one prompt chunk of `tokens` after `context` cached tokens."""
+        if tokens <= 0:
+            return 0.0
+        return self.prefill_curve(sms, tokens, context, corun=corun)
+
+    def decode(self, batch: float, context: float, sms: float, corun: bool = False) -> float:
+        """Seconds for one decode step of `batch` requests at mean context `context`."""
+        if batch <= 0:
+            return 0.0
+        return self.decode_curve(sms, batch, context, corun=corun)
+
+    def mixed_step(self, batch: float, context: float, chunk: float, chunk_context: float,
+                   sms: float, corun: bool = False) -> float:
+        """A decode step carrying a prefill chunk (chunked prefill beside decode).
+
+        The chunk adds its marginal cost over the smallest measured prefill pass, which already
+        streams the weights the decode step streams anyway.
+        """
+        step = self.decode(batch, context, sms, corun)
+        if chunk <= 0:
+            return step
+        base = self.prefill_curve(sms, self.prefill_curve.grid["tokens"][0], chunk_context,
+                                  corun=corun)
+        extra = max(0.0, self.prefill(chunk, chunk_context, sms, corun) - base)
+        return (step + extra) if batch > 0 else self.prefill(chunk, chunk_context, sms, corun)
+
+    @property
+    def encoder_depth(self) -> int:
+        return int(self.model.get("vision_depth", 1))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "device": {"name": self.device, "num_sms": self.num_sms},
+            "model": dict(self.model),
+            "dtype": self.dtype,
+            "source": self.source,
+            "curves": {"encoder": self.encoder_curve.to_dict(),
+                       "prefill": self.prefill_curve.to_dict(),
+                       "decode": self.decode_curve.to_dict()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CurveSet:
+        """Validate and build; a malformed field raises ValueError naming its JSON path."""
+        if not isinstance(data, dict):
+            raise _fail("$", "expected a JSON object")
+        if data.get("format") != FORMAT:
+            raise _fail("$.format", f"expected {FORMAT!r}, got {data.get('format')!r}")
+        dev = data.get("device")
+        if not isinstance(dev, dict):
+            raise _fail("$.device", "expected an object")
+        if not isinstance(dev.get("name"), str) or not dev["name"]:
+            raise _fail("$.device.name", f"expected a non-empty string, got {dev.get('name')!r}")
+        n = dev.get("num_sms")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise _fail("$.device.num_sms", f"expected a positive integer, got {n!r}")
+        if not isinstance(data.get("model"), dict):
+            raise _fail("$.model", "expected an object")
+        if not isinstance(data.get("dtype"), str) or not data["dtype"]:
+            raise _fail("$.dtype", f"expected a non-empty string, got {data.get('dtype')!r}")
+        if data.get("source") not in SOURCES:
+            raise _fail("$.source", f"expected one of {SOURCES}, got {data.get('source')!r}")
+        curves = data.get("curves")
+        if not isinstance(curves, dict):
+            raise _fail("$.curves", "expected an object")
+        built = {}
+        for stage in STAGE_AXES:
+            if stage not in curves:
+                raise _fail(f"$.curves.{stage}", "missing")
+            built[stage] = Curve.from_dict(curves[stage], stage, n, f"$.curves.{stage}")
+        return cls(dev["name"], n, dict(data["model"]), data["dtype"], data["source"],
+                   built["encoder"], built["prefill"], built["decode"])
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> CurveSet:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise _fail("$", f"not valid JSON ({exc})") from None
+        return cls.from_dict(data)

@@ -1,0 +1,122 @@
+"""`spaceserve sim` / `python -m spaceserve.runtime.sim`: sweep image rates, write the figure.
+
+Default: analytic (modelled) curves of Qwen2-VL-7B on an H200 preset, a background batch of 32
+decoding requests, all four modes, image rates from 0 to 85% of the GPU's encode+prefill
+capacity. Writes curves, results.json, requests.json and tpot_vs_rate.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from ..analytic import PRESETS, analytic_curves
+from ..curves import CurveSet
+from .cluster import ROUTERS
+from .engine import MODES, PLACEMENTS, SimConfig
+from .sweep import capacity_rate, default_rates, headline, plot, run_sweep, table, write_outputs
+from .workload import DEFAULT_MIX, Workload
+
+
+def _mix(text: str) -> dict[str, float]:
+    out = {}
+    for part in text.split(","):
+        name, _, weight = part.partition("=")
+        try:
+            out[name.strip()] = float(weight)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--mix: bad entry {part!r} (want RES=WEIGHT)"
+                                             ) from None
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spaceserve sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="H200", choices=sorted(PRESETS),
+                   help="device preset for analytic curves")
+    p.add_argument("--curves", type=Path, help="a curves JSON file (measured) instead")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    p.add_argument("--rates", help="comma-separated image rates/s (default: auto)")
+    p.add_argument("--points", type=int, default=9, help="auto rates: how many")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--mix", type=_mix, default=dict(DEFAULT_MIX),
+                   help="image mix, e.g. 448x448=0.25,1920x1080=0.75")
+    p.add_argument("--text-rate", type=float, default=0.0, help="text-only requests/s")
+    p.add_argument("--text-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32, help="background decode batch per GPU")
+    p.add_argument("--context", type=int, default=1024, help="background requests' context")
+    p.add_argument("--static-encoder-sms", type=int, default=64)
+    p.add_argument("--tpot-factor", type=float, default=1.15)
+    p.add_argument("--prefill-on", default="auto", choices=PLACEMENTS)
+    p.add_argument("--encoder-policy", choices=("twsrft", "fifo"),
+                   help="default: fifo whole passes for temporal, twsrft elsewhere")
+    p.add_argument("--shared-decode-share", type=float, default=0.5)
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--router", default="round_robin", choices=ROUTERS)
+    p.add_argument("--factor", type=float, default=3.0,
+                   help="headline: the rate where temporal TPOT is this x unloaded")
+    p.add_argument("--out", type=Path, default=Path("runs/sim"))
+    p.add_argument("--no-plot", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t0 = time.perf_counter()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)}")
+    if args.curves is not None:
+        curves = CurveSet.load(args.curves)
+    else:
+        curves = analytic_curves(device=args.device)
+        curves.save(args.out / f"curves_{curves.device}.json")
+    workload = Workload(0.0, args.duration, burstiness=args.burstiness, image_mix=args.mix,
+                        text_rate=args.text_rate, text_tokens=args.text_tokens,
+                        output_tokens=args.output_tokens, seed=args.seed)
+    base = SimConfig(static_encoder_sms=args.static_encoder_sms, tpot_factor=args.tpot_factor,
+                     prefill_on=args.prefill_on, encoder_policy=args.encoder_policy,
+                     background=args.batch, background_context=args.context,
+                     shared_decode_share=args.shared_decode_share)
+    cap = capacity_rate(curves, workload, args.gpus)
+    if args.rates:
+        rates = sorted(float(r) for r in args.rates.split(","))
+    else:
+        rates = default_rates(cap, args.points)
+    sweep = run_sweep(curves, modes, rates, workload, base, num_gpus=args.gpus,
+                      router=args.router)
+    head, runs = headline(curves, sweep, workload, base, factor=args.factor,
+                          num_gpus=args.gpus, router=args.router)
+    meta = {"device": curves.device, "source": curves.source, "model": curves.model.get("name"),
+            "capacity_rate": cap, "workload": dataclasses.asdict(workload),
+            "config": dataclasses.asdict(base), "gpus": args.gpus, "router": args.router}
+    paths = write_outputs(args.out, meta, sweep, head, runs)
+    fig = None if args.no_plot else plot(sweep, head, runs, args.out / "tpot_vs_rate.png")
+    print(f"{curves.device} ({curves.source} curves), {curves.model.get('name')}, "
+          f"batch {args.batch}, {args.gpus} GPU(s); encode+prefill capacity {cap:.2f} images/s")
+    print(table(sweep))
+    if head.get("modes"):
+        print(f"\nat {head['rate']:.2f} images/s temporal TPOT = {args.factor:g}x unloaded "
+              f"({head['unloaded_tpot_ms']:.2f} ms TPOT, {head['unloaded_p99_itl_ms']:.2f} ms "
+              f"p99 ITL unloaded):")
+        for mode, m in head["modes"].items():
+            print(f"  {mode:<15} TPOT {m['tpot_x']:5.2f}x  p99 ITL {m['p99_itl_x']:6.2f}x  "
+                  f"TTFT mean {m['ttft_mean_ms']:8.1f} ms  p99 {m['ttft_p99_ms']:8.1f} ms")
+    elif head.get("note"):
+        print(f"\n{head['note']}")
+    for name, path in {**paths, **({"figure": fig} if fig else {})}.items():
+        print(f"{name}: {path}")
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

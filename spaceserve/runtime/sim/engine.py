@@ -1,0 +1,366 @@
+"""Discrete-event simulation of one GPU serving a multimodal LLM under four execution modes.
+
+The simulator drives the real `TwsrftScheduler` and `SpaceInferenceScheduler`; every stage's
+latency comes from a `CurveSet` at the SM count its launch got, using the co-running variant
+while the other stage is busy. Work proceeds as a fraction per second, so when the other stage
+starts or stops mid-launch the remaining work continues at the new speed.
+
+Modes:
+- ``temporal``: one stage at a time on the whole GPU (encoder pass or prefill, then a decode
+  step, alternating; decode waits while the others run) - the time-multiplexed baseline;
+- ``spatial-static``: a fixed split, encoder + prefill on ``static_encoder_sms``, decode on the
+  rest, concurrently;
+- ``spatial``: SIS picks the split (and prefill placement) each scheduling round;
+- ``shared``: both stages on all SMs without a partition; while both run, decode gets
+  ``shared_decode_share`` of the SMs' throughput (default half: the block scheduler interleaves
+  them fairly, an optimistic view) with co-running contention.
+
+A launch keeps its SMs until it ends: after a split change, a stage gets
+``min(target, SMs not held by the other stage's running launch)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..curves import CurveSet
+from ..sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
+from ..twsrft import Grant, TwsrftScheduler, curve_cost
+from .workload import Request
+
+MODES = ("temporal", "spatial-static", "spatial", "shared")
+PLACEMENTS = ("auto", "compute", "decode")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How one GPU runs: mode, scheduler knobs and the background decode batch."""
+
+    mode: str = "spatial"
+    static_encoder_sms: int = 64
+    allowed_encoder_sms: tuple[int, ...] | None = None  # default: multiples of 8
+    encoder_policy: str | None = None  # default: fifo for temporal, twsrft otherwise
+    window_s: float | None = None  # default: whole jobs for temporal, 20 ms otherwise
+    max_wait_s: float = 0.5
+    token_budget: int = 16384
+    tpot_factor: float = 1.15
+    min_gain: float = 0.1
+    min_dwell_s: float = 0.05
+    prefill_on: str = "auto"  # auto: SIS decides in spatial mode, compute partition elsewhere
+    chunk_tokens: int = 512
+    background: int = 32  # requests kept decoding (replaced as they finish)
+    background_context: int = 1024  # their prompt length
+    background_output: int = 256  # their output length
+    context_bucket: int = 64  # SIS sees the decode context rounded to this
+    shared_decode_share: float = 0.5  # shared mode: decode's share of SM throughput when both run
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.prefill_on not in PLACEMENTS:
+            raise ValueError(f"prefill_on must be one of {PLACEMENTS}, got {self.prefill_on!r}")
+        if self.background < 0 or self.background_context < 0 or self.background_output < 2:
+            raise ValueError("background, background_context must be >= 0; "
+                             "background_output >= 2")
+        if self.chunk_tokens < 1 or self.context_bucket < 1:
+            raise ValueError("chunk_tokens and context_bucket must be >= 1")
+        if not 0 < self.shared_decode_share < 1:
+            raise ValueError(f"shared_decode_share must be in (0, 1), got "
+                             f"{self.shared_decode_share}")
+
+
+def default_allowed(total_sms: int, step: int = 8) -> tuple[int, ...]:
+    """Encoder SM counts a Hopper green-context partition offers (multiples of 8)."""
+    return tuple(range(step, total_sms - step + 1, step))
+
+
+@dataclass
+class Op:
+    """A launch in flight on one lane: remaining work fraction and its two speeds."""
+
+    lane: str
+    kind: str
+    sms: int
+    latency: tuple[float, float]  # whole-op seconds: (alone, co-running)
+    payload: object
+    remaining: float = 1.0
+
+
+@dataclass
+class Simulator:
+    """One GPU. Feed requests with `add` after `advance_to(arrival)`; `drain` finishes them."""
+
+    curves: CurveSet
+    config: SimConfig = field(default_factory=SimConfig)
+    gpu: int = 0
+    horizon: float = math.inf  # the background batch stops once this passes and work is done
+
+    def __post_init__(self) -> None:
+        c, self.total = self.config, self.curves.num_sms
+        self.now = 0.0
+        self.allowed = c.allowed_encoder_sms or default_allowed(self.total)
+        temporal = c.mode == "temporal"
+        if c.mode == "spatial-static" and not 0 < c.static_encoder_sms < self.total:
+            raise ValueError(f"static_encoder_sms must be in 1..{self.total - 1}")
+        policy = c.encoder_policy or ("fifo" if temporal else "twsrft")
+        window = c.window_s if c.window_s is not None else (math.inf if temporal else 0.02)
+        clock: Callable[[], float] = lambda: self.now
+        cost = curve_cost(self.curves, self._encoder_target, corun=not temporal)
+        self.sched = TwsrftScheduler(self.curves.encoder_depth, cost, policy=policy,
+                                     window_s=window, max_wait_s=c.max_wait_s,
+                                     token_budget=c.token_budget, clock=clock)
+        self.sis = None
+        if c.mode == "spatial":
+            self.sis = SpaceInferenceScheduler(
+                self.curves, self.allowed, total_sms=self.total, tpot_factor=c.tpot_factor,
+                min_gain=c.min_gain, min_dwell_s=c.min_dwell_s, chunk_tokens=c.chunk_tokens,
+                clock=clock)
+        self.split: Split | None = None
+        self.requests: dict[int, Request] = {}
+        self.prefill_q: deque[Request] = deque()
+        self.decoding: list[Request] = []
+        self.ops: dict[str, Op] = {}
+        self.timeline: list[tuple[float, int, int]] = [(0.0, 0, 0)]
+        self.splits: list[tuple[float, int]] = []
+        self._last_kind = "decode"
+        self._open = 0
+        self._bg_ids = itertools.count()
+        n, out = c.background, c.background_output
+        for i in range(n):
+            self._spawn_background(i * (out - 1) // n)
+
+    def _spawn_background(self, offset: int = 0) -> None:
+        """A background request already decoding (`offset` tokens into its output)."""
+        c = self.config
+        rid = -(self.gpu * 10**9 + next(self._bg_ids) + 1)
+        req = Request(rid, self.now, 0, c.background_context + offset,
+                      c.background_output - offset, "background", gpu=self.gpu)
+        req.prefilled, req.generated = req.prompt_tokens, 1
+        req.first_token = req.last_token = self.now
+        self.requests[rid] = req
+        self.decoding.append(req)
+
+    # -- inputs ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """An image or text-only request arrives now."""
+        if req.kind == "background" or req.rid in self.requests:
+            raise ValueError(f"req: rid {req.rid} is a background or duplicate request")
+        req.gpu = self.gpu
+        self.requests[req.rid] = req
+        self._open += 1
+        if req.image_tokens > 0:
+            self.sched.submit(req.rid, req.patches)
+        else:
+            self.prefill_q.append(req)
+
+    def outstanding(self) -> int:
+        """Unfinished requests other than the background batch (for routers)."""
+        return self._open
+
+    # -- time --------------------------------------------------------------------------------
+    def advance_to(self, t: float) -> None:
+        """Run events up to time `t` (math.inf: until nothing is left to run)."""
+        while True:
+            self._dispatch()
+            self._record()
+            if not self.ops:
+                if math.isfinite(t):
+                    self.now = max(self.now, t)
+                return
+            corun = len(self.ops) == 2
+            t_next = min(self.now + op.remaining * op.latency[corun] for op in self.ops.values())
+            if t_next > t:
+                self._progress(t - self.now, corun)
+                self.now = t
+                return
+            self._progress(t_next - self.now, corun)
+            self.now = t_next
+            for lane, op in list(self.ops.items()):
+                if op.remaining * op.latency[corun] <= 1e-12:
+                    del self.ops[lane]
+                    self._complete(op)
+
+    def drain(self) -> None:
+        """Run until every request has finished (the background batch stops after that)."""
+        self.horizon = min(self.horizon, self.now)
+        self.advance_to(math.inf)
+        left = [r.rid for r in self.requests.values() if r.finish is None]
+        if left:
+            raise RuntimeError(f"simulation stalled with unfinished requests {left[:10]}")
+
+    def _progress(self, dt: float, corun: bool) -> None:
+        for op in self.ops.values():
+            op.remaining = max(0.0, op.remaining - dt / op.latency[corun])
+
+    def _record(self) -> None:
+        held = (self._held("compute"), self._held("decode"))
+        if self.timeline[-1][1:] != held:
+            self.timeline.append((self.now, *held))
+
+    def _held(self, lane: str) -> int:
+        op = self.ops.get(lane)
+        return op.sms if op is not None else 0
+
+    # -- scheduling --------------------------------------------------------------------------
+    def _encoder_target(self) -> int:
+        mode = self.config.mode
+        if mode == "spatial-static":
+            return self.config.static_encoder_sms
+        if mode == "spatial":
+            e = self.split.encoder_sms if self.split is not None else 0
+            return e or self.allowed[-1]
+        return self.total
+
+    def _placement(self) -> str:
+        c = self.config
+        if c.mode == "temporal":
+            return "compute"
+        if c.prefill_on != "auto":
+            return c.prefill_on
+        return self.split.prefill_on if (self.sis and self.split) else "compute"
+
+    def sis_state(self) -> SisState:
+        """What SIS observes: waiting encoder jobs, prompts to prefill, the decode load."""
+        reqs = self.requests
+        encode = tuple(PendingEncode(j.patches, j.layers_left,
+                                     sum(reqs[r].prompt_tokens for r in j.request_ids))
+                       for j in self.sched.jobs() if not j.running)
+        prefill = tuple(r.prompt_tokens - r.prefilled for r in self.prefill_q)
+        batch = len(self.decoding)
+        ctx = sum(r.context for r in self.decoding) / batch if batch else 0.0
+        bucket = self.config.context_bucket
+        return SisState(encode, prefill, batch, round(ctx / bucket) * bucket)
+
+    def _lat(self, fn: Callable[[int, bool], float], sms: int, lane: str
+             ) -> tuple[float, float]:
+        corun_sms = sms
+        if self.config.mode == "shared":
+            share = self.config.shared_decode_share
+            corun_sms = max(1, round(self.total * (share if lane == "decode" else 1 - share)))
+        return fn(sms, False), fn(corun_sms, True)
+
+    def _dispatch(self) -> None:
+        if self.config.mode == "temporal":
+            if not self.ops:
+                has_compute = bool(self.prefill_q) or self._encoder_waiting()
+                if has_compute and (self._last_kind == "decode" or not self.decoding):
+                    self._start_compute(self.total)
+                elif self.decoding:
+                    self._start_decode(self.total)
+            return
+        if "compute" not in self.ops:
+            if self.sis is not None:
+                split = self.sis.decide(self.sis_state())
+                if self.split is None or split.encoder_sms != self.split.encoder_sms:
+                    self.splits.append((self.now, split.encoder_sms))
+                self.split = split
+            self._start_compute(self._budget("compute"))
+        if "decode" not in self.ops:
+            self._start_decode(self._budget("decode"))
+
+    def _budget(self, lane: str) -> int:
+        mode, other = self.config.mode, self._held("decode" if lane == "compute" else "compute")
+        if mode == "shared":
+            return self.total
+        if mode == "spatial-static":
+            e = self.config.static_encoder_sms
+            return e if lane == "compute" else self.total - e
+        assert self.split is not None
+        target = self.split.encoder_sms if lane == "compute" else self.split.decoder_sms
+        return min(target, self.total - other)
+
+    def _encoder_waiting(self) -> bool:
+        return any(not j.running for j in self.sched.jobs())
+
+    def _start_compute(self, sms: int) -> None:
+        if sms < 1:
+            return
+        c = self.curves
+        chunking = self.ops["decode"].payload[1] if "decode" in self.ops else None
+        ready = [r for r in self.prefill_q if r is not chunking]
+        if ready and self._placement() == "compute":
+            req = ready[0]
+            self.prefill_q.remove(req)
+            tokens, ctx = req.prompt_tokens - req.prefilled, req.prefilled
+            lat = self._lat(lambda n, co: c.prefill(tokens, ctx, n, co), sms, "compute")
+            self.ops["compute"] = Op("compute", "prefill", sms, lat, req)
+        elif self._encoder_waiting():
+            g = self.sched.next_grant()
+            assert g is not None
+            lat = self._lat(lambda n, co: c.encoder(g.patches, g.layers, n, co), sms,
+                           "compute")
+            self.ops["compute"] = Op("compute", "encode", sms, lat, g)
+        else:
+            return
+        self._last_kind = "compute"
+
+    def _start_decode(self, sms: int) -> None:
+        chunk_req = None
+        if self.prefill_q and self._placement() == "decode":
+            chunk_req = self.prefill_q[0]
+        if sms < 1 or (not self.decoding and chunk_req is None):
+            return
+        batch = list(self.decoding)
+        ctx = sum(r.context for r in batch) / len(batch) if batch else 0.0
+        chunk, chunk_ctx = 0, 0
+        if chunk_req is not None:
+            chunk_ctx = chunk_req.prefilled
+            chunk = min(self.config.chunk_tokens, chunk_req.prompt_tokens - chunk_ctx)
+        c = self.curves
+        lat = self._lat(lambda n, co: c.mixed_step(len(batch), ctx, chunk, chunk_ctx, n, co), sms,
+                        "decode")
+        self.ops["decode"] = Op("decode", "decode", sms, lat, (batch, chunk_req, chunk))
+        self._last_kind = "decode"
+
+    # -- completions -------------------------------------------------------------------------
+    def _complete(self, op: Op) -> None:
+        if op.kind == "encode":
+            g: Grant = op.payload  # type: ignore[assignment]
+            for rid in self.sched.report(g.job_id, g.layers):
+                req = self.requests[rid]
+                req.encoded_at = self.now
+                self.prefill_q.append(req)
+        elif op.kind == "prefill":
+            req: Request = op.payload  # type: ignore[no-redef]
+            req.prefilled = req.prompt_tokens
+            self._first_token(req)
+        else:
+            batch, chunk_req, chunk = op.payload  # type: ignore[misc]
+            for r in batch:
+                self._token(r)
+            self.decoding = [r for r in self.decoding if r.finish is None]
+            if chunk_req is not None:
+                chunk_req.prefilled += chunk
+                if chunk_req.prefilled >= chunk_req.prompt_tokens:
+                    self.prefill_q.remove(chunk_req)
+                    self._first_token(chunk_req)
+
+    def _first_token(self, req: Request) -> None:
+        req.first_token = req.last_token = self.now
+        req.generated = 1
+        if req.output_tokens <= 1:
+            self._finish(req)
+        else:
+            self.decoding.append(req)
+
+    def _token(self, r: Request) -> None:
+        r.generated += 1
+        r.itls.append(self.now - r.last_token)
+        r.last_token = self.now
+        if r.kind != "background":
+            if r.generated >= r.output_tokens:
+                self._finish(r)
+            return
+        stop = self.now >= self.horizon and self._open == 0
+        if stop or r.generated >= r.output_tokens:
+            r.finish = self.now
+            if not stop:
+                self._spawn_background()
+
+    def _finish(self, r: Request) -> None:
+        r.finish = self.now
+        self._open -= 1

@@ -1,0 +1,126 @@
+"""Simulated requests and the workloads that generate them.
+
+Image sizes follow Qwen2-VL's preprocessing: one LLM token per 28x28 pixels, four ViT patches per
+LLM token. Arrivals are Poisson (burstiness 1) or gamma (burstiness < 1 is burstier), as
+`vllm bench serve` draws them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+# LLM tokens per image with the hub preprocessor (max_pixels 12.8M).
+RESOLUTIONS: dict[str, int] = {
+    "448x448": 256,
+    "1280x720": 1196,
+    "1024x1024": 1369,
+    "1920x1080": 2691,
+    "3840x2160": 10549,
+}
+PATCHES_PER_TOKEN = 4
+DEFAULT_MIX: dict[str, float] = {"448x448": 0.25, "1280x720": 0.25, "1024x1024": 0.25,
+                                 "1920x1080": 0.25}
+
+
+@dataclass
+class Request:
+    """One request and what happened to it in the simulation (times in seconds)."""
+
+    rid: int
+    arrival: float
+    image_tokens: int
+    text_tokens: int
+    output_tokens: int
+    kind: str  # "image", "text" or "background"
+    resolution: str = ""
+    prefilled: int = 0
+    generated: int = 0
+    encoded_at: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finish: float | None = None
+    gpu: int = 0
+    itls: list[float] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.image_tokens + self.text_tokens
+
+    @property
+    def patches(self) -> int:
+        return self.image_tokens * PATCHES_PER_TOKEN
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + self.generated
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Arrival process and request shapes of one run."""
+
+    image_rate: float  # image requests per second
+    duration_s: float  # arrivals stop after this
+    burstiness: float = 1.0  # gamma shape of inter-arrival times; 1 = Poisson
+    image_mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
+    text_rate: float = 0.0  # text-only requests per second
+    text_tokens: int = 64  # text prompt tokens of every request
+    output_tokens: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.image_rate < 0 or self.text_rate < 0:
+            raise ValueError("image_rate and text_rate must be >= 0")
+        if not self.duration_s > 0:
+            raise ValueError(f"duration_s must be positive, got {self.duration_s}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be positive, got {self.burstiness}")
+        if not self.image_mix or any(w < 0 for w in self.image_mix.values()) or \
+                sum(self.image_mix.values()) <= 0:
+            raise ValueError(f"image_mix needs non-negative weights, got {self.image_mix}")
+        unknown = set(self.image_mix) - set(RESOLUTIONS)
+        if unknown:
+            raise ValueError(f"image_mix: unknown resolutions {sorted(unknown)}; "
+                             f"known: {sorted(RESOLUTIONS)}")
+        if self.text_tokens < 1 or self.output_tokens < 1:
+            raise ValueError("text_tokens and output_tokens must be >= 1")
+
+    def mean_image_tokens(self) -> float:
+        total = sum(self.image_mix.values())
+        return sum(RESOLUTIONS[r] * w for r, w in self.image_mix.items()) / total
+
+
+def arrival_times(rate: float, duration: float, burstiness: float, rng: random.Random
+                  ) -> list[float]:
+    """Arrival instants in [0, duration) with mean rate `rate`."""
+    if rate <= 0:
+        return []
+    out, t = [], 0.0
+    scale = 1.0 / (rate * burstiness)
+    while True:
+        t += rng.gammavariate(burstiness, scale)
+        if t >= duration:
+            return out
+        out.append(t)
+
+
+def generate(w: Workload, first_rid: int = 0) -> list[Request]:
+    """Image and text-only requests of workload `w`, in arrival order."""
+    rng = random.Random(w.seed)
+    names = list(w.image_mix)
+    weights = [w.image_mix[n] for n in names]
+    reqs = []
+    for t in arrival_times(w.image_rate, w.duration_s, w.burstiness, rng):
+        res = rng.choices(names, weights)[0]
+        reqs.append(("image", t, RESOLUTIONS[res], res))
+    for t in arrival_times(w.text_rate, w.duration_s, w.burstiness, rng):
+        reqs.append(("text", t, 0, ""))
+    reqs.sort(key=lambda r: (r[1], r[0]))
+    return [Request(first_rid + i, t, tokens, w.text_tokens, w.output_tokens, kind, res)
+            for i, (kind, t, tokens, res) in enumerate(reqs)]
+

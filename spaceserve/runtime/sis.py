@@ -1,0 +1,241 @@
+"""SIS: the space inference scheduler, which picks the SM split between encoder and decoder.
+
+Each scheduling round the engine describes what waits (encoder jobs, prompts to prefill) and the
+decode load; SIS answers with a split from the partition's allowed encoder SM counts and with
+where prefill runs. The rule, with every latency predicted from resource-utility curves:
+
+1. No encoder or prefill work: the decoder gets every SM.
+2. The TPOT target is ``tpot_factor`` x the decode step at the full device (or an absolute
+   ``tpot_target_s``). Feasible splits are those whose co-running decode step meets it; the
+   encoder may take at most the largest feasible split (if none is feasible, the smallest split,
+   so encoder work still progresses).
+3. Time-to-first-token of the waiting requests (encoder drain + prefill) only falls as the
+   encoder gets SMs, so SIS minimises it with ties to the decoder: it gives the encoder the
+   fewest SMs at which every waiting job - and every prompt's prefill - runs within
+   ``tie_tolerance`` of its time at the cap. Each job's point is taken from a monotone envelope
+   over the curve's workload grid, so more pending work never gets fewer encoder SMs at equal
+   decode load.
+4. Hysteresis: a change that is not forced (TPOT violated, work appearing or vanishing) needs
+   ``min_dwell_s`` on the current split and a predicted gain (TTFT when the encoder grows,
+   TPOT when it shrinks) of at least ``min_gain``.
+
+Prefill runs beside the encoder ("compute") unless running it in chunks beside decode
+("decode") keeps each mixed step within the TPOT target and predicts a lower TTFT.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .curves import CurveSet
+
+PLACEMENTS = ("compute", "decode")
+
+
+@dataclass(frozen=True)
+class PendingEncode:
+    """An encoder job: its batch's ViT tokens, layers left and its requests' prompt tokens."""
+
+    patches: int
+    layers_left: int
+    prefill_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SisState:
+    """What SIS observes each round."""
+
+    encode: Sequence[PendingEncode] = ()
+    prefill: Sequence[int] = ()  # prompt tokens of requests whose embeddings are ready
+    decode_batch: int = 0
+    decode_context: float = 0.0  # mean tokens in each decoding request's KV cache
+
+
+@dataclass(frozen=True)
+class Split:
+    """A decision: SMs per stage, prefill placement and the predictions behind it."""
+
+    encoder_sms: int
+    decoder_sms: int
+    prefill_on: str
+    predicted_ttft_s: float
+    predicted_tpot_s: float
+    tpot_target_s: float
+    tpot_ok: bool
+
+
+class SpaceInferenceScheduler:
+    """Chooses the encoder/decoder SM split each scheduling round."""
+
+    def __init__(self, curves: CurveSet, allowed_encoder_sms: Sequence[int], *,
+                 total_sms: int | None = None, tpot_factor: float = 1.15,
+                 tpot_target_s: float | None = None, tie_tolerance: float = 0.01,
+                 min_gain: float = 0.1, min_dwell_s: float = 0.05, chunk_tokens: int = 512,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        total = curves.num_sms if total_sms is None else total_sms
+        allowed = sorted(set(allowed_encoder_sms))
+        if not allowed or any(not isinstance(e, int) or not 0 < e < total for e in allowed):
+            raise ValueError(f"allowed_encoder_sms must be ints in 1..{total - 1}, "
+                             f"got {list(allowed_encoder_sms)}")
+        if not tpot_factor >= 1.0:
+            raise ValueError(f"tpot_factor must be >= 1, got {tpot_factor}")
+        if tpot_target_s is not None and not tpot_target_s > 0:
+            raise ValueError(f"tpot_target_s must be positive, got {tpot_target_s}")
+        if not 0 <= tie_tolerance < 1 or min_gain < 0 or min_dwell_s < 0:
+            raise ValueError("tie_tolerance must be in [0, 1); min_gain, min_dwell_s >= 0")
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.curves, self.total, self.allowed = curves, total, allowed
+        self.tpot_factor, self.tpot_target_s = tpot_factor, tpot_target_s
+        self.tie_tolerance, self.min_gain, self.min_dwell_s = tie_tolerance, min_gain, min_dwell_s
+        self.chunk_tokens, self.clock = chunk_tokens, clock
+        self.current: Split | None = None
+        self._since = -math.inf
+        self._sat_cache: dict[tuple, int] = {}
+        self._cap_cache: dict[tuple, tuple[int, bool]] = {}
+
+    # -- predictions -------------------------------------------------------------------------
+    def tpot_target(self, batch: int, context: float) -> float:
+        if self.tpot_target_s is not None:
+            return self.tpot_target_s
+        return self.tpot_factor * self.curves.decode(batch, context, self.total)
+
+    def predict_tpot(self, state: SisState, encoder_sms: int) -> float:
+        """Decode step time with `encoder_sms` given to a busy encoder (0: whole device)."""
+        corun = encoder_sms > 0
+        return self.curves.decode(state.decode_batch, state.decode_context,
+                                  self.total - encoder_sms, corun)
+
+    def predict_ttft(self, state: SisState, encoder_sms: int, prefill_on: str = "compute") -> float:
+        """Mean predicted TTFT of waiting requests: jobs drain shortest first, then prefill."""
+        c, e = self.curves, encoder_sms
+        if e <= 0:
+            return math.inf if (state.encode or state.prefill) else 0.0
+        d = self.total - e
+        finish: list[float] = []
+        jobs = sorted(c.encoder(j.patches, j.layers_left, e, True) for j in state.encode)
+        now = 0.0
+        for t in jobs:
+            now += t
+            finish.append(now)
+        prompts = list(state.prefill) + [j.prefill_tokens for j in state.encode
+                                         if j.prefill_tokens > 0]
+        done_at = finish[-1] if finish else 0.0
+        for tokens in prompts:
+            if prefill_on == "compute":
+                done_at += c.prefill(tokens, 0, e, True)
+            else:
+                steps = math.ceil(tokens / self.chunk_tokens)
+                step = c.mixed_step(state.decode_batch, state.decode_context,
+                                    min(tokens, self.chunk_tokens), 0, d, True)
+                done_at += steps * step
+            finish.append(done_at)
+        return sum(finish) / len(finish) if finish else 0.0
+
+    def _saturation(self, kind: str, work: float, cap: int, cands: list[int]) -> int:
+        """Fewest candidate SMs at which `work` runs within tolerance of its time at `cap`.
+
+        Evaluated at curve grid points up to the first one >= `work` and maximised over them,
+        so the answer never falls as the work grows.
+        """
+        if kind == "encoder":
+            grid = self.curves.encoder_curve.grid["patches"]
+            fn = lambda x, n: self.curves.encoder(x, 1, n, True)
+        else:
+            grid = self.curves.prefill_curve.grid["tokens"]
+            fn = lambda x, n: self.curves.prefill(x, 0, n, True)
+        top = min(bisect.bisect_left(grid, work), len(grid) - 1)
+        key = (kind, cap, top)
+        hit = self._sat_cache.get(key)
+        if hit is not None:
+            return hit
+        best = cands[0]
+        for x in grid[: top + 1]:
+            limit = fn(x, cap) * (1.0 + self.tie_tolerance)
+            best = max(best, next(n for n in cands if fn(x, n) <= limit))
+        self._sat_cache[key] = best
+        return best
+
+    # -- the decision ------------------------------------------------------------------------
+    def propose(self, state: SisState) -> Split:
+        """The split SIS wants for `state`, ignoring hysteresis."""
+        target = self.tpot_target(state.decode_batch, state.decode_context)
+        if not state.encode and not state.prefill:
+            tpot = self.predict_tpot(state, 0)
+            return Split(0, self.total, "compute", 0.0, tpot, target, tpot <= target)
+        cap, feasible = self._cap(state, target)
+        cands = [e for e in self.allowed if e <= cap]
+        enc = cands[0]
+        for j in state.encode:
+            enc = max(enc, self._saturation("encoder", j.patches, cap, cands))
+        for tokens in [*state.prefill, *(j.prefill_tokens for j in state.encode)]:
+            if tokens > 0:
+                enc = max(enc, self._saturation("prefill", tokens, cap, cands))
+        return self._place(state, enc, target, feasible)
+
+    def _cap(self, state: SisState, target: float) -> tuple[int, bool]:
+        """The most encoder SMs whose co-running decode step meets `target` (and whether any
+        split does; if none, the smallest split)."""
+        key = (state.decode_batch, state.decode_context, target)
+        hit = self._cap_cache.get(key)
+        if hit is None:
+            feasible = [e for e in self.allowed if self.predict_tpot(state, e) <= target]
+            hit = (feasible[-1], True) if feasible else (self.allowed[0], False)
+            if len(self._cap_cache) > 100_000:
+                self._cap_cache.clear()
+            self._cap_cache[key] = hit
+        return hit
+
+    def _place(self, state: SisState, enc: int, target: float, feasible: bool) -> Split:
+        tpot = self.predict_tpot(state, enc)
+        ttft = self.predict_ttft(state, enc, "compute")
+        placement = "compute"
+        prompts = [*state.prefill, *(j.prefill_tokens for j in state.encode)]
+        if prompts and any(p > 0 for p in prompts):
+            chunk = min(self.chunk_tokens, max(prompts))
+            mixed = self.curves.mixed_step(state.decode_batch, state.decode_context, chunk, 0,
+                                           self.total - enc, True)
+            alt = self.predict_ttft(state, enc, "decode")
+            if mixed <= target and alt < ttft:
+                placement, ttft, tpot = "decode", alt, mixed
+        return Split(enc, self.total - enc, placement, ttft, tpot, target,
+                     feasible and tpot <= target)
+
+    def decide(self, state: SisState) -> Split:
+        """The split to use now: `propose` filtered through hysteresis."""
+        now = self.clock()
+        new = self.propose(state)
+        cur = self.current
+        if cur is None or self._forced(cur, new, state) or self._worth(cur, new, state, now):
+            if cur is None or (new.encoder_sms, new.prefill_on) != (cur.encoder_sms,
+                                                                     cur.prefill_on):
+                self._since = now
+            self.current = new
+            return new
+        held = self._place(state, cur.encoder_sms, new.tpot_target_s,
+                           self.predict_tpot(state, cur.encoder_sms) <= new.tpot_target_s)
+        self.current = held
+        return held
+
+    def _forced(self, cur: Split, new: Split, state: SisState) -> bool:
+        if new.encoder_sms == cur.encoder_sms:
+            return True  # same split: adopt fresh predictions and placement
+        if new.encoder_sms == 0 or cur.encoder_sms == 0:
+            return True  # work vanished or appeared
+        shrinks = new.encoder_sms < cur.encoder_sms
+        return shrinks and self.predict_tpot(state, cur.encoder_sms) > new.tpot_target_s
+
+    def _worth(self, cur: Split, new: Split, state: SisState, now: float) -> bool:
+        if now - self._since < self.min_dwell_s:
+            return False
+        if new.encoder_sms > cur.encoder_sms:
+            old = self.predict_ttft(state, cur.encoder_sms, new.prefill_on)
+            gain = (old - new.predicted_ttft_s) / old if old > 0 else 0.0
+        else:
+            old = self.predict_tpot(state, cur.encoder_sms)
+            gain = (old - new.predicted_tpot_s) / old if old > 0 else 0.0
+        return gain >= self.min_gain

@@ -1,0 +1,216 @@
+"""Resource-utility curves: file format, validation, interpolation, and the analytic model."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from spaceserve.runtime.analytic import (
+    PRESETS,
+    ModelShape,
+    Roofline,
+    analytic_curves,
+    qwen2_vl_7b_config,
+)
+from spaceserve.runtime.curves import Curve, CurveSet
+
+SMS = [8, 16, 32, 64, 132]
+
+
+def _grid(fn, sms, *axes):
+    def rec(prefix, rest):
+        if not rest:
+            return fn(*prefix)
+        return [rec((*prefix, x), rest[1:]) for x in rest[0]]
+
+    return [rec((n,), list(axes)) for n in sms]
+
+
+def synthetic() -> CurveSet:
+    """Small hand-made curves: compute-like encoder/prefill, memory-like decode."""
+    patches, tokens, ctx, batch = [256, 1024, 4096], [16, 256, 2048], [0, 4096], [1, 32]
+    enc = lambda n, p: p * 1e-7 * 132 / n
+    pre = lambda n, t, c: (1e-3 + t * 2e-6 + t * c * 1e-10) * 132 / n
+    dec = lambda n, b, c: (3e-3 + b * c * 1e-9) * max(1.0, 64 / n)
+    curves = {
+        "encoder": Curve(("patches",), {"patches": patches}, SMS, _grid(enc, SMS, patches),
+                         _grid(lambda *a: 1.1 * enc(*a), SMS, patches)),
+        "prefill": Curve(("tokens", "context"), {"tokens": tokens, "context": ctx}, SMS,
+                         _grid(pre, SMS, tokens, ctx),
+                         _grid(lambda *a: 1.1 * pre(*a), SMS, tokens, ctx)),
+        "decode": Curve(("batch", "context"), {"batch": batch, "context": ctx}, SMS,
+                        _grid(dec, SMS, batch, ctx), _grid(lambda *a: 1.1 * dec(*a), SMS, batch,
+                                                           ctx)),
+    }
+    return CurveSet("H200", 132, {"name": "synthetic", "vision_depth": 4}, "bfloat16",
+                    "measured", curves["encoder"], curves["prefill"], curves["decode"])
+
+
+@pytest.fixture(scope="module")
+def h200() -> CurveSet:
+    return analytic_curves(device="H200")
+
+
+def test_round_trip(tmp_path) -> None:
+    cs = synthetic()
+    path = cs.save(tmp_path / "c.json")
+    back = CurveSet.load(path)
+    assert back.to_dict() == cs.to_dict()
+    assert json.loads(path.read_text())["source"] == "measured"
+    for n in (8, 20, 100, 132):
+        assert back.decode(16, 1000, n, True) == cs.decode(16, 1000, n, True)
+        assert back.encoder(3000, 2, n) == cs.encoder(3000, 2, n)
+
+
+def test_analytic_round_trip(tmp_path, h200) -> None:
+    back = CurveSet.load(h200.save(tmp_path / "h200.json"))
+    assert back.source == "modelled" and back.device == "H200" and back.num_sms == 132
+    assert back.model["vision_depth"] == 32 and back.dtype == "bfloat16"
+    for n in (8, 60, 72, 132):
+        assert back.prefill(2755, 0, n) == h200.prefill(2755, 0, n)
+        assert back.decode(32, 1100, n, True) == h200.decode(32, 1100, n, True)
+
+
+def _set(d: dict, path: tuple, value) -> dict:
+    d = copy.deepcopy(d)
+    node = d
+    for key in path[:-1]:
+        node = node[key]
+    if value is KeyError:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return d
+
+
+BAD = [
+    (("format",), "v0", "$.format"),
+    (("device", "num_sms"), 0, "$.device.num_sms"),
+    (("device", "name"), "", "$.device.name"),
+    (("dtype",), KeyError, "$.dtype"),
+    (("model",), [], "$.model"),
+    (("source",), "guessed", "$.source"),
+    (("curves", "decode"), KeyError, "$.curves.decode"),
+    (("curves", "encoder", "axes"), ["tokens"], "$.curves.encoder.axes"),
+    (("curves", "decode", "sms"), [8, 8, 32, 64, 132], "$.curves.decode.sms[1]"),
+    (("curves", "encoder", "sms"), [8, 16, 32, 64, 140], "$.curves.encoder.sms[4]"),
+    (("curves", "decode", "grid", "context"), [-1, 4096], "$.curves.decode.grid.context[0]"),
+    (("curves", "prefill", "grid", "tokens"), [16, 256.5, 2048],
+     "$.curves.prefill.grid.tokens[1]"),
+    (("curves", "prefill", "corun", 0), [[1.0, 1.0]], "$.curves.prefill.corun[0]"),
+    (("curves", "decode", "isolated", 1, 0, 1), -1.0, "$.curves.decode.isolated[1][0][1]"),
+    (("curves", "encoder", "corun", 2, 1), float("nan"), "$.curves.encoder.corun[2][1]"),
+    (("curves", "encoder", "isolated", 0, 0), "fast", "$.curves.encoder.isolated[0][0]"),
+]
+
+
+@pytest.mark.parametrize("path,value,named", BAD, ids=[b[2] for b in BAD])
+def test_malformed_rejected_with_field_named(path, value, named) -> None:
+    good = synthetic().to_dict()
+    CurveSet.from_dict(good)
+    with pytest.raises(ValueError) as exc:
+        CurveSet.from_dict(_set(good, path, value))
+    assert f"{named}:" in str(exc.value)
+
+
+def test_not_json_rejected(tmp_path) -> None:
+    p = tmp_path / "bad.json"
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match=r"\$: not valid JSON"):
+        CurveSet.load(p)
+
+
+def test_interpolation_exact_and_linear() -> None:
+    cs = synthetic()
+    c = cs.encoder_curve
+    assert c(16, 1024) == pytest.approx(1024 * 1e-7 * 132 / 16, rel=1e-12)
+    mid = c(16, 2560)  # halfway between 1024 and 4096 patches
+    assert mid == pytest.approx(0.5 * (c(16, 1024) + c(16, 4096)), rel=1e-12)
+    between = c(24, 1024)  # halfway between 16 and 32 SMs
+    assert between == pytest.approx(0.5 * (c(16, 1024) + c(32, 1024)), rel=1e-12)
+    # outside the grid: fewer SMs scale up, more work scales proportionally, less work clamps
+    assert c(4, 1024) == pytest.approx(2 * c(8, 1024), rel=1e-12)
+    assert c(16, 8192) == pytest.approx(2 * c(16, 4096), rel=1e-12)
+    assert c(16, 100) == c(16, 256)
+    assert cs.encoder(1024, 3, 16) == pytest.approx(3 * c(16, 1024), rel=1e-12)
+    assert cs.decode(0, 100, 16) == 0.0 and cs.encoder(0, 4, 16) == 0.0
+
+
+def test_envelope_makes_noisy_data_monotone() -> None:
+    sms, xs = [8, 16, 32, 64], [100, 200, 400]
+    noisy = [[4.0, 5.0, 9.0], [2.0, 1.5, 5.0], [2.5, 2.6, 2.0], [0.9, 1.0, 1.1]]
+    c = Curve(("patches",), {"patches": xs}, sms, noisy, noisy)
+    points = [8, 10, 12, 16, 20, 24, 32, 40, 64, 100]
+    for x in (100, 150, 200, 300, 400, 500):
+        vals = [c(n, x) for n in points]
+        assert all(a >= b for a, b in zip(vals, vals[1:], strict=False)), (x, vals)
+    for n in points:
+        vals = [c(n, x) for x in (50, 100, 150, 200, 300, 400, 500)]
+        assert all(a <= b for a, b in zip(vals, vals[1:], strict=False)), (n, vals)
+    assert c(32, 400) == pytest.approx(2.6)  # raised to the neighbour with less work
+    assert c(16, 200) == pytest.approx(2.0)  # 1.5 < 2.0 at less work
+
+
+def test_qwen2_vl_7b_config_shape() -> None:
+    s = ModelShape.from_config(qwen2_vl_7b_config(), "Qwen2-VL-7B")
+    assert (s.vision_depth, s.vision_embed, s.vision_heads, s.vision_mlp) == (32, 1280, 16, 5120)
+    assert (s.vision_out, s.merge, s.patch_dim, s.vision_gated) == (3584, 2, 1176, False)
+    assert (s.text_layers, s.hidden, s.intermediate) == (28, 3584, 18944)
+    assert (s.heads, s.kv_heads, s.head_dim, s.vocab) == (28, 4, 128, 152064)
+
+
+WORK = {
+    "encoder": [(64,), (1000,), (4096,), (10764,), (42196,)],
+    "prefill": [(16, 0), (320, 0), (2755, 0), (512, 3000), (9000, 12000)],
+    "decode": [(1, 0), (8, 500), (32, 1100), (64, 4000), (200, 20000)],
+}
+
+
+@pytest.mark.parametrize("stage", list(WORK))
+def test_analytic_more_sms_never_slower(stage, h200) -> None:
+    model = Roofline(ModelShape.from_config(qwen2_vl_7b_config()), PRESETS["H200"])
+    raw = {"encoder": model.encoder_layer, "prefill": model.prefill, "decode": model.decode}
+    curve = getattr(h200, f"{stage}_curve")
+    for work in WORK[stage]:
+        for corun in (False, True):
+            direct = [raw[stage](*work, n, corun) for n in range(1, 133)]
+            looked = [curve(n, *work, corun=corun) for n in range(1, 133)]
+            for vals in (direct, looked):
+                assert all(a >= b for a, b in zip(vals, vals[1:], strict=False)), work
+            assert all(curve(n, *work, corun=True) >= curve(n, *work) for n in range(4, 133, 4))
+
+
+def test_analytic_more_work_never_faster(h200) -> None:
+    for n in (8, 60, 72, 132):
+        enc = [h200.encoder(p, 1, n) for p in (64, 500, 1024, 5000, 10764, 70000)]
+        dec = [h200.decode(b, 1024, n) for b in (1, 3, 32, 100, 300)]
+        ctx = [h200.decode(32, c, n) for c in (0, 100, 1024, 5000, 40000)]
+        for vals in (enc, dec, ctx):
+            assert all(a <= b for a, b in zip(vals, vals[1:], strict=False))
+
+
+def _saturation(fn, tol: float = 0.05) -> int:
+    full = fn(132)
+    return next(n for n in range(4, 133, 4) if fn(n) <= (1 + tol) * full)
+
+
+def test_memory_bound_decode_saturates_before_compute_bound_encoder(h200) -> None:
+    dec = _saturation(lambda n: h200.decode(32, 1024, n))
+    enc = _saturation(lambda n: h200.encoder(4 * 2691, 32, n))
+    pre = _saturation(lambda n: h200.prefill(2755, 0, n))
+    assert dec <= 72 < 120 <= min(enc, pre), (dec, enc, pre)
+    # the H200 roofline: decode at 132 SMs is bandwidth-bound (~4.3 TB/s over ~15 GB of bf16
+    # weights and KV), a 1080p encoder pass is compute-bound (tens of ms)
+    assert 3e-3 < h200.decode(32, 1024, 132) < 6e-3
+    assert 0.03 < h200.encoder(4 * 2691, 32, 132) < 0.15
+
+
+def test_analytic_invalid_inputs() -> None:
+    with pytest.raises(ValueError, match="device"):
+        analytic_curves(device="B300")
+    with pytest.raises(ValueError, match="dtype"):
+        analytic_curves(qwen2_vl_7b_config(), dtype="int3")
+    with pytest.raises(ValueError, match="config"):
+        ModelShape.from_config(object())

@@ -1,0 +1,171 @@
+"""The discrete-event simulator: determinism, completion, the real schedulers, the figure."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import random
+import time
+
+import pytest
+
+from spaceserve.runtime.analytic import analytic_curves
+from spaceserve.runtime.curves import CurveSet
+from spaceserve.runtime.sim import (
+    MODES,
+    RESOLUTIONS,
+    SimConfig,
+    Simulator,
+    Workload,
+    generate,
+    simulate,
+)
+from spaceserve.runtime.sim.cli import main
+from spaceserve.runtime.sim.metrics import percentile, request_record, summarize
+from spaceserve.runtime.sim.sweep import crossing
+from spaceserve.runtime.sim.workload import Request, arrival_times
+from spaceserve.runtime.sis import SpaceInferenceScheduler
+from spaceserve.runtime.twsrft import TwsrftScheduler
+
+
+@pytest.fixture(scope="module")
+def h200() -> CurveSet:
+    return analytic_curves(device="H200")
+
+
+def _records(res) -> list[dict]:
+    return [request_record(r) | {"itls": list(r.itls)} for r in res.requests]
+
+
+def test_deterministic_for_a_seed(h200) -> None:
+    w = Workload(8.0, 1.5, text_rate=3.0, seed=11)
+    for mode in ("temporal", "spatial"):
+        a = simulate(h200, SimConfig(mode=mode, background=8), w)
+        b = simulate(h200, SimConfig(mode=mode, background=8), w)
+        assert _records(a) == _records(b)
+        assert a.gpus[0].timeline == b.gpus[0].timeline
+    c = simulate(h200, SimConfig(mode="spatial", background=8), dataclasses.replace(w, seed=12))
+    assert _records(c) != _records(a)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefill_on", ["auto", "decode"])
+def test_every_request_completes(h200, mode, prefill_on) -> None:
+    w = Workload(12.0, 1.0, text_rate=6.0, output_tokens=20, burstiness=0.5, seed=3)
+    cfg = SimConfig(mode=mode, prefill_on=prefill_on, background=16, background_output=40)
+    res = simulate(h200, cfg, w)
+    served = [r for r in res.requests if r.kind != "background"]
+    assert len(served) == len(generate(w)) > 10
+    assert any(r.kind == "text" for r in served) and any(r.kind == "image" for r in served)
+    for r in res.requests:
+        assert r.finish is not None and r.first_token is not None
+        assert len(r.itls) == r.generated - 1 and all(x > 0 for x in r.itls)
+        if r.kind != "background":
+            assert r.generated == r.output_tokens == 20
+            assert r.arrival < r.first_token <= r.finish
+            assert r.prefilled == r.prompt_tokens
+            assert (r.encoded_at is not None) == (r.kind == "image")
+    assert sum(r.kind == "background" for r in res.requests) > 16  # replaced as they finish
+    sim = res.gpus[0]
+    if mode != "shared":  # partitions never hand out more SMs than the GPU has
+        assert all(e + d <= sim.total for _, e, d in sim.timeline)
+    if mode == "temporal":
+        assert all(e == 0 or d == 0 for _, e, d in sim.timeline)
+    if mode == "spatial-static":
+        assert {e for _, e, _ in sim.timeline} <= {0, 64}
+
+
+def test_drives_the_real_schedulers(h200) -> None:
+    sim = Simulator(h200, SimConfig(mode="spatial", background=4))
+    assert type(sim.sched) is TwsrftScheduler
+    assert type(sim.sis) is SpaceInferenceScheduler
+    calls = []
+    real = sim.sis.decide
+    sim.sis.decide = lambda state: calls.append(state) or real(state)
+    req = Request(0, 0.0, RESOLUTIONS["1920x1080"], 64, 4, "image")
+    sim.add(req)
+    sim.advance_to(0.5)
+    sim.drain()
+    assert req.done and calls and any(s.encode for s in calls)
+    assert any(e > 0 for _, e in sim.splits) and sim.splits[-1][1] == 0
+    assert sim.curves.encoder_depth == sim.sched.num_layers == 32
+
+
+def test_spatial_keeps_decode_flat_where_temporal_climbs(h200) -> None:
+    w = Workload(10.0, 3.0, seed=5)
+    idle = summarize(simulate(h200, SimConfig(mode="temporal"), dataclasses.replace(
+        w, image_rate=0.0)).requests)["tpot"]["mean_ms"]
+    tpot = {m: summarize(simulate(h200, SimConfig(mode=m), w).requests)["tpot"]["mean_ms"]
+            for m in ("temporal", "spatial")}
+    assert tpot["temporal"] > 1.3 * idle
+    assert tpot["spatial"] < 1.2 * idle
+
+
+def test_cluster_routers(h200) -> None:
+    w = Workload(16.0, 1.0, seed=9)
+    n = len(generate(w))
+    rr = simulate(h200, SimConfig(mode="spatial", background=4), w, num_gpus=2)
+    gpus = [r.gpu for r in rr.requests if r.kind == "image"]
+    assert gpus == [i % 2 for i in range(n)]
+    ll = simulate(h200, SimConfig(mode="spatial", background=4), w, num_gpus=3,
+                  router="least_loaded")
+    counts = [sum(r.gpu == g for r in ll.requests if r.kind == "image") for g in range(3)]
+    assert sum(counts) == n and min(counts) > 0
+    assert all(r.done for r in ll.requests)
+    with pytest.raises(ValueError, match="router"):
+        simulate(h200, SimConfig(), w, router="random")
+    with pytest.raises(ValueError, match="num_gpus"):
+        simulate(h200, SimConfig(), w, num_gpus=0)
+
+
+def test_workload_arrivals_and_mix() -> None:
+    rng = random.Random(0)
+    times = arrival_times(50.0, 200.0, 1.0, rng)
+    assert abs(len(times) / 200.0 - 50.0) < 2.0
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    mean = sum(gaps) / len(gaps)
+    cv = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+    bursty = arrival_times(50.0, 200.0, 0.25, random.Random(0))
+    bgaps = [b - a for a, b in zip(bursty, bursty[1:], strict=False)]
+    bmean = sum(bgaps) / len(bgaps)
+    bcv = math.sqrt(sum((g - bmean) ** 2 for g in bgaps) / len(bgaps)) / bmean
+    assert 0.9 < cv < 1.1 and bcv > 1.6  # Poisson: CV 1; gamma shape 0.25: CV 2
+    reqs = generate(Workload(40.0, 50.0, image_mix={"448x448": 3, "1920x1080": 1}, seed=1))
+    small = sum(r.image_tokens == 256 for r in reqs) / len(reqs)
+    assert 0.7 < small < 0.8 and {r.patches for r in reqs} == {1024, 4 * 2691}
+    with pytest.raises(ValueError, match="image_mix"):
+        Workload(1.0, 1.0, image_mix={"640x480": 1.0})
+    with pytest.raises(ValueError, match="mode"):
+        SimConfig(mode="fast")
+
+
+def test_metrics_follow_vllm_definitions() -> None:
+    r = Request(0, 1.0, 256, 64, 5, "image", first_token=1.5, finish=2.3, generated=5)
+    r.itls = [0.2, 0.2, 0.2, 0.2]
+    s = summarize([r])
+    assert s["ttft"]["mean_ms"] == pytest.approx(500.0)
+    assert s["tpot"]["mean_ms"] == pytest.approx(200.0)  # (E2EL - TTFT) / (out - 1)
+    assert s["e2el"]["mean_ms"] == pytest.approx(1300.0)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert crossing([0, 1, 2], [1.0, 2.0, 4.0], 3.0) == 1.5
+    assert crossing([0, 1], [1.0, 2.0], 3.0) is None
+
+
+def test_one_command_produces_the_figure(tmp_path, capsys) -> None:
+    start = time.perf_counter()
+    rc = main(["--points", "4", "--duration", "2", "--out", str(tmp_path), "--seed", "1"])
+    took = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert rc == 0 and took < 30, took
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["device"] == "H200" and results["meta"]["source"] == "modelled"
+    assert set(results["sweep"]) == set(MODES)
+    assert all(len(rows) == 4 for rows in results["sweep"].values())
+    assert (tmp_path / "curves_H200.json").exists() and "temporal" in out
+    CurveSet.load(tmp_path / "curves_H200.json")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "tpot_vs_rate.png").stat().st_size > 10_000
+    else:
+        assert "skipping the figure" in out
