@@ -1,0 +1,39 @@
+"""Qwen2-VL on SpaceServe kernels: loading, stage entry points, attention backends, planner."""
+
+from .attention_backends import (
+    AttentionBackend,
+    BackendUnavailable,
+    VitMeta,
+    available_backends,
+    get_backend,
+    known_backends,
+)
+from .context import HostMeta, StepContext, plan_step
+from .loader import from_config, from_pretrained, from_state_dict, weight_shapes
+from .mrope import mrope_positions, text_positions
+from .qwen2_vl import Qwen2VL
+from .qwen2_vl_text import KVCache, LanguageModel
+from .qwen2_vl_vision import EncoderJob, VisionEncoder
+
+__all__ = [
+    "AttentionBackend",
+    "BackendUnavailable",
+    "EncoderJob",
+    "HostMeta",
+    "KVCache",
+    "LanguageModel",
+    "Qwen2VL",
+    "StepContext",
+    "VisionEncoder",
+    "VitMeta",
+    "available_backends",
+    "from_config",
+    "from_pretrained",
+    "from_state_dict",
+    "get_backend",
+    "known_backends",
+    "mrope_positions",
+    "plan_step",
+    "text_positions",
+    "weight_shapes",
+]

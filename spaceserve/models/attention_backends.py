@@ -1,0 +1,287 @@
+"""Attention backends behind one small interface, selected by name.
+
+A backend provides varlen bidirectional ViT attention and paged causal attention over the
+flattened LM batch (prefill chunks and decode tokens, see `context.py`), with a plan/run split:
+``plan_vit`` / ``plan`` run on the host once per encoder job / LM step, the ``*_attention``
+calls only launch (so a decode step can be captured in a CUDA graph).
+
+- ``triton``: SpaceServe's persistent kernels, every launch under the caller's SM budget.
+- ``torch``: SDPA / plain torch on any device; the stock-kernel baseline and the reference.
+- ``flash_attn``, ``flashinfer``: the libraries of those names, when importable on CUDA.
+
+KV caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer for K and for V.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .context import StepContext
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class VitMeta:
+    """Segments of a packed vision batch (one per image frame) and the backend's plan."""
+
+    cu_seqlens: Tensor  # [S + 1] int32 on the model device
+    cu_seqlens_host: list[int]
+    max_seqlen: int
+    plan: Any = None
+
+
+def _scale(scale: float | None, q: Tensor) -> float:
+    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+class BackendUnavailable(RuntimeError):
+    """The named backend is known but cannot run here (library missing, no CUDA)."""
+
+
+def _store_kv_torch(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    ctx: StepContext) -> None:
+    """Write K/V rows to their slots without a host sync. Padding tokens (slot < 0) go to the
+    cache's last slot, which `KVCache` keeps as scratch (its block is never handed out)."""
+    slots = ctx.slot_mapping
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    idx = torch.where(slots >= 0, slots, flat_k.shape[0] - 1)
+    flat_k.index_copy_(0, idx, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, idx, v.to(v_cache.dtype))
+
+
+def _vit_torch(q: Tensor, k: Tensor, v: Tensor, meta: VitMeta, scale: float) -> Tensor:
+    out = torch.empty_like(q)
+    cu = meta.cu_seqlens_host
+    for s, e in zip(cu[:-1], cu[1:], strict=True):
+        if e == s:
+            continue
+        qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def _decode_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                  seq_lens: Tensor, scale: float) -> Tensor:
+    """One query per sequence over its paged cache, device-only (graph-capturable)."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    length = block_tables.shape[1] * k_cache.shape[1]
+    keys = k_cache[block_tables].reshape(b, length, hkv, d).float()
+    vals = v_cache[block_tables].reshape(b, length, hkv, d).float()
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bgrd,blgd->bgrl", qg, keys) * scale
+    mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    out = torch.einsum("bgrl,blgd->bgrd", probs, vals)
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def _paged_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: StepContext,
+                 scale: float) -> Tensor:
+    """Causal attention of each sequence's new tokens over its cached prefix + themselves."""
+    if ctx.is_decode_only:
+        return _decode_torch(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, scale)
+    out = torch.zeros_like(q)
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    bs = k_cache.shape[1]
+    cu, lens = ctx.host.cu_seqlens_q, ctx.host.seq_lens
+    for i in range(ctx.num_seqs):
+        s, e, length = cu[i], cu[i + 1], lens[i]
+        if length == 0:
+            continue
+        n = e - s
+        nb = -(-length // bs)
+        blocks = ctx.block_tables[i, :nb]
+        ks = k_cache[blocks].reshape(nb * bs, hkv, -1)[:length]
+        vs = v_cache[blocks].reshape(nb * bs, hkv, -1)[:length]
+        ks = ks.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        vs = vs.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), ks, vs, attn_mask=mask,
+                                           scale=scale)
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+class AttentionBackend:
+    """Interface; the base implementation is the torch backend."""
+
+    name = "torch"
+    dense_ops = "torch"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """None when the backend can run here, else why not."""
+        return None
+
+    def bind_lm(self, num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """Record the LM's attention geometry (the model calls this once; plans use it)."""
+        self.lm_shape = (num_q_heads, num_kv_heads, head_dim)
+
+    def plan_vit(self, cu_seqlens_host: list[int], num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> VitMeta:
+        """Segments of one encoder job, uploaded once and reused by every block."""
+        cu = torch.tensor(cu_seqlens_host, dtype=torch.int32)
+        if device.type != "cpu":
+            cu = cu.pin_memory().to(device, non_blocking=True)
+        lens = [e - s for s, e in zip(cu_seqlens_host[:-1], cu_seqlens_host[1:], strict=True)]
+        return VitMeta(cu, list(cu_seqlens_host), max(lens, default=0))
+
+    def vit_attention(self, q: Tensor, k: Tensor, v: Tensor, meta: VitMeta, *,
+                      scale: float | None = None, num_sms: int | None = None) -> Tensor:
+        return _vit_torch(q, k, v, meta, _scale(scale, q))
+
+    def plan(self, ctx: StepContext) -> Any:
+        """Host-side plan of one LM step (stored in ``ctx.plan``)."""
+        return None
+
+    def replan(self, plan: Any, ctx: StepContext) -> Any:
+        """Refill `plan` in place for `ctx`'s (same-shaped) step, keeping its device buffers so
+        a CUDA graph that captured them replays the new step; returns the plan to use."""
+        return self.plan(ctx) if plan is None else plan
+
+    def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 ctx: StepContext, *, num_sms: int | None = None) -> None:
+        _store_kv_torch(k, v, k_cache, v_cache, ctx)
+
+    def paged_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: StepContext,
+                        *, scale: float | None = None, num_sms: int | None = None) -> Tensor:
+        return _paged_torch(q, k_cache, v_cache, ctx, _scale(scale, q))
+
+
+TorchBackend = AttentionBackend
+
+
+def _upload(values: list[int], device: torch.device) -> Tensor:
+    t = torch.tensor(values, dtype=torch.int32)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+class TritonBackend(AttentionBackend):
+    """SpaceServe's budgeted kernels. A step is planned on the host into the kernels' plan
+    objects (`DecodePlan` for the leading run of one-token sequences, `PrefillPlan` for the
+    rest); layers then only launch. A kernel module not present falls back to torch."""
+
+    name = "triton"
+    dense_ops = "triton"
+    KERNELS = {"vit_attention": ("vit_attention", "vit_attention"),
+               "plan_vit_attention": ("vit_attention", "plan_vit_attention"),
+               "store_kv": ("kv_cache", "store_kv"),
+               "DecodePlan": ("paged_decode", "DecodePlan"),
+               "PrefillPlan": ("paged_prefill", "PrefillPlan")}
+
+    def __init__(self) -> None:
+        from .ops import kernel_fn
+
+        self._k = {n: kernel_fn(m, f) for n, (m, f) in self.KERNELS.items()}
+        self.missing = tuple(n for n, fn in self._k.items() if fn is None)
+        self._paged = self._k["DecodePlan"] is not None and self._k["PrefillPlan"] is not None
+
+    def plan_vit(self, cu_seqlens_host, num_heads, head_dim, dtype, device):
+        meta = super().plan_vit(cu_seqlens_host, num_heads, head_dim, dtype, device)
+        if self._k["plan_vit_attention"] is not None:
+            meta.plan = self._k["plan_vit_attention"](cu_seqlens_host, num_heads, head_dim,
+                                                      dtype=dtype, device=device)
+        return meta
+
+    def vit_attention(self, q, k, v, meta, *, scale=None, num_sms=None):
+        fn = self._k["vit_attention"]
+        if fn is None:
+            return super().vit_attention(q, k, v, meta, scale=scale)
+        return fn(q, k, v, meta.cu_seqlens, meta.max_seqlen, scale=scale, num_sms=num_sms,
+                  plan=meta.plan)
+
+    def store_kv(self, k, v, k_cache, v_cache, ctx, *, num_sms=None):
+        fn = self._k["store_kv"]
+        if fn is None:
+            return super().store_kv(k, v, k_cache, v_cache, ctx)
+        fn(k, v, k_cache, v_cache, ctx.slot_mapping, num_sms=num_sms)
+
+    def plan(self, ctx):
+        if not self._paged:
+            return None
+        hq, hkv, d = self.lm_shape
+        nd, b = ctx.num_decode_seqs, ctx.num_seqs
+        plan: dict[str, Any] = {"num_decode": nd, "decode": None, "prefill": None}
+        if nd:
+            plan["decode"] = self._k["DecodePlan"](
+                nd, ctx.block_tables.shape[1], hq, hkv, d, ctx.block_size, device=ctx.device)
+        if nd < b:
+            plan["prefill"] = self._k["PrefillPlan"](
+                ctx.num_tokens - nd, b - nd, hq, hkv, d, device=ctx.device)
+        return self.replan(plan, ctx)
+
+    def replan(self, plan, ctx):
+        if plan is None or plan["num_decode"] != ctx.num_decode_seqs:
+            return self.plan(ctx)
+        nd, host = plan["num_decode"], ctx.host
+        if plan["decode"] is not None:
+            plan["decode"].plan(host.seq_lens[:nd])
+        if plan["prefill"] is not None:
+            cu = [c - host.cu_seqlens_q[nd] for c in host.cu_seqlens_q[nd:]]
+            plan["prefill"].plan(cu, host.seq_lens[nd:])
+            if plan.get("cu_rest") is not None and plan["cu_rest"].numel() == len(cu):
+                plan["cu_rest"].copy_(_upload(cu, ctx.device), non_blocking=True)
+            else:
+                plan["cu_rest"] = ctx.cu_seqlens_q if nd == 0 else _upload(cu, ctx.device)
+        return plan
+
+    def paged_attention(self, q, k_cache, v_cache, ctx, *, scale=None, num_sms=None):
+        plan = ctx.plan
+        if plan is None:
+            return super().paged_attention(q, k_cache, v_cache, ctx, scale=scale)
+        nd = plan["num_decode"]
+        parts = []
+        if plan["decode"] is not None:
+            parts.append(plan["decode"].run(q[:nd], k_cache, v_cache, ctx.block_tables[:nd],
+                                            ctx.seq_lens[:nd], scale=scale, num_sms=num_sms))
+        if plan["prefill"] is not None:
+            parts.append(plan["prefill"].run(q[nd:], k_cache, v_cache, ctx.block_tables[nd:],
+                                             plan["cu_rest"], ctx.seq_lens[nd:], scale=scale,
+                                             num_sms=num_sms))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {"triton": TritonBackend, "torch": TorchBackend}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Add a backend class to the name registry (used by the optional library backends)."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def known_backends() -> list[str]:
+    return list(_REGISTRY)
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run in this process."""
+    return [n for n, cls in _REGISTRY.items() if cls.unavailable_reason() is None]
+
+
+def get_backend(name: str | AttentionBackend) -> AttentionBackend:
+    """A backend instance by name; ValueError for an unknown name (listing the known ones),
+    `BackendUnavailable` for a known one that cannot run here (saying why)."""
+    if isinstance(name, AttentionBackend):
+        return name
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(
+            f"attention_backend={name!r} is unknown; known backends: {', '.join(_REGISTRY)}"
+        )
+    reason = cls.unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailable(f"attention backend {name!r} is unavailable: {reason}")
+    return cls()
+
+
+from . import library_backends  # noqa: E402,F401  (registers flash_attn and flashinfer)

@@ -1,0 +1,209 @@
+"""Building Qwen2-VL: from a local checkpoint directory, from a state dict, or with random
+weights from a config (benchmarks). Configs are transformers' own `Qwen2VLConfig`."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .attention_backends import AttentionBackend
+from .qwen2_vl import Qwen2VL
+
+Tensor = torch.Tensor
+SUPPORTED_MODEL_TYPES = ("qwen2_vl",)
+
+# Checkpoint key prefixes (old hub layout and transformers 5.x layout) -> internal prefixes.
+_PREFIXES = (
+    ("model.visual.", "visual."),
+    ("visual.", "visual."),
+    ("model.language_model.", "language."),
+    ("language_model.model.", "language."),
+    ("model.", "language."),
+    ("lm_head.", "lm_head."),
+)
+
+
+def canonical_name(key: str) -> str | None:
+    """Internal name of a checkpoint key (``visual.*``, ``language.*``, ``lm_head.*``)."""
+    for old, new in _PREFIXES:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return None
+
+
+def _resolve_dtype(dtype: Any, fallback: torch.dtype) -> torch.dtype:
+    if dtype is None:
+        return fallback
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise ValueError(f"dtype={dtype!r} is not a torch dtype")
+
+
+def _resolve_device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _as_config(config: Any) -> Any:
+    from transformers import Qwen2VLConfig
+
+    if isinstance(config, Mapping):
+        model_type = config.get("model_type", "qwen2_vl")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; SpaceServe runs "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        return Qwen2VLConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported; SpaceServe runs "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return config
+
+
+def from_state_dict(config: Any, state_dict: Mapping[str, Tensor], *,
+                    attention_backend: str | AttentionBackend = "triton",
+                    dtype: torch.dtype | str | None = None, device: Any = None,
+                    dense_ops: str | None = None) -> Qwen2VL:
+    """Build from tensors named as transformers names them (either checkpoint layout)."""
+    config = _as_config(config)
+    weights: dict[str, Tensor] = {}
+    for key, t in state_dict.items():
+        name = canonical_name(key)
+        if name is not None:
+            weights[name] = t
+    first = next(iter(weights.values()), None)
+    dt = _resolve_dtype(dtype, first.dtype if first is not None else torch.float32)
+    dev = _resolve_device(device)
+    if "lm_head.weight" not in weights and "language.embed_tokens.weight" in weights:
+        if not (config.tie_word_embeddings or config.text_config.tie_word_embeddings):
+            raise ValueError("the checkpoint has no lm_head.weight and the config does not tie "
+                             "word embeddings")
+        weights["lm_head.weight"] = weights["language.embed_tokens.weight"]
+    cache: dict[str, Tensor] = {}
+
+    def weight(name: str) -> Tensor:
+        if name not in cache:
+            if name not in weights:
+                raise ValueError(f"the checkpoint has no tensor for {name!r}")
+            cache[name] = weights[name].to(device=dev, dtype=dt).contiguous()
+        return cache[name]
+
+    return Qwen2VL(config, weight, attention_backend=attention_backend, dtype=dt, device=dev,
+                   dense_ops=dense_ops)
+
+
+def _read_checkpoint(path: str) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no .safetensors weights found")
+    out: dict[str, Tensor] = {}
+    for name in files:
+        out.update(load_file(os.path.join(path, name), device="cpu"))
+    return out
+
+
+def from_pretrained(path: str | os.PathLike, *,
+                    attention_backend: str | AttentionBackend = "triton",
+                    dtype: torch.dtype | str | None = None, device: Any = None,
+                    dense_ops: str | None = None) -> Qwen2VL:
+    """Load a local checkpoint directory (config.json + safetensors, as save_pretrained writes
+    it; no hub access). `dtype` defaults to the checkpoint's, `device` to CUDA when present.
+    Raises ValueError for an unsupported architecture or an unknown backend."""
+    from transformers import Qwen2VLConfig
+
+    path = os.fspath(path)
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"{path}: no config.json (expected a local checkpoint directory)")
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        arch = ", ".join(raw.get("architectures") or []) or "unknown architecture"
+        raise ValueError(f"{path}: model_type {model_type!r} ({arch}) is not supported; "
+                         f"SpaceServe runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+    config = Qwen2VLConfig.from_pretrained(path)
+    state = _read_checkpoint(path)
+    if dtype is None:
+        stored = raw.get("dtype") or raw.get("torch_dtype")
+        dtype = stored if isinstance(stored, str) else None
+    return from_state_dict(config, state, attention_backend=attention_backend, dtype=dtype,
+                           device=device, dense_ops=dense_ops)
+
+
+def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Names (transformers' hub layout) and shapes of every Qwen2-VL weight."""
+    config = _as_config(config)
+    v, t = config.vision_config, config.text_config
+    e, m = int(v.embed_dim), int(v.embed_dim * v.mlp_ratio)
+    merged = e * int(v.spatial_merge_size) ** 2
+    shapes: dict[str, tuple[int, ...]] = {
+        "visual.patch_embed.proj.weight": (e, v.in_channels, v.temporal_patch_size,
+                                           v.patch_size, v.patch_size),
+        "visual.merger.ln_q.weight": (e,), "visual.merger.ln_q.bias": (e,),
+        "visual.merger.mlp.0.weight": (merged, merged), "visual.merger.mlp.0.bias": (merged,),
+        "visual.merger.mlp.2.weight": (v.hidden_size, merged),
+        "visual.merger.mlp.2.bias": (v.hidden_size,),
+    }
+    for i in range(v.depth):
+        p = f"visual.blocks.{i}."
+        shapes.update({p + "norm1.weight": (e,), p + "norm1.bias": (e,),
+                       p + "norm2.weight": (e,), p + "norm2.bias": (e,),
+                       p + "attn.qkv.weight": (3 * e, e), p + "attn.qkv.bias": (3 * e,),
+                       p + "attn.proj.weight": (e, e), p + "attn.proj.bias": (e,),
+                       p + "mlp.fc1.weight": (m, e), p + "mlp.fc1.bias": (m,),
+                       p + "mlp.fc2.weight": (e, m), p + "mlp.fc2.bias": (e,)})
+    h, n_q = int(t.hidden_size), int(t.num_attention_heads)
+    n_kv, d = int(t.num_key_value_heads or n_q), int(t.hidden_size) // n_q
+    inter, vocab = int(t.intermediate_size), int(t.vocab_size)
+    shapes["model.embed_tokens.weight"] = (vocab, h)
+    for i in range(t.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (n_q * d, h),
+                       p + "self_attn.q_proj.bias": (n_q * d,),
+                       p + "self_attn.k_proj.weight": (n_kv * d, h),
+                       p + "self_attn.k_proj.bias": (n_kv * d,),
+                       p + "self_attn.v_proj.weight": (n_kv * d, h),
+                       p + "self_attn.v_proj.bias": (n_kv * d,),
+                       p + "self_attn.o_proj.weight": (h, n_q * d),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (vocab, h)
+    return shapes
+
+
+def from_config(config: Any, *, attention_backend: str | AttentionBackend = "triton",
+                dtype: torch.dtype | str | None = None, device: Any = None,
+                dense_ops: str | None = None, seed: int = 0, std: float = 0.02) -> Qwen2VL:
+    """Random weights for `config` (a Qwen2VLConfig or its dict), generated on the target
+    device: matrices and biases ~ N(0, std), norm weights ~ 1 + N(0, std)."""
+    config = _as_config(config)
+    dt = _resolve_dtype(dtype, torch.float32)
+    dev = _resolve_device(device)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    state: dict[str, Tensor] = {}
+    for name, shape in weight_shapes(config).items():
+        w = torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * std
+        if "norm" in name or "ln_q.weight" in name:
+            w = w + 1.0 if name.endswith("weight") else w
+        state[name] = w.to(dt)
+    return from_state_dict(config, state, attention_backend=attention_backend, dtype=dt,
+                           device=dev, dense_ops=dense_ops)

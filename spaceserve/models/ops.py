@@ -1,0 +1,138 @@
+"""Dense operators of the models, in two implementations behind one interface.
+
+`TorchOps` is plain PyTorch (cuBLAS and stock kernels; the baseline, any device), written to
+follow transformers' Qwen2-VL numerics. `TritonOps` calls SpaceServe's budgeted kernels, each
+launch under the `num_sms` of the stage entry point. A kernel that `spaceserve.kernels` does not
+provide falls back to the torch version and is listed in `TritonOps.missing`. Both return new
+tensors except `rotary`, which may rotate its inputs in place: use its return values.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+def activation_torch(x: Tensor, activation: str | None) -> Tensor:
+    """The activations the models use, computed as transformers computes them."""
+    if activation is None:
+        return x
+    if activation == "quick_gelu":
+        return x * torch.sigmoid(1.702 * x)
+    if activation == "gelu":
+        return F.gelu(x)
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if activation == "silu":
+        return F.silu(x)
+    raise ValueError(f"activation={activation!r} is not one of quick_gelu, gelu, gelu_tanh, silu")
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class TorchOps:
+    """Plain-PyTorch dense ops; `num_sms` is accepted and ignored (stock kernels)."""
+
+    name = "torch"
+    missing: tuple[str, ...] = ()
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+               activation: str | None = None, num_sms: int | None = None) -> Tensor:
+        return activation_torch(F.linear(x, weight, bias), activation)
+
+    def gated_mlp(self, x: Tensor, w_gate_up: Tensor, w_down: Tensor, *,
+                  num_sms: int | None = None) -> Tensor:
+        gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w_down)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, *, residual: Tensor | None = None,
+                 num_sms: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        summed = x if residual is None else x + residual
+        h = summed.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        out = weight * h.to(x.dtype)
+        return out if residual is None else (out, summed)
+
+    def layer_norm(self, x: Tensor, weight: Tensor, bias: Tensor, eps: float, *,
+                   num_sms: int | None = None) -> Tensor:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    def rotary(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *,
+               num_sms: int | None = None) -> tuple[Tensor, Tensor]:
+        """Rotate-half RoPE of q ``[T, Hq, D]`` and k ``[T, Hk, D]`` by fp32 tables
+        ``[T, D]``, computed in fp32 and cast back."""
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        qf, kf = q.float(), k.float()
+        q_out = (qf * c + rotate_half(qf) * s).to(q.dtype)
+        k_out = (kf * c + rotate_half(kf) * s).to(k.dtype)
+        return q_out, k_out
+
+
+def kernel_fn(module: str, name: str) -> Any:
+    """`spaceserve.kernels.<module>.<name>`, or None when that kernel is not provided."""
+    try:
+        mod = importlib.import_module(f"spaceserve.kernels.{module}")
+    except ImportError:
+        return None
+    return getattr(mod, name, None)
+
+
+class TritonOps(TorchOps):
+    """SpaceServe's persistent Triton kernels, each launch under the caller's budget.
+    `rotary` rotates q and k in place (they may be views of a fused qkv output)."""
+
+    name = "triton"
+    KERNELS = {"linear": ("linear", "linear"), "gated_mlp": ("gated_mlp", "gated_mlp"),
+               "rms_norm": ("norms", "rms_norm"), "layer_norm": ("norms", "layer_norm"),
+               "apply_rotary": ("rotary", "apply_rotary")}
+
+    def __init__(self) -> None:
+        self._k = {n: kernel_fn(m, f) for n, (m, f) in self.KERNELS.items()}
+        self.missing = tuple(n for n, fn in self._k.items() if fn is None)
+
+    def linear(self, x, weight, bias=None, *, activation=None, num_sms=None):
+        fn = self._k["linear"]
+        if fn is None:
+            return super().linear(x, weight, bias, activation=activation)
+        return fn(x, weight, bias, activation=activation, num_sms=num_sms)
+
+    def gated_mlp(self, x, w_gate_up, w_down, *, num_sms=None):
+        fn = self._k["gated_mlp"]
+        if fn is None:
+            return super().gated_mlp(x, w_gate_up, w_down)
+        return fn(x, w_gate_up, w_down, num_sms=num_sms)
+
+    def rms_norm(self, x, weight, eps, *, residual=None, num_sms=None):
+        fn = self._k["rms_norm"]
+        if fn is None:
+            return super().rms_norm(x, weight, eps, residual=residual)
+        return fn(x, weight, eps, residual=residual, num_sms=num_sms)
+
+    def layer_norm(self, x, weight, bias, eps, *, num_sms=None):
+        fn = self._k["layer_norm"]
+        if fn is None:
+            return super().layer_norm(x, weight, bias, eps)
+        return fn(x, weight, bias, eps, num_sms=num_sms)
+
+    def rotary(self, q, k, cos, sin, *, num_sms=None):
+        fn = self._k["apply_rotary"]
+        if fn is None:
+            return super().rotary(q, k, cos, sin)
+        return fn(q, k, cos, sin, num_sms=num_sms)
+
+
+def make_ops(name: str) -> TorchOps:
+    """Dense ops by name: "triton" (SpaceServe kernels) or "torch" (stock PyTorch)."""
+    if name == "triton":
+        return TritonOps()
+    if name == "torch":
+        return TorchOps()
+    raise ValueError(f"dense ops {name!r} unknown; known: triton, torch")

@@ -1,0 +1,95 @@
+"""Qwen2-VL on SpaceServe: the vision encoder and language model stages behind one object."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from spaceserve.kernels.budget import resolve_num_sms
+
+from . import context as _context
+from .attention_backends import AttentionBackend, get_backend
+from .mrope import mrope_positions
+from .ops import TorchOps, make_ops
+from .qwen2_vl_text import KVCache, LanguageModel
+from .qwen2_vl_vision import EncoderJob, VisionEncoder
+
+Tensor = torch.Tensor
+
+
+class Qwen2VL:
+    """Qwen2-VL with two stage entry points, each under its own SM budget:
+    `encode_images` (the encoder; preemptible through ``vision.start/advance/finish``) and
+    `forward` (one LM step over the paged cache, metadata from `plan_step`)."""
+
+    def __init__(self, config: Any, weight: Callable[[str], Tensor], *,
+                 attention_backend: str | AttentionBackend = "triton",
+                 dtype: torch.dtype, device: torch.device, dense_ops: str | None = None) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.backend = get_backend(attention_backend)
+        self.ops: TorchOps = make_ops(dense_ops or self.backend.dense_ops)
+        tcfg = config.text_config
+        self.vision = VisionEncoder(config.vision_config, lambda n: weight("visual." + n),
+                                    self.ops, self.backend, device, dtype)
+        if config.vision_config.hidden_size != tcfg.hidden_size:
+            raise ValueError(f"vision_config.hidden_size={config.vision_config.hidden_size} must "
+                             f"equal text_config.hidden_size={tcfg.hidden_size}")
+        head = weight("lm_head.weight")
+        self.language = LanguageModel(tcfg, lambda n: weight("language." + n), head,
+                                      config.image_token_id, self.ops, self.backend, device, dtype)
+
+    @property
+    def attention_backend(self) -> str:
+        return self.backend.name
+
+    def _budget(self, num_sms: int | None) -> int | None:
+        return None if num_sms is None else resolve_num_sms(num_sms, self.device)
+
+    # -- encoder stage ---------------------------------------------------------------------
+    def encode_images(self, pixel_values: Tensor, image_grid_thw: Tensor | Sequence[Sequence[int]],
+                      *, num_sms: int | None = None) -> Tensor:
+        """Merged image embeddings ``[image_tokens, text_hidden]`` (transformers' pooler_output),
+        every launch under `num_sms`."""
+        return self.vision.encode(pixel_values, image_grid_thw, num_sms=self._budget(num_sms))
+
+    def start_encode(self, pixel_values: Tensor, image_grid_thw: Any) -> EncoderJob:
+        return self.vision.start(pixel_values, image_grid_thw)
+
+    # -- decoder stage ---------------------------------------------------------------------
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        return self.language.allocate_kv_cache(num_blocks, block_size)
+
+    def plan_step(self, num_cached_tokens: Sequence[int], num_new_tokens: Sequence[int],
+                  block_tables: Sequence[Sequence[int]], *, block_size: int,
+                  **kwargs: Any) -> _context.StepContext:
+        """`context.plan_step` on this model's device, planned for its attention backend."""
+        return _context.plan_step(num_cached_tokens, num_new_tokens, block_tables,
+                                  block_size=block_size, device=self.device,
+                                  backend=self.backend, **kwargs)
+
+    def forward(self, input_ids: Tensor, ctx: _context.StepContext, kv_cache: KVCache, *,
+                image_embeds: Tensor | None = None, num_sms: int | None = None) -> Tensor:
+        """One LM step; logits of the rows `ctx` selects (see `context.py`)."""
+        return self.language.forward(input_ids, ctx, kv_cache, image_embeds=image_embeds,
+                                     num_sms=self._budget(num_sms))
+
+    __call__ = forward
+
+    # -- host helpers ----------------------------------------------------------------------
+    def mrope_positions(self, input_ids: Any, image_grid_thw: Any = None) -> tuple[Tensor, int]:
+        """M-RoPE positions ``[3, L]`` and rope delta of one prompt (see `mrope.py`)."""
+        return mrope_positions(input_ids, image_grid_thw, self.config)
+
+    def image_processor(self, **kwargs: Any) -> Any:
+        """transformers' Qwen2VLImageProcessor with this model's patch geometry."""
+        from transformers import Qwen2VLImageProcessor
+
+        v = self.config.vision_config
+        kwargs.setdefault("patch_size", v.patch_size)
+        kwargs.setdefault("temporal_patch_size", v.temporal_patch_size)
+        kwargs.setdefault("merge_size", v.spatial_merge_size)
+        return Qwen2VLImageProcessor(**kwargs)

@@ -1,0 +1,170 @@
+"""Qwen2-VL language model: embeddings, decoder layers with M-RoPE over a paged KV cache, LM head.
+
+One `forward` runs a flattened batch mixing prefill chunks and decode tokens (layout in
+`context.py`), splices image embeddings in at image-token positions, and returns logits only
+for the rows the step context asks for. Every kernel launch runs under the given `num_sms`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .attention_backends import AttentionBackend
+from .context import StepContext
+from .ops import TorchOps
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class KVCache:
+    """Paged K and V caches, one ``[num_blocks + 1, block_size, num_kv_heads, head_dim]`` pair
+    per layer. Blocks ``0..num_blocks-1`` are for sequences; the last block is scratch where
+    stores without a skip path put padding tokens, so it must never be handed out."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks available to sequences (the scratch block excluded)."""
+        return self.k[0].shape[0] - 1
+
+
+def mrope_section_index(section: list[int], half: int) -> Tensor:
+    """Which position row (0 t, 1 h, 2 w) drives each of the ``head_dim / 2`` frequencies."""
+    if sum(section) != half:
+        raise ValueError(f"mrope_section {section} must sum to head_dim / 2 = {half}")
+    return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+
+
+class LanguageModel:
+    """The Qwen2-VL decoder on SpaceServe ops; weights come from a name -> tensor getter.
+    Q/K/V and gate/up projections are fused into one GEMM each at load time."""
+
+    def __init__(self, config: Any, weight: Callable[[str], Tensor], lm_head: Tensor,
+                 image_token_id: int, ops: TorchOps, backend: AttentionBackend,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.ops = ops
+        self.backend = backend
+        self.device = device
+        self.dtype = dtype
+        self.image_token_id = int(image_token_id)
+        self.hidden = int(config.hidden_size)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads or self.num_heads)
+        self.head_dim = self.hidden // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        self.eps = float(config.rms_norm_eps)
+        self.num_layers = int(config.num_hidden_layers)
+        self.vocab_size = int(config.vocab_size)
+        rope = dict(config.rope_parameters or {})
+        if rope.get("rope_type", "default") not in ("default", "mrope"):
+            raise ValueError(f"rope_type={rope.get('rope_type')!r} is not supported (default only)")
+        theta = float(rope.get("rope_theta", 1e6))
+        d = self.head_dim
+        self.inv_freq = (1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))).to(device)
+        section = list(rope.get("mrope_section", [16, 24, 24]))
+        self.section_index = mrope_section_index(section, d // 2).to(device)
+
+        backend.bind_lm(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.embed = weight("embed_tokens.weight")
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            qkv_w = torch.cat([weight(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_b = torch.cat([weight(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            gate_up = torch.cat([weight(p + "mlp.gate_proj.weight"),
+                                 weight(p + "mlp.up_proj.weight")])
+            self.layers.append((
+                weight(p + "input_layernorm.weight"), qkv_w.contiguous(), qkv_b.contiguous(),
+                weight(p + "self_attn.o_proj.weight"),
+                weight(p + "post_attention_layernorm.weight"),
+                gate_up.contiguous(), weight(p + "mlp.down_proj.weight"),
+            ))
+        self.norm = weight("norm.weight")
+        self.lm_head = lm_head
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        """Zeroed paged caches for every layer (plus the scratch block) in the model dtype on
+        the model device; `block_size` must be a power of two (the paged kernels' pages)."""
+        if num_blocks < 1 or block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1 and block_size={block_size} "
+                             "a power of two")
+        shape = (num_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
+        mk = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return KVCache([mk() for _ in range(self.num_layers)],
+                       [mk() for _ in range(self.num_layers)], block_size)
+
+    def rotary_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """fp32 M-RoPE cos/sin ``[T, head_dim]`` from positions ``[3, T]`` (torch ops, no sync)."""
+        pos = positions.index_select(0, self.section_index)  # [D/2, T]
+        freqs = pos.t().float() * self.inv_freq
+        full = torch.cat([freqs, freqs], dim=-1)
+        return full.cos(), full.sin()
+
+    def embed_tokens(self, input_ids: Tensor, image_embeds: Tensor | None) -> Tensor:
+        h = F.embedding(input_ids, self.embed)
+        if image_embeds is None:
+            return h
+        mask = input_ids == self.image_token_id
+        if image_embeds.dim() != 2 or image_embeds.shape[1] != self.hidden:
+            raise ValueError(f"image_embeds must be [image_tokens, {self.hidden}], got "
+                             f"{tuple(image_embeds.shape)}")
+        if input_ids.device.type == "cpu":
+            n = int(mask.sum())
+            if n != image_embeds.shape[0]:
+                raise ValueError(f"input_ids hold {n} image tokens, image_embeds has "
+                                 f"{image_embeds.shape[0]} rows")
+        return h.masked_scatter(mask.unsqueeze(-1), image_embeds.to(h.dtype))
+
+    def forward(self, input_ids: Tensor, ctx: StepContext, kv_cache: KVCache, *,
+                image_embeds: Tensor | None = None, num_sms: int | None = None) -> Tensor:
+        """Logits ``[len(ctx.logits_indices), vocab]`` of one step over the flattened batch.
+
+        `input_ids` ``[T]`` is the flattened batch; `image_embeds` the embedding rows of the
+        image tokens it holds, in order (for prefill chunks covering image tokens).
+        """
+        if input_ids.dim() != 1 or input_ids.shape[0] != ctx.num_tokens:
+            raise ValueError(f"input_ids must be [{ctx.num_tokens}] (the step's tokens), got "
+                             f"{tuple(input_ids.shape)}")
+        if kv_cache.block_size != ctx.block_size or len(kv_cache.k) != self.num_layers:
+            raise ValueError("kv_cache does not match the step context / model")
+        if ctx.plan is None:
+            ctx.plan = self.backend.plan(ctx)
+        ops, be = self.ops, self.backend
+        t = input_ids.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self.rotary_tables(ctx.positions)
+        h = self.embed_tokens(input_ids, image_embeds)
+        residual = None
+        for i, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down) in enumerate(self.layers):
+            if residual is None:
+                x, residual = ops.rms_norm(h, ln1, self.eps, num_sms=num_sms), h
+            else:
+                x, residual = ops.rms_norm(h, ln1, self.eps, residual=residual, num_sms=num_sms)
+            qkv = ops.linear(x, qkv_w, qkv_b, num_sms=num_sms)
+            q = qkv[:, : hq * d].view(t, hq, d)
+            k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+            v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
+            q, k = ops.rotary(q, k, cos, sin, num_sms=num_sms)
+            be.store_kv(k, v, kv_cache.k[i], kv_cache.v[i], ctx, num_sms=num_sms)
+            o = be.paged_attention(q, kv_cache.k[i], kv_cache.v[i], ctx, num_sms=num_sms)
+            h = ops.linear(o.reshape(t, hq * d), o_w, num_sms=num_sms)
+            x, residual = ops.rms_norm(h, ln2, self.eps, residual=residual, num_sms=num_sms)
+            h = ops.gated_mlp(x, gate_up, down, num_sms=num_sms)
+        sel = ctx.logits_indices
+        if sel.numel() == 0:
+            return h.new_empty(0, self.vocab_size)
+        x, _ = ops.rms_norm(h.index_select(0, sel), self.norm, self.eps,
+                            residual=residual.index_select(0, sel), num_sms=num_sms)
+        return ops.linear(x, self.lm_head, num_sms=num_sms)
