@@ -30,3 +30,4 @@ from .paged_attention import (  # noqa: E402,F401
     store_kv,
 )
 from .rotary import apply_rotary, mrope_cos_sin, rope_cos_sin, vision_rotary_cos_sin  # noqa: E402,F401
+from .vit_attention import plan_vit_attention, vit_attention  # noqa: E402,F401
