@@ -30,6 +30,7 @@ from .paged_prefill import (
     PrefillPlan,
     _paged_prefill_kernel,
     paged_prefill_attention,
+    prefill_default,
     ref_paged_prefill_attention,
 )
 from .persistent import CompileSpec
@@ -47,6 +48,10 @@ __all__ = [
 ]
 
 _TYPES = {"bf16": "*bf16", "fp16": "*fp16"}
+# Strides of q, out and the caches are multiples of 16 elements for D in {64, 128}; the JIT then
+# specializes them as divisible by 16, which is what lets the K/V gathers become async copies.
+# "i32:16" gives the ahead-of-time compile the same hint. Block-table strides get none.
+S16 = "i32:16"
 
 
 def _shapes() -> list[tuple[str, int, int, int]]:
@@ -60,8 +65,8 @@ def _decode_specs(dt: str, d: int, bs: int, g: int) -> list[CompileSpec]:
     sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "bt_ptr": "*i32", "lens_ptr": "*i32",
            "work_ptr": "*i32", "out_ptr": p, "po_ptr": "*fp32", "plse_ptr": "*fp32",
            "num_tiles": i, "scale": "fp32", "max_chunks": i, "num_q_heads": i}
-    sig.update({n: i for n in ("sq_b", "sq_h", "sk_b", "sk_o", "sk_h", "sv_b", "sv_o", "sv_h",
-                               "sbt", "so_b", "so_h")})
+    sig.update({n: S16 for n in ("sq_b", "sq_h", "sk_b", "sk_o", "sk_h", "sv_b", "sv_o", "sv_h")})
+    sig.update({"sbt": i, "so_b": S16, "so_h": S16})
     tag = f"{dt}_d{d}_bs{bs}_g{g}"
     dec = CompileSpec(
         f"paged_decode_{tag}", _paged_decode_kernel, sig,
@@ -70,7 +75,7 @@ def _decode_specs(dt: str, d: int, bs: int, g: int) -> list[CompileSpec]:
         num_warps=DECODE_DEFAULT["num_warps"], num_stages=DECODE_DEFAULT["num_stages"])
     msig = {"lens_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": p,
             "num_tiles": i, "num_kv_heads": i, "max_chunks": i, "num_q_heads": i,
-            "so_b": i, "so_h": i}
+            "so_b": S16, "so_h": S16}
     merge = CompileSpec(
         f"paged_decode_merge_{dt}_d{d}_g{g}", _paged_merge_kernel, msig,
         dict(GROUP=g, GROUP_PAD=next_pow2(g), HEAD_DIM=d, D_PAD=next_pow2(d), CHUNK=DECODE_CHUNK),
@@ -82,15 +87,15 @@ def _prefill_spec(dt: str, d: int, bs: int, g: int) -> CompileSpec:
     p, i = _TYPES[dt], "i32"
     sig = {"q_ptr": p, "k_ptr": p, "v_ptr": p, "bt_ptr": "*i32", "cu_ptr": "*i32",
            "lens_ptr": "*i32", "work_ptr": "*i32", "out_ptr": p, "num_tiles": i, "scale": "fp32"}
-    sig.update({n: i for n in ("sq_t", "sq_h", "sk_b", "sk_o", "sk_h", "sv_b", "sv_o", "sv_h",
-                               "sbt", "so_t", "so_h")})
+    sig.update({n: S16 for n in ("sq_t", "sq_h", "sk_b", "sk_o", "sk_h", "sv_b", "sv_o", "sv_h")})
+    sig.update({"sbt": i, "so_t": S16, "so_h": S16})
     gpad = next_pow2(g)
     block_q = PREFILL_DEFAULT["BLOCK_M"] // gpad
     return CompileSpec(
         f"paged_prefill_{dt}_d{d}_bs{bs}_g{g}", _paged_prefill_kernel, sig,
         dict(GROUP=g, GROUP_PAD=gpad, HEAD_DIM=d, D_PAD=max(16, next_pow2(d)), PAGE=bs,
              BLOCK_Q=block_q, BLOCK_N=PREFILL_DEFAULT["BLOCK_N"], PRECISION="tf32"),
-        num_warps=PREFILL_DEFAULT["num_warps"], num_stages=PREFILL_DEFAULT["num_stages"],
+        num_warps=prefill_default(d)["num_warps"], num_stages=PREFILL_DEFAULT["num_stages"],
         expect_wgmma=True)
 
 
@@ -98,8 +103,8 @@ def _store_spec(dt: str, d: int, bs: int, hkv: int, slot: str) -> CompileSpec:
     p, i = _TYPES[dt], "i32"
     sig = {"k_ptr": p, "v_ptr": p, "kc_ptr": p, "vc_ptr": p, "slot_ptr": slot,
            "num_tiles": i, "num_tokens": i, "num_slots": i, "num_hd_tiles": i}
-    sig.update({n: i for n in ("sk_t", "sk_h", "sv_t", "sv_h", "skc_b", "skc_o", "skc_h",
-                               "svc_b", "svc_o", "svc_h")})
+    sig.update({n: S16 for n in ("sk_t", "sk_h", "sv_t", "sv_h", "skc_b", "skc_o", "skc_h",
+                                 "svc_b", "svc_o", "svc_h")})
     elems = STORE_DEFAULT["BLOCK_ELEMS"]
     block_hd = min(next_pow2(hkv * d), elems)
     return CompileSpec(

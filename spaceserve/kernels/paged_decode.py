@@ -32,6 +32,7 @@ from .paged_plan import (
     check_heads,
     check_index,
     check_lengths_host,
+    decode_work_host,
     next_pow2,
 )
 from .persistent import launch_persistent
@@ -251,7 +252,8 @@ class DecodePlan:
     [rows, Hq] log-sum-exp), allocated once. `plan(seq_lens_host)` fills the work list from
     host-side lengths (one non-blocking copy); `run(...)` only launches kernels, with grids that
     depend on capacity and budget alone, so a captured graph replays correctly after each new
-    `plan`. Capture with a block table `max_blocks_per_seq` wide.
+    `plan`. Capture with a block table `max_blocks_per_seq` wide, and call `plan` on the stream
+    that runs the step (its copy is ordered on the current stream).
     """
 
     def __init__(self, max_batch: int, max_blocks_per_seq: int, num_q_heads: int,
@@ -283,9 +285,8 @@ class DecodePlan:
             raise ValueError(f"seq_lens_host has {lens.numel()} entries > max_batch="
                              f"{self.max_batch}")
         check_lengths_host(lens, self.max_blocks_per_seq * self.block_size, "seq_lens_host")
-        build_decode_work(lens, self.num_kv_heads, self.max_chunks, self.chunk_size,
-                          self.work.host_buffer())
-        self.work.upload()
+        self.work.stage(decode_work_host(lens.numpy(), self.num_kv_heads, self.max_chunks,
+                                         self.chunk_size))
         self.batch = lens.numel()
         self.pages_needed = cdiv(int(lens.max()), self.block_size) if lens.numel() else 0
 

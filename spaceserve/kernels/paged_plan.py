@@ -2,12 +2,14 @@
 
 Paged decode and prefill walk flat work lists with a persistent loop. A work list is one int32
 buffer: element 0 holds the number of live items, then ``capacity`` items of three int32 each;
-slots past the live count hold -1 (empty) and are skipped. The same builders run
+slots past the live count hold -1 (empty) and are skipped. Each list has two builders with the
+same result:
 
-- on the host (a planner's `plan`), whose result travels to the device in one non-blocking copy
-  from a pinned staging buffer into a preallocated device buffer, so a captured CUDA graph can be
-  replayed with new contents; and
-- on the device (the functional calls given device tensors), with torch ops only, no host sync.
+- a host one in numpy (a planner's `plan`), whose live prefix travels to the device in one
+  non-blocking copy from a pinned staging buffer into a preallocated device buffer, so a captured
+  CUDA graph can be replayed with new contents; and
+- a torch one that runs on the device (the functional calls given device tensors) over the whole
+  capacity, with no host sync.
 
 Items are ordered most work first (longest-processing-time order) so the tail of a persistent
 launch is short. The order decides only which program runs an item, never its arithmetic, so
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 ITEM_WIDTH = 3  # (sequence, chunk-or-q-block, kv head) per work item
@@ -145,10 +148,11 @@ def build_decode_work(seq_lens: torch.Tensor, num_kv_heads: int, max_chunks: int
     tokens = (lens[:, None] - c[None, :] * chunk).clamp(0, chunk)
     valid = (tokens > 0) | (c == 0)[None, :]
     key = torch.where(valid, tokens, torch.full_like(tokens, -1)).reshape(-1)
-    order = torch.sort(key, descending=True, stable=True).indices
+    srt = torch.sort(key, descending=True, stable=True)
+    order = srt.indices
     seq = order // max_chunks
     chk = order % max_chunks
-    live = valid.reshape(-1)[order]
+    live = srt.values >= 0
     heads = torch.arange(num_kv_heads, device=dev, dtype=torch.int64)
     n = order.numel()
     items = torch.stack([seq[:, None].expand(n, num_kv_heads), chk[:, None].expand(n, num_kv_heads),
@@ -181,16 +185,51 @@ def build_prefill_work(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_k
     qb = t - (ends - nqb)[seq]
     kv_end = lens[seq] - n[seq] + torch.minimum((qb + 1) * block_q, n[seq])
     key = torch.where(valid, kv_end, torch.full_like(kv_end, -1))
-    order = torch.sort(key, descending=True, stable=True).indices
-    live = valid[order]
+    srt = torch.sort(key, descending=True, stable=True)
+    order = srt.indices
+    live = srt.values >= 0
     heads = torch.arange(num_kv_heads, device=dev, dtype=torch.int64)
     m = order.numel()
-    items = torch.stack([seq[order][:, None].expand(m, num_kv_heads),
-                         qb[order][:, None].expand(m, num_kv_heads),
+    items = torch.stack([seq.index_select(0, order)[:, None].expand(m, num_kv_heads),
+                         qb.index_select(0, order)[:, None].expand(m, num_kv_heads),
                          heads[None, :].expand(m, num_kv_heads)], dim=-1)
     items = torch.where(live[:, None, None], items, torch.full_like(items, -1))
     count = valid.sum() * num_kv_heads
     _fill(dst, items.reshape(-1, ITEM_WIDTH).to(torch.int32), count.to(torch.int32))
+
+
+def decode_work_host(seq_lens: np.ndarray, num_kv_heads: int, max_chunks: int,
+                     chunk: int) -> np.ndarray:
+    """Host twin of `build_decode_work` (numpy, live items only): int32 [n, 3]."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    c = np.arange(max_chunks, dtype=np.int64)
+    tokens = np.clip(lens[:, None] - c[None, :] * chunk, 0, chunk)
+    valid = (tokens > 0) | (c == 0)[None, :]
+    key = np.where(valid, tokens, -1).reshape(-1)
+    order = np.argsort(-key, kind="stable")[: int(valid.sum())]
+    return _expand_heads(order // max_chunks, order % max_chunks, num_kv_heads)
+
+
+def prefill_work_host(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int,
+                      block_q: int) -> np.ndarray:
+    """Host twin of `build_prefill_work` (numpy, live items only): int32 [n, 3]."""
+    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    n = cu[1:] - cu[:-1]
+    nqb = (n + block_q - 1) // block_q
+    seq = np.repeat(np.arange(n.size, dtype=np.int64), nqb)
+    qb = np.arange(seq.size, dtype=np.int64) - np.repeat(np.cumsum(nqb) - nqb, nqb)
+    kv_end = lens[seq] - n[seq] + np.minimum((qb + 1) * block_q, n[seq])
+    order = np.argsort(-kv_end, kind="stable")
+    return _expand_heads(seq[order], qb[order], num_kv_heads)
+
+
+def _expand_heads(seq: np.ndarray, second: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    items = np.empty((seq.size, num_kv_heads, ITEM_WIDTH), dtype=np.int32)
+    items[..., 0] = seq[:, None]
+    items[..., 1] = second[:, None]
+    items[..., 2] = np.arange(num_kv_heads, dtype=np.int32)[None, :]
+    return items.reshape(-1, ITEM_WIDTH)
 
 
 class StagedWorkList:
@@ -208,26 +247,37 @@ class StagedWorkList:
                                  device=self.device)
         self.buffer[0] = 0
         cuda = self.device.type == "cuda"
-        self._staging = [torch.empty(self.buffer.shape, dtype=torch.int32, pin_memory=cuda)
-                         for _ in range(2)]
+        self._staging = [torch.empty(self.buffer.shape, dtype=torch.int32, pin_memory=True)
+                         for _ in range(2 if cuda else 0)]
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        self._live = 0
 
-    def host_buffer(self) -> torch.Tensor:
-        """The staging buffer to fill next (waits for its previous copy if still in flight)."""
+    def stage(self, items: np.ndarray) -> None:
+        """Make `items` (int32 [n, 3]) the live work list: one copy of the changed prefix.
+
+        Invariant: device slots past the live count hold -1, so only the larger of the old and
+        the new live prefix is copied (non-blocking from pinned memory on CUDA).
+        """
+        n = items.shape[0]
+        if n > self.capacity:
+            raise ValueError(f"work list of {n} items exceeds capacity {self.capacity}")
         ev = self._events[self._turn]
         if ev is not None:
-            ev.synchronize()
-        return self._staging[self._turn]
-
-    def upload(self) -> None:
-        """Copy the staging buffer just filled into the device buffer (non-blocking on CUDA)."""
-        src = self._staging[self._turn]
-        if self.device.type == "cuda":
-            self.buffer.copy_(src, non_blocking=True)
+            ev.synchronize()  # the copy that last read this staging buffer
+        cuda = self.device.type == "cuda"
+        host = self._staging[self._turn] if cuda else self.buffer  # on CPU: write in place
+        body = host.numpy()
+        used = max(n, self._live)
+        body[0] = n
+        rows = body[1: 1 + used * ITEM_WIDTH].reshape(used, ITEM_WIDTH)
+        rows[:n] = items
+        rows[n:] = -1
+        span = 1 + used * ITEM_WIDTH
+        if cuda:
+            self.buffer[:span].copy_(host[:span], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
             self._events[self._turn] = ev
-        else:
-            self.buffer.copy_(src)
+        self._live = n
         self._turn ^= 1

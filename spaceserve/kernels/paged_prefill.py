@@ -32,10 +32,16 @@ from .paged_plan import (
     check_index,
     check_lengths_host,
     next_pow2,
+    prefill_work_host,
 )
 from .persistent import launch_persistent
 
 PREFILL_DEFAULT = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def prefill_default(head_dim: int) -> dict:
+    """Default config: 8 warps past D=64, where a [64, D] fp32 accumulator in 4 warps spills."""
+    return {**PREFILL_DEFAULT, "num_warps": 8 if head_dim > 64 else 4}
 
 
 @triton.jit
@@ -147,7 +153,7 @@ def launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     scale = (1.0 / math.sqrt(dim)) if scale is None else float(scale)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    cfg = numerics_config("paged_prefill", num_sms, q.device, PREFILL_DEFAULT)
+    cfg = numerics_config("paged_prefill", num_sms, q.device, prefill_default(dim))
     cfg.pop("BLOCK_M", None)
     capacity = (work.numel() - 1) // 3
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, work, out,
@@ -221,9 +227,8 @@ class PrefillPlan:
             raise ValueError(f"cu_seqlens_q_host totals {int(cu[-1])} > max_tokens="
                              f"{self.max_tokens}")
         check_prefill_values(cu, lens, int(cu[-1]) if cu.numel() else 0, 1 << 31)
-        build_prefill_work(cu, lens, self.num_kv_heads, self.block_q, self.qblocks,
-                           self.work.host_buffer())
-        self.work.upload()
+        self.work.stage(prefill_work_host(cu.numpy(), lens.numpy(), self.num_kv_heads,
+                                          self.block_q))
         self.num_tokens, self.num_seqs = int(cu[-1]), lens.numel()
         self.max_len = int(lens.max()) if lens.numel() else 0
 

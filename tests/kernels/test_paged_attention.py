@@ -33,7 +33,7 @@ def test_compile_specs_name_every_argument_in_order():
         runtime = [p for p in params if p not in s.constexprs]
         assert list(s.signature) == runtime, s.name
         assert set(s.constexprs) | set(s.signature) == set(params), s.name
-        assert all(t in {"*bf16", "*fp16", "*fp32", "*i32", "*i64", "i32", "fp32"}
+        assert all(t in {"*bf16", "*fp16", "*fp32", "*i32", "*i64", "i32", "i32:16", "fp32"}
                    for t in s.signature.values()), s.name
         assert s.expect_wgmma == s.name.startswith("paged_prefill"), s.name
         if s.name.startswith("paged_decode_b") or s.name.startswith("paged_decode_f"):

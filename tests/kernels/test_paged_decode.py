@@ -13,7 +13,7 @@ from spaceserve.kernels.paged_decode import (
     paged_decode_attention,
     ref_paged_decode_attention,
 )
-from spaceserve.kernels.paged_plan import build_decode_work
+from spaceserve.kernels.paged_plan import StagedWorkList, build_decode_work, decode_work_host
 from spaceserve.kernels.testing import assert_close, assert_within_budget, poisoned_like
 
 # (dtype, head_dim, block_size, Hq, Hkv, lengths): GQA 1 / 4 / 7, D 64 / 128, pages 16 / 32;
@@ -103,6 +103,12 @@ def test_decode_work_list_is_complete_and_longest_first():
     tokens = [min(DECODE_CHUNK, int(lens[s]) - c * DECODE_CHUNK) for s, c, _ in
               items[:count].tolist()]
     assert tokens == sorted(tokens, reverse=True)
+    # The host (numpy) twin stages the same list, also after a longer list was live.
+    staged = StagedWorkList(cap, "cpu")
+    staged.stage(decode_work_host(torch.full((5,), 1500).numpy(), hkv, max_chunks,
+                                  DECODE_CHUNK))
+    staged.stage(decode_work_host(lens.numpy(), hkv, max_chunks, DECODE_CHUNK))
+    assert torch.equal(staged.buffer, dst)
 
 
 def test_decode_rejects_bad_arguments():

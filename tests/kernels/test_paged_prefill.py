@@ -8,7 +8,7 @@ from paged_cases import as64, cdiv, random_cache, random_tables
 
 from spaceserve.kernels import record_launches
 from spaceserve.kernels.kv_cache import store_kv
-from spaceserve.kernels.paged_plan import build_prefill_work
+from spaceserve.kernels.paged_plan import StagedWorkList, build_prefill_work, prefill_work_host
 from spaceserve.kernels.paged_prefill import (
     PrefillPlan,
     paged_prefill_attention,
@@ -123,6 +123,12 @@ def test_prefill_work_list_is_complete_and_longest_first():
     n = (cu[1:] - cu[:-1]).tolist()
     cost = [int(lens[s]) - n[s] + min((b + 1) * block_q, n[s]) for s, b, _ in live]
     assert cost == sorted(cost, reverse=True)
+    staged = StagedWorkList(cap_q * hkv, "cpu")
+    staged.stage(prefill_work_host(torch.tensor([0, 24, 48, 72, 88]).numpy(),
+                                   torch.tensor([30, 30, 30, 20]).numpy(), hkv, block_q))
+    assert int(staged.buffer[0]) == cap_q * hkv > count  # longer, then shrinks below
+    staged.stage(prefill_work_host(cu.numpy(), lens.numpy(), hkv, block_q))
+    assert torch.equal(staged.buffer, dst)
 
 
 def test_prefill_rejects_bad_arguments():
