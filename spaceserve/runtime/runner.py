@@ -1,0 +1,397 @@
+"""The model-runner protocol the engine drives, a generic step planner, and a null model.
+
+The engine owns requests, KV bookkeeping and sampling; a `ModelRunner` owns weights, caches and
+kernels. Per step the engine hands the runner a `ScheduledBatch` (host-side: which tokens of
+which requests, their cached counts, their block ids) and gets logits back, one row per
+``batch.sample_reqs`` entry. `StepPlanner` turns a batch into flat device metadata (token ids,
+positions, slot mapping, block tables, ...) in preallocated buffers with vectorised host work,
+padding pure-decode batches to a CUDA-graph bucket; runners may use it or plan their own way.
+
+`NullModelRunner` is a deterministic stand-in: its "KV cache" stores one integer per token
+(the token id, or a value derived from an image embedding) through the slot mapping, and its
+logits are a hash of the whole cached sequence read back through the block table. Any
+bookkeeping error (a block shared by two live requests, a stale or unwritten slot, a wrong
+image row) changes its outputs, which is what the engine's tests check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .request import MultiModalData, Request, SamplingParams
+from .sampler import M32, fold_seed, mix32, sample
+from .scheduler import ScheduledBatch
+
+__all__ = [
+    "ModelInfo", "ModelRunner", "NullModelRunner", "StepLimits", "StepPlan", "StepPlanner",
+]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about a model to validate and finish requests.
+
+    `image_token_id` None means text only. `patch_dim` is the width of a ``pixel_values`` row
+    (Qwen2-VL: 3 * 2 * 14 * 14 = 1176); one LLM image token covers ``spatial_merge_size ** 2``
+    patches.
+    """
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    image_token_id: int | None = None
+    spatial_merge_size: int = 2
+    patch_dim: int | None = None
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """Weights, caches and kernels of one model, driven by the engine.
+
+    Call order: `profile_peak_bytes` (weights already loaded) -> `allocate_kv_cache` ->
+    `capture_decode_graphs` -> per request `prepare_request`, per image request `encode`
+    (before its first prefill), per step `execute`. `execute` must not synchronise with the
+    host; its logits rows follow ``batch.sample_reqs`` and have exactly ``info.vocab_size``
+    columns.
+    """
+
+    info: ModelInfo
+    device: torch.device
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Device bytes of one KV block (every layer, K and V)."""
+        ...
+
+    def profile_peak_bytes(self, limits: StepLimits, max_encoder_tokens: int) -> int:
+        """Peak activation bytes of the largest step and the largest encoder pass (0 on CPU)."""
+        ...
+
+    def allocate_kv_cache(self, num_blocks: int, limits: StepLimits) -> None:
+        ...
+
+    def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
+        """Capture decode graphs for these batch sizes; returns the sizes captured (() when the
+        runner runs eagerly). Pure-decode batches are then padded to the next captured size."""
+        ...
+
+    def prepare_request(self, req: Request) -> None:
+        """Per-request precomputation (e.g. M-RoPE positions) into ``req.model_state``; raises
+        ValueError for a prompt the model cannot take."""
+        ...
+
+    def encode(self, mms: Sequence[MultiModalData]) -> list[torch.Tensor]:
+        """Image embeddings, one ``[mm.num_tokens, hidden]`` tensor per request, in order."""
+        ...
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run one step; logits ``[len(batch.sample_reqs), vocab]`` on the device."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """Capacities fixed at start-up; the planner's buffers are sized from them."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.max_num_batched_tokens, self.max_num_seqs)
+
+
+@dataclass
+class StepPlan:
+    """Flat metadata of one step (layout as `spaceserve.models.context`): sequence ``i`` owns
+    tokens ``query_start_loc[i] .. query_start_loc[i + 1] - 1``; padding sequences (seq_len 0,
+    slot -1) follow the real ones when the batch was padded to a graph bucket, and get logits
+    rows too (``num_logits`` counts the real ones). Tensors live on the runner's device and are
+    views of fixed buffers; `host` holds numpy views of the same values."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, index of the token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64, -1 = do not store
+    logits_indices: torch.Tensor  # [R] int64, token index of each logits row
+    logits_seqs: torch.Tensor  # [R] int64, sequence of each logits row
+    seq_lens: torch.Tensor  # [B] int32, cached + new (0 = padding)
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+    num_tokens: int
+    num_seqs: int
+    num_real_seqs: int
+    num_decodes: int
+    num_logits: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    mm_index: torch.Tensor | None = None  # [M] int64 token indices taking image embeddings
+    mm_embeds: torch.Tensor | None = None  # [M, hidden]
+    host: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class StepPlanner:
+    """Fills preallocated buffers from a `ScheduledBatch` with vectorised host work.
+
+    Block tables persist per sequence slot (``req.row``) and only newly allocated blocks are
+    written, so a decode step costs a few numpy operations over the batch, not a Python loop
+    per token or per block. On a GPU the host buffers are pinned and reach the device in two
+    asynchronous copies; they are reused next step, which is safe because the engine reads the
+    sampled tokens (a synchronisation) before planning again.
+    """
+
+    def __init__(self, limits: StepLimits, device: torch.device | str,
+                 graph_batch_sizes: Sequence[int] = ()) -> None:
+        self.limits = limits
+        self.device = torch.device(device)
+        self.graph_batch_sizes = tuple(sorted(graph_batch_sizes))
+        t, b, w = limits.max_tokens, limits.max_num_seqs, limits.max_blocks_per_seq
+        self._t, self._b, self._w = t, b, w
+        pin = self.device.type == "cuda"
+        self._h64 = torch.zeros(3 * t + 2 * b, dtype=torch.int64, pin_memory=pin)
+        self._h32 = torch.zeros(2 * b + 1 + b * w, dtype=torch.int32, pin_memory=pin)
+        if self.device.type == "cpu":
+            self._d64, self._d32 = self._h64, self._h32
+        else:
+            self._d64 = torch.zeros_like(self._h64, device=self.device)
+            self._d32 = torch.zeros_like(self._h32, device=self.device)
+        n64, n32 = self._h64.numpy(), self._h32.numpy()
+        self._ids, self._pos, self._slot = n64[:t], n64[t:2 * t], n64[2 * t:3 * t]
+        self._lidx, self._lseq = n64[3 * t:3 * t + b], n64[3 * t + b:]
+        self._lens, self._qsl = n32[:b], n32[b:2 * b + 1]
+        self._bt = n32[2 * b + 1:].reshape(b, w)
+        self.table = np.zeros((b, w), dtype=np.int64)  # persistent block table per slot
+        self._arange = np.arange(max(limits.max_model_len, t) + 2, dtype=np.int64)
+
+    def _views(self, buf64: torch.Tensor, buf32: torch.Tensor, tp: int, bp: int, rp: int
+               ) -> tuple[torch.Tensor, ...]:
+        t, b = self._t, self._b
+        return (buf64[:tp], buf64[t:t + tp], buf64[2 * t:2 * t + tp],
+                buf64[3 * t:3 * t + rp], buf64[3 * t + b:3 * t + b + rp],
+                buf32[:bp], buf32[b:b + bp + 1],
+                buf32[2 * b + 1:2 * b + 1 + bp * self._w].view(bp, self._w))
+
+    def plan(self, batch: ScheduledBatch) -> StepPlan:
+        reqs, nd, nb = batch.reqs, batch.num_decodes, len(batch.reqs)
+        bs, table, arange = self.limits.block_size, self.table, self._arange
+        for r in reqs:
+            k = len(r.block_ids)
+            if k != r.synced_blocks:
+                table[r.row, r.synced_blocks:k] = r.block_ids[r.synced_blocks:]
+                r.synced_blocks = k
+        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        ids, pos, slot, lidx, lseq = self._ids, self._pos, self._slot, self._lidx, self._lseq
+        lens, qsl = self._lens, self._qsl
+        qsl[0] = 0
+        if nd:
+            p = np.array(batch.num_cached[:nd], dtype=np.int64)
+            ids[:nd] = [r.token_ids[-1] for r in reqs[:nd]]
+            pos[:nd] = p
+            slot[:nd] = table[rows[:nd], p // bs] * bs + p % bs
+            lens[:nd] = p + 1
+            qsl[1:nd + 1] = arange[1:nd + 1]
+            lidx[:nd] = arange[:nd]
+            lseq[:nd] = arange[:nd]
+        t = nl = nd
+        idx_parts: list[np.ndarray] = []
+        emb_parts: list[torch.Tensor] = []
+        for i in range(nd, nb):
+            r, s, n = reqs[i], batch.num_cached[i], batch.num_new[i]
+            ids[t:t + n] = r.token_ids[s:s + n]
+            pr = arange[s:s + n]
+            pos[t:t + n] = pr
+            slot[t:t + n] = table[r.row, pr // bs] * bs + pr % bs
+            lens[i] = s + n
+            qsl[i + 1] = t + n
+            if batch.need_logits[i]:
+                lidx[nl], lseq[nl] = t + n - 1, i
+                nl += 1
+            mm = r.mm
+            if mm is not None and mm.num_tokens:
+                lo, hi = np.searchsorted(mm.positions, [s, s + n])
+                if hi > lo:
+                    idx_parts.append(mm.positions[lo:hi] - s + t)
+                    emb_parts.append(mm.embeds[lo:hi])
+            t += n
+        bp, tp, rp = nb, t, nl
+        buckets = self.graph_batch_sizes
+        if nd == nb and buckets and nb <= buckets[-1]:
+            bp = next(x for x in buckets if x >= nb)
+            pad = bp - nb
+            ids[t:t + pad] = 0
+            pos[t:t + pad] = 0
+            slot[t:t + pad] = -1
+            lens[nb:bp] = 0
+            qsl[nb + 1:bp + 1] = arange[t + 1:t + pad + 1]
+            lidx[nl:nl + pad] = arange[t:t + pad]
+            lseq[nl:nl + pad] = arange[nb:bp]
+            tp, rp = t + pad, nl + pad
+        max_k = int(lens[:nb].max())
+        width = -(-max_k // bs)
+        self._bt[:nb, :width] = table[rows, :width]
+        if self._d64 is not self._h64:
+            self._d64.copy_(self._h64, non_blocking=True)
+            end = 2 * self._b + 1 + bp * self._w
+            self._d32[:end].copy_(self._h32[:end], non_blocking=True)
+        views = self._views(self._d64, self._d32, tp, bp, rp)
+        mm_index = mm_embeds = None
+        if idx_parts:
+            mm_index = torch.from_numpy(np.concatenate(idx_parts)).to(self.device)
+            mm_embeds = torch.cat(emb_parts)
+        host = dict(zip(("input_ids", "positions", "slot_mapping", "logits_indices",
+                         "logits_seqs", "seq_lens", "query_start_loc"),
+                        (ids[:tp], pos[:tp], slot[:tp], lidx[:rp], lseq[:rp], lens[:bp],
+                         qsl[:bp + 1]), strict=True))
+        host["block_tables"] = self._bt[:bp]
+        return StepPlan(*views, num_tokens=tp, num_seqs=bp, num_real_seqs=nb, num_decodes=nd,
+                        num_logits=nl, max_seqlen_q=max(batch.num_new), max_seqlen_k=max_k,
+                        mm_index=mm_index, mm_embeds=mm_embeds, host=host)
+
+
+_P = (1 << 31) - 1
+
+
+class NullModelRunner:
+    """A model with no weights whose next-token logits are a hash of the cached sequence.
+
+    ``check=False`` makes the logits depend on the newest token and its index only (no cache
+    reads), which is what the step-time benchmark uses to measure the engine, not the model.
+    `graph_batch_sizes` makes it pad pure-decode batches the way a graph-replaying runner
+    does, so the padding path runs on CPU. An image whose pixels are not finite fails to
+    encode (ValueError).
+    """
+
+    def __init__(self, *, vocab_size: int = 97, max_model_len: int = 4096,
+                 eos_token_id: int = 0, image_token_id: int | None = 3,
+                 spatial_merge_size: int = 2, patch_dim: int = 8, hidden: int = 4,
+                 graph_batch_sizes: Sequence[int] = (), check: bool = True) -> None:
+        self.info = ModelInfo(vocab_size, max_model_len, (eos_token_id,), image_token_id,
+                              spatial_merge_size, patch_dim)
+        self.device = torch.device("cpu")
+        self.hidden = hidden
+        self.check = check
+        self._graph_sizes = tuple(sorted(set(graph_batch_sizes)))
+        self.planner: StepPlanner | None = None
+        self.cache: torch.Tensor | None = None
+        self.block_size = 0
+        pos = torch.arange(max_model_len + 1, dtype=torch.int64)
+        self._weights = (mix32(pos) & 0xFFFFF) + 1
+        self._cols = mix32(torch.arange(vocab_size, dtype=torch.int64) * 0x2F0B3A49 & M32)
+        self.num_executes = 0
+        self.num_encoded = 0
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        return 8 * block_size
+
+    def profile_peak_bytes(self, limits: StepLimits, max_encoder_tokens: int) -> int:
+        return 0
+
+    def allocate_kv_cache(self, num_blocks: int, limits: StepLimits) -> None:
+        self.block_size = limits.block_size
+        self.cache = torch.full((num_blocks * limits.block_size,), -1, dtype=torch.int64)
+        self.planner = StepPlanner(limits, self.device)
+
+    def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
+        assert self.planner is not None, "allocate_kv_cache first"
+        sizes = tuple(s for s in self._graph_sizes if s <= self.planner.limits.max_num_seqs)
+        self.planner.graph_batch_sizes = sizes
+        return sizes
+
+    def prepare_request(self, req: Request) -> None:
+        req.model_state = None
+
+    def encode(self, mms: Sequence[MultiModalData]) -> list[torch.Tensor]:
+        out = []
+        group = self.info.spatial_merge_size ** 2
+        for mm in mms:
+            pv = mm.pixel_values.to(torch.float64)
+            if not torch.isfinite(pv).all():
+                raise ValueError("image holds non-finite pixel values")
+            per_token = pv.reshape(-1, group * pv.shape[-1]).sum(dim=1)
+            value = torch.remainder(torch.round(per_token * 1000), 1 << 20)
+            emb = value.to(torch.float32)[:, None] + torch.arange(self.hidden)[None, :]
+            out.append(emb)
+            self.num_encoded += 1
+        return out
+
+    def token_values(self, token_ids: Sequence[int], mm: MultiModalData | None = None,
+                     embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """What the cache holds for a whole sequence (the reference for tests)."""
+        vals = torch.tensor(list(token_ids), dtype=torch.int64)
+        if mm is not None and embeds is not None:
+            idx = torch.from_numpy(mm.positions).long()
+            vals[idx] = self.info.vocab_size + embeds[:, 0].long()
+        return vals
+
+    def logits_from_hash(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits ``[S, vocab]`` in [0, 8) from per-sequence 31-bit hashes ``[S]``."""
+        bits = mix32(h[:, None] ^ self._cols[None, :])
+        return (bits >> 8).to(torch.float32) * (8.0 / (1 << 24))
+
+    def reference_logits(self, values: torch.Tensor) -> torch.Tensor:
+        """Logits ``[vocab]`` for a full sequence of cache values (no paging involved)."""
+        n = values.shape[0]
+        if not self.check:
+            h = (values[-1] * 0x9E37 + n) % _P
+            return self.logits_from_hash(h.view(1))[0]
+        h = (values * self._weights[:n]).sum() % _P
+        return self.logits_from_hash(h.view(1))[0]
+
+    def reference_generate(self, token_ids: Sequence[int], mm: MultiModalData | None,
+                           params: SamplingParams, seed: int, max_len: int
+                           ) -> tuple[list[int], str]:
+        """(tokens, finish reason) of one request run alone over an unpaged sequence: the
+        oracle the engine's outputs are checked against."""
+        embeds = self.encode([mm])[0] if mm is not None else None
+        seq, out = list(token_ids), []
+        eos = set(self.info.eos_token_ids)
+        scalars = (torch.tensor([params.temperature]), torch.tensor([params.top_p]),
+                   torch.tensor([fold_seed(seed)]))
+        while True:
+            logits = self.reference_logits(self.token_values(seq, mm, embeds))[None]
+            tok = int(sample(logits, *scalars, torch.tensor([len(seq)]),
+                             use_top_p=params.top_p < 1.0)[0])
+            seq.append(tok)
+            out.append(tok)
+            if (tok in eos and not params.ignore_eos) or tok in params.stop_token_ids:
+                return out, "stop"
+            if len(out) >= params.max_tokens or len(seq) >= max_len:
+                return out, "length"
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        assert self.planner is not None and self.cache is not None, "allocate_kv_cache first"
+        plan = self.planner.plan(batch)
+        self.num_executes += 1
+        t, s = plan.num_tokens, plan.num_logits
+        vals = plan.input_ids[:t]
+        if plan.mm_index is not None:
+            vals = vals.clone()
+            vals[plan.mm_index] = self.info.vocab_size + plan.mm_embeds[:, 0].long()
+        slots = plan.slot_mapping[:t]
+        keep = slots >= 0
+        self.cache[slots[keep]] = vals[keep]
+        seqs = plan.logits_seqs[:s]
+        lens = plan.seq_lens[seqs].long()
+        if not self.check:
+            last = vals[plan.logits_indices[:s]]
+            return self.logits_from_hash((last * 0x9E37 + lens) % _P)
+        width = plan.max_seqlen_k
+        pos = torch.arange(width, dtype=torch.int64)
+        inside = pos[None, :] < lens[:, None]
+        table = plan.block_tables[seqs].long()
+        col = (pos // self.block_size).clamp(max=table.shape[1] - 1)
+        slot = table[:, col] * self.block_size + pos % self.block_size
+        cached = torch.where(inside, self.cache[slot.clamp(min=0)], 0)
+        if bool((cached[inside] < 0).any()):
+            raise AssertionError("a sequence read a KV slot that was never written")
+        h = (cached * self._weights[None, :width]).sum(dim=1) % _P
+        return self.logits_from_hash(h)

@@ -1,0 +1,236 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Every step the scheduler first continues the running requests in admission order (one token for
+a decoding request, the next prefill chunk for one still prefilling), then admits waiting
+requests first-come first-served while the token budget, the sequence slots and the KV blocks
+last. When a running request needs a KV block and none is free, the most recently admitted
+running request is preempted by recompute: its blocks are freed, its cached-token count reset,
+and it goes back to the front of the waiting queue with its prompt and generated tokens (and its
+image embeddings), to be prefilled again later. Sampling draws depend only on (seed, index), so
+recomputation reproduces the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work, in batch order: single-token (decode) sequences first, then prefill
+    chunks. Sequence ``i`` computes tokens ``num_cached[i] .. num_cached[i] + num_new[i] - 1``
+    of ``reqs[i].token_ids``; `sample_reqs` (batch order) are those whose last new token ends
+    their known tokens, so a next token is drawn for each."""
+
+    reqs: list[Request] = field(default_factory=list)
+    num_cached: list[int] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    need_logits: list[bool] = field(default_factory=list)
+    sample_reqs: list[Request] = field(default_factory=list)
+    num_decodes: int = 0
+    num_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.reqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.reqs)
+
+
+class Scheduler:
+    """Queues, admission, KV growth and preemption; the engine runs what `schedule` returns."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        is_ready: Callable[[Request], bool] | None = None,
+    ) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos = frozenset(eos_token_ids)
+        self.is_ready = is_ready or (lambda req: True)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def add(self, req: Request) -> None:
+        """Queue a validated request (its prompt fits the context and the cache)."""
+        req.status = Status.WAITING
+        p = req.params
+        req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
+        req.limit_len = min(req.num_prompt_tokens + p.max_tokens, self.max_model_len)
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's sequences and give them the KV blocks their new tokens need."""
+        bm, bs = self.bm, self.bm.block_size
+        budget = self.max_num_batched_tokens
+        running = self.running
+        dec: list[Request] = []
+        pre: list[Request] = []
+        pre_n: list[int] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            known = len(req.token_ids)
+            n = known - req.num_computed
+            if n > budget:
+                n = budget
+            total = req.num_computed + n
+            if len(req.block_ids) * bs < total:
+                while not bm.ensure(req.block_ids, total):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is req:
+                        break
+                if req.status is not Status.RUNNING:
+                    break
+            if n == 1 and total == known:
+                dec.append(req)
+            else:
+                pre.append(req)
+                pre_n.append(n)
+            budget -= n
+            i += 1
+        if not preempted:
+            budget = self._admit(budget, dec, pre, pre_n)
+        return self._batch(dec, pre, pre_n, preempted)
+
+    def _admit(self, budget: int, dec: list[Request], pre: list[Request],
+               pre_n: list[int]) -> int:
+        waiting, bm = self.waiting, self.bm
+        j = 0
+        while j < len(waiting) and budget > 0 and self._free_rows:
+            req = waiting[j]
+            if not self.is_ready(req):
+                j += 1
+                continue
+            known = len(req.token_ids)
+            n = min(known - req.num_computed, budget)
+            if not bm.ensure(req.block_ids, req.num_computed + n):
+                break
+            del waiting[j]
+            req.status = Status.RUNNING
+            req.row = self._free_rows.pop()
+            req.synced_blocks = 0
+            self.running.append(req)
+            if n == 1 and req.num_computed + 1 == known:
+                dec.append(req)
+            else:
+                pre.append(req)
+                pre_n.append(n)
+            budget -= n
+        return budget
+
+    @staticmethod
+    def _batch(dec: list[Request], pre: list[Request], pre_n: list[int],
+               preempted: list[Request]) -> ScheduledBatch:
+        nd = len(dec)
+        reqs = dec + pre
+        sample = list(dec)
+        need = [True] * nd
+        for req, n in zip(pre, pre_n, strict=True):
+            last = req.num_computed + n == len(req.token_ids)
+            need.append(last)
+            if last:
+                sample.append(req)
+        return ScheduledBatch(
+            reqs=reqs,
+            num_cached=[r.num_computed for r in reqs],
+            num_new=[1] * nd + pre_n,
+            need_logits=need,
+            sample_reqs=sample,
+            num_decodes=nd,
+            num_tokens=nd + sum(pre_n),
+            preempted=preempted,
+        )
+
+    def _release_row(self, req: Request) -> None:
+        if req.row >= 0:
+            self._free_rows.append(req.row)
+            req.row = -1
+        req.synced_blocks = 0
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-preemption: drop the KV blocks, keep tokens and embeddings."""
+        self.bm.free(req.block_ids)
+        self._release_row(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.waiting.insert(0, req)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int],
+               now: float) -> list[Request]:
+        """Account a finished step: advance cached counts, append the sampled tokens (one per
+        `batch.sample_reqs`), finish the requests that stop. Returns the finished requests."""
+        nd = batch.num_decodes
+        for req, n, last in zip(batch.reqs[nd:], batch.num_new[nd:], batch.need_logits[nd:],
+                                strict=True):
+            if not last:  # a prefill chunk short of the end; sampled requests follow below
+                req.num_computed += n
+        done: list[Request] = []
+        for req, tok in zip(batch.sample_reqs, sampled, strict=True):
+            toks = req.token_ids
+            req.num_computed = len(toks)  # a sampled request has computed all it knew
+            toks.append(tok)
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if tok in req.stop_ids:
+                reason = "stop"
+            elif len(toks) >= req.limit_len:
+                reason = "length"
+            else:
+                continue
+            self.finish(req, reason, prune=False)
+            done.append(req)
+        if done:
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+        return done
+
+    def finish(self, req: Request, reason: str, error: str | None = None, *,
+               prune: bool = True) -> None:
+        """End `req` (any state): free its blocks and slot, drop it from the queues."""
+        if req.status is Status.FINISHED:
+            return
+        if prune:
+            if req.status is Status.RUNNING:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+        if req.block_ids:
+            self.bm.free(req.block_ids)
+        self._release_row(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.error = error
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless no request, slot or block is held."""
+        assert not self.waiting and not self.running, "requests still queued"
+        assert len(self._free_rows) == self.max_num_seqs, "a sequence slot is still held"
+        self.bm.check_all_free()
