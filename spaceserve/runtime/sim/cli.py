@@ -15,8 +15,9 @@ from pathlib import Path
 
 from ..analytic import PRESETS, analytic_curves
 from ..curves import CurveSet
+from ..sis import PendingEncode, SisState, SpaceInferenceScheduler
 from .cluster import ROUTERS
-from .engine import MODES, PLACEMENTS, SimConfig
+from .engine import MODES, PLACEMENTS, SimConfig, default_allowed
 from .sweep import capacity_rate, default_rates, headline, plot, run_sweep, table, write_outputs
 from .workload import DEFAULT_MIX, Workload
 
@@ -87,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
                      background=args.batch, background_context=args.context,
                      shared_decode_share=args.shared_decode_share)
     cap = capacity_rate(curves, workload, args.gpus)
+    sis = SpaceInferenceScheduler(curves, base.allowed_encoder_sms or
+                                  default_allowed(curves.num_sms), tpot_factor=args.tpot_factor)
+    busy = SisState((PendingEncode(4 * 2691, curves.encoder_depth),), (), args.batch,
+                    args.context + base.background_output / 2)
+    sis_sms = sis.propose(busy).encoder_sms
+    sis_cap = capacity_rate(curves, workload, args.gpus, sis_sms, corun=True)
     if args.rates:
         rates = sorted(float(r) for r in args.rates.split(","))
     else:
@@ -96,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     head, runs = headline(curves, sweep, workload, base, factor=args.factor,
                           num_gpus=args.gpus, router=args.router)
     meta = {"device": curves.device, "source": curves.source, "model": curves.model.get("name"),
-            "capacity_rate": cap, "workload": dataclasses.asdict(workload),
+            "capacity_rate": cap, "sis_encoder_sms": sis_sms, "sis_capacity_rate": sis_cap,
+            "workload": dataclasses.asdict(workload),
             "config": dataclasses.asdict(base), "gpus": args.gpus, "router": args.router}
     paths = write_outputs(args.out, meta, sweep, head, runs)
     fig = None if args.no_plot else plot(sweep, head, runs, args.out / "tpot_vs_rate.png")
     print(f"{curves.device} ({curves.source} curves), {curves.model.get('name')}, "
-          f"batch {args.batch}, {args.gpus} GPU(s); encode+prefill capacity {cap:.2f} images/s")
+          f"batch {args.batch}, {args.gpus} GPU(s)\nencode+prefill capacity: {cap:.2f} images/s "
+          f"on whole GPUs, {sis_cap:.2f} images/s on SIS's {sis_sms}-SM encoder partition "
+          f"(co-running, at this decode load)")
     print(table(sweep))
     if head.get("modes"):
         print(f"\nat {head['rate']:.2f} images/s temporal TPOT = {args.factor:g}x unloaded "

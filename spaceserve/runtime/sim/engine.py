@@ -15,8 +15,9 @@ Modes:
   ``shared_decode_share`` of the SMs' throughput (default half: the block scheduler interleaves
   them fairly, an optimistic view) with co-running contention.
 
-A launch keeps its SMs until it ends: after a split change, a stage gets
-``min(target, SMs not held by the other stage's running launch)``.
+A launch keeps its SMs until it ends. After a split change the encoder side waits for the running
+decode step (a few ms) to hand its SMs back; the decode side starts at once with
+``min(target, SMs not held by the encoder's running launch)``.
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ class Simulator:
     # -- time --------------------------------------------------------------------------------
     def advance_to(self, t: float) -> None:
         """Run events up to time `t` (math.inf: until nothing is left to run)."""
+        if t < self.now:
+            raise ValueError(f"t={t} is before the simulation clock {self.now}")
         while True:
             self._dispatch()
             self._record()
@@ -270,8 +273,10 @@ class Simulator:
             e = self.config.static_encoder_sms
             return e if lane == "compute" else self.total - e
         assert self.split is not None
-        target = self.split.encoder_sms if lane == "compute" else self.split.decoder_sms
-        return min(target, self.total - other)
+        if lane == "compute":  # wait for a decode step to hand SMs back rather than start short
+            e = self.split.encoder_sms
+            return e if e <= self.total - other else 0
+        return min(self.split.decoder_sms, self.total - other)
 
     def _encoder_waiting(self) -> bool:
         return any(not j.running for j in self.sched.jobs())

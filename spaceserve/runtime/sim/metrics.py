@@ -43,6 +43,7 @@ def request_record(r: Request) -> dict[str, Any]:
     return {"rid": r.rid, "gpu": r.gpu, "kind": r.kind, "resolution": r.resolution,
             "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.generated,
             "ttft": ttft, "tpot": tpot, "e2el": None if r.kind == "background" else e2el,
+            "mean_itl": sum(r.itls) / len(r.itls) if r.itls else None,
             "max_itl": max(r.itls) if r.itls else None}
 
 

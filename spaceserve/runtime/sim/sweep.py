@@ -20,15 +20,17 @@ from .metrics import request_record
 from .workload import RESOLUTIONS, Workload
 
 
-def capacity_rate(curves: CurveSet, workload: Workload, num_gpus: int = 1) -> float:
-    """Image requests/s that would keep the whole GPU(s) busy with encoder + prefill alone."""
+def capacity_rate(curves: CurveSet, workload: Workload, num_gpus: int = 1,
+                  sms: int | None = None, corun: bool = False) -> float:
+    """Image requests/s that keep encoder + prefill busy on `sms` SMs (default: the GPU)."""
     mix = workload.image_mix
     total = sum(mix.values())
+    n = sms or curves.num_sms
     per_image = 0.0
     for res, weight in mix.items():
         tokens = RESOLUTIONS[res]
-        t = curves.encoder(4 * tokens, curves.encoder_depth, curves.num_sms)
-        t += curves.prefill(tokens + workload.text_tokens, 0, curves.num_sms)
+        t = curves.encoder(4 * tokens, curves.encoder_depth, n, corun)
+        t += curves.prefill(tokens + workload.text_tokens, 0, n, corun)
         per_image += weight / total * t
     return num_gpus / per_image
 
