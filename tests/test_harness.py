@@ -104,6 +104,10 @@ def test_registered_sections() -> None:
         assert (s.target is None) != (s.command is None), name
     assert harness.SECTIONS["facts"].missing() is None
     assert harness.SECTIONS["kernels"].missing() is None
+    import importlib
+
+    for mod in ("bench.gpu.facts", "bench.gpu.bench_kernels"):
+        assert callable(importlib.import_module(mod).run)
 
 
 def test_run_sh_lists_sections() -> None:
