@@ -9,7 +9,14 @@ from .attention_backends import (
     known_backends,
 )
 from .context import HostMeta, StepContext, plan_step
-from .loader import from_config, from_pretrained, from_state_dict, weight_shapes
+from .cuda_graph import DecodeGraph
+from .loader import (
+    from_config,
+    from_pretrained,
+    from_state_dict,
+    random_state_dict,
+    weight_shapes,
+)
 from .mrope import mrope_positions, text_positions
 from .qwen2_vl import Qwen2VL
 from .qwen2_vl_text import KVCache, LanguageModel
@@ -18,6 +25,7 @@ from .qwen2_vl_vision import EncoderJob, VisionEncoder
 __all__ = [
     "AttentionBackend",
     "BackendUnavailable",
+    "DecodeGraph",
     "EncoderJob",
     "HostMeta",
     "KVCache",
@@ -34,6 +42,7 @@ __all__ = [
     "known_backends",
     "mrope_positions",
     "plan_step",
+    "random_state_dict",
     "text_positions",
     "weight_shapes",
 ]

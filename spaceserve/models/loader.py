@@ -189,11 +189,11 @@ def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def from_config(config: Any, *, attention_backend: str | AttentionBackend = "triton",
-                dtype: torch.dtype | str | None = None, device: Any = None,
-                dense_ops: str | None = None, seed: int = 0, std: float = 0.02) -> Qwen2VL:
-    """Random weights for `config` (a Qwen2VLConfig or its dict), generated on the target
-    device: matrices and biases ~ N(0, std), norm weights ~ 1 + N(0, std)."""
+def random_state_dict(config: Any, *, dtype: torch.dtype | str | None = None,
+                      device: Any = None, seed: int = 0, std: float = 0.02
+                      ) -> dict[str, Tensor]:
+    """Random weights in the hub layout, generated on `device`: matrices and biases
+    ~ N(0, std), norm weights ~ 1 + N(0, std)."""
     config = _as_config(config)
     dt = _resolve_dtype(dtype, torch.float32)
     dev = _resolve_device(device)
@@ -202,8 +202,19 @@ def from_config(config: Any, *, attention_backend: str | AttentionBackend = "tri
     state: dict[str, Tensor] = {}
     for name, shape in weight_shapes(config).items():
         w = torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * std
-        if "norm" in name or "ln_q.weight" in name:
-            w = w + 1.0 if name.endswith("weight") else w
+        if ("norm" in name or "ln_q" in name) and name.endswith("weight"):
+            w = w + 1.0
         state[name] = w.to(dt)
+    return state
+
+
+def from_config(config: Any, *, attention_backend: str | AttentionBackend = "triton",
+                dtype: torch.dtype | str | None = None, device: Any = None,
+                dense_ops: str | None = None, seed: int = 0, std: float = 0.02) -> Qwen2VL:
+    """Random weights for `config` (a Qwen2VLConfig or its dict), for benchmarks; see
+    `random_state_dict`."""
+    config = _as_config(config)
+    dt = _resolve_dtype(dtype, torch.float32)
+    state = random_state_dict(config, dtype=dt, device=device, seed=seed, std=std)
     return from_state_dict(config, state, attention_backend=attention_backend, dtype=dt,
-                           device=dev, dense_ops=dense_ops)
+                           device=device, dense_ops=dense_ops)
