@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.common import bench_ms
+from bench.common import bench_ms, write_json
 
 SECTION = "models"
 IMAGES = {"448x448": (448, 448), "1024x1024": (1024, 1024), "1920x1080": (1080, 1920)}
@@ -103,13 +103,33 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class Clock:
-    """Soft time budget: `ok()` turns False once the deadline has passed."""
+    """Soft time budget: `ok()` turns False once less than `reserve` seconds remain."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, reserve: float = 0.0) -> None:
         self.deadline = time.perf_counter() + seconds
+        self.reserve = reserve
 
-    def ok(self, reserve: float = 0.0) -> bool:
-        return time.perf_counter() + reserve < self.deadline
+    def ok(self) -> bool:
+        return time.perf_counter() + self.reserve < self.deadline
+
+
+class Rows(list):
+    """Result rows, also written to `path` (JSON) after every row, so a section killed at its
+    hard budget still leaves what it measured."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        super().__init__()
+        self.path = path
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        if self.path is not None:
+            write_json(self.path, list(self))
+
+    def __iadd__(self, rows):  # type: ignore[override]
+        for r in rows:
+            self.append(r)
+        return self
 
 
 def _measure(rows: list[dict], clock: Clock, base: dict, fn: Callable[[], Any],
@@ -159,7 +179,9 @@ def bench_vision(models: dict[str, Any], config: Any, images: dict[str, tuple[in
                                 timer, _checker(fn, ref))
         ms_hf = None
         if "transformers" in models:
-            def hf_fn(pv=pv, grid=grid, visual=models["transformers"].model.visual):
+            grid_dev = grid.to(pv.device)  # transformers wants the grid beside the pixels
+
+            def hf_fn(pv=pv, grid=grid_dev, visual=models["transformers"].model.visual):
                 with torch.no_grad():
                     return visual(pv, grid_thw=grid).pooler_output
 
@@ -313,21 +335,22 @@ def run_suite(config: Any, device: torch.device, dtype: torch.dtype, *,
               images: dict[str, tuple[int, int]] = IMAGES, batches: tuple[int, ...] = BATCHES,
               context: int = CONTEXT, budgets: tuple[int | None, ...] = BUDGETS,
               time_budget_s: float = 300.0, graphs: bool | None = None, hf: bool = True,
-              backend: str = "triton",
+              backend: str = "triton", partial: Path | None = None,
               timer: Callable[[Callable[[], Any]], float] | None = None) -> list[dict]:
     """Both stages for `config` on `device` (the GPU section runs it at 7B shapes; tests at
     tiny shapes on CPU). `backend` is SpaceServe's attention backend under test."""
-    clock = Clock(time_budget_s)
+    clock = Clock(time_budget_s, reserve=2.0 if device.type == "cuda" else 0.0)
     timer = timer or (lambda fn: bench_ms(fn, device=device))
     graphs = device.type == "cuda" if graphs is None else graphs
     t0 = time.perf_counter()
     models = build_models(config, device, dtype, hf=hf, backend=backend)
-    rows = [dict(section=SECTION, stage="setup", build_s=time.perf_counter() - t0,
-                 dtype=str(dtype), device=str(device))]
+    rows = Rows(partial)
+    rows.append(dict(section=SECTION, stage="setup", build_s=time.perf_counter() - t0,
+                     dtype=str(dtype), device=str(device)))
     rows += bench_decode(models, batches[:1], context, budgets, clock, timer, graphs=graphs)
     rows += bench_vision(models, config, images, budgets, clock, timer)
     rows += bench_decode(models, batches[1:], context, budgets, clock, timer, graphs=graphs)
-    return rows
+    return list(rows)
 
 
 def run(results_dir: str | Path, time_budget_s: float) -> list[dict]:
@@ -335,4 +358,5 @@ def run(results_dir: str | Path, time_budget_s: float) -> list[dict]:
     if not torch.cuda.is_available():
         return [dict(section=SECTION, skipped="needs a CUDA device")]
     return run_suite(qwen2_vl_7b_config(), torch.device("cuda"), torch.bfloat16,
-                     time_budget_s=time_budget_s * 0.95)
+                     time_budget_s=time_budget_s * 0.95,
+                     partial=Path(results_dir) / f"{SECTION}_partial.json")

@@ -21,14 +21,15 @@ def test_bf16_stages_and_decode_graphs():
     grid = torch.tensor([[1, 4, 6], [1, 8, 4]])
     pixel_values = torch.randn(int(grid.prod(-1).sum()), 1176, device=dev)
     with torch.no_grad():
-        ref = hf.model.visual(pixel_values, grid_thw=grid).pooler_output
+        ref = hf.model.visual(pixel_values, grid_thw=grid.to(dev)).pooler_output
     embeds = model.encode_images(pixel_values.bfloat16(), grid, num_sms=16)
     assert_close(embeds, ref, rtol=2e-2)
 
     ids = [1, 7] + [VSTART] + [IMAGE] * 6 + [VEND, 9] + [VSTART] + [IMAGE] * 8 + [VEND, 4, 5]
     ids = torch.tensor(ids, device=dev)
     with torch.no_grad():
-        hf_logits = hf(input_ids=ids[None], pixel_values=pixel_values, image_grid_thw=grid,
+        hf_logits = hf(input_ids=ids[None], pixel_values=pixel_values,
+                       image_grid_thw=grid.to(dev),
                        mm_token_type_ids=(ids[None] == IMAGE).int()).logits[0, -1]
     positions, delta = model.mrope_positions(ids.cpu(), grid)
     bs, width = 16, 4
