@@ -6,7 +6,7 @@ own time budget, and prints a short summary table last.
 A section is either a function ``run(results_dir, time_budget_s) -> list[dict]`` (given as
 "module:function"; the rows go to ``RESULTS_DIR/<section>.json``) or a command. Each runs in a
 subprocess killed at its budget, so a slow or hung section cannot starve the others, and the
-whole run stays under `--total-s` (default 470 s). Rows carrying a "headline" string are
+whole run stays under `--total-s` (default 460 s). Rows carrying a "headline" string are
 repeated in the final summary. A later section is one line in `SECTIONS`.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TOTAL_S = 470.0
+DEFAULT_TOTAL_S = 460.0
 SOFT_FRACTION = 0.85  # a function section is told this share of its budget, to finish in time
 
 
