@@ -25,7 +25,7 @@ CPU_NUM_SMS = 132
 NUM_SMS_ENV = "SPACESERVE_NUM_SMS"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
