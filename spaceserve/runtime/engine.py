@@ -135,12 +135,8 @@ class Engine:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
-        try:
-            from spaceserve.models.runner import Qwen2VLRunner
-        except ImportError as exc:
-            raise NotImplementedError(
-                "no Qwen2-VL model runner: spaceserve.models.runner.Qwen2VLRunner is missing"
-            ) from exc
+        from .qwen2_vl_runner import Qwen2VLRunner
+
         runner = Qwen2VLRunner.from_pretrained(path, attention_backend=attention_backend,
                                                dtype=dtype, device=device)
         tokenizer, processor = load_processor(path)
@@ -168,7 +164,7 @@ class Engine:
             ids, mm = process_prompt(
                 prompt, self.runner.info, context_len=self.context_len,
                 capacity=self.memory.capacity_tokens, max_images=self.config.max_images_per_prompt,
-                processor=self.processor)
+                processor=self.processor, tokenizer=self.tokenizer)
             error = None
         except ValueError as exc:
             ids, mm, error = [], None, str(exc)
@@ -357,12 +353,12 @@ def load_processor(path: str) -> tuple[Any, Any]:
     tokenizer = processor = None
     try:
         processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         processor = None
     try:
         tokenizer = getattr(processor, "tokenizer", None) or AutoTokenizer.from_pretrained(
             path, local_files_only=True)
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         tokenizer = None
     if processor is not None and not hasattr(processor, "image_processor"):
         processor = None  # a bare tokenizer cannot take images

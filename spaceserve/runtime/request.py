@@ -227,12 +227,14 @@ def _grid(value: Any) -> torch.Tensor:
 
 
 def process_prompt(prompt: Any, info: Any, *, context_len: int, capacity: int, max_images: int,
-                   processor: Any = None) -> tuple[list[int], MultiModalData | None]:
+                   processor: Any = None, tokenizer: Any = None
+                   ) -> tuple[list[int], MultiModalData | None]:
     """Validate a prompt against the model (`info`: a runner's ModelInfo) and the engine limits.
 
     A prompt is ``{"prompt_token_ids", "pixel_values"?, "image_grid_thw"?}`` (image tokens
     already expanded) or ``{"prompt": str, "images": [...]}`` / a bare string when a processor
-    exists. Returns (token ids, images or None); raises ValueError with the reason.
+    exists (a tokenizer alone takes text without images). Returns (token ids, images or None);
+    raises ValueError with the reason.
     """
     if isinstance(prompt, str):
         prompt = {"prompt": prompt}
@@ -242,10 +244,17 @@ def process_prompt(prompt: Any, info: Any, *, context_len: int, capacity: int, m
         ids, pv, grid = prompt["prompt_token_ids"], prompt.get("pixel_values"), \
             prompt.get("image_grid_thw")
     elif "prompt" in prompt:
-        if processor is None:
-            raise ValueError("prompt: a text prompt needs a tokenizer, and this checkpoint has "
-                             "none; pass prompt_token_ids")
         images = list(prompt.get("images") or [])
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError("prompt must be a str")
+        if processor is None and tokenizer is not None and not images:
+            return process_prompt({"prompt_token_ids": tokenizer.encode(prompt["prompt"])},
+                                  info, context_len=context_len, capacity=capacity,
+                                  max_images=max_images)
+        if processor is None:
+            what = "an image processor" if tokenizer is not None else "a tokenizer"
+            raise ValueError(f"prompt: this needs {what}, and this checkpoint has none; pass "
+                             "prompt_token_ids (and pixel_values / image_grid_thw)")
         if len(images) > max_images:
             raise ValueError(f"images: {len(images)} images, more than allowed "
                              f"(max_images_per_prompt={max_images})")

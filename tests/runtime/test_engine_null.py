@@ -159,7 +159,7 @@ def test_bad_requests_fail_alone() -> None:
         "outside the vocabulary": {"prompt_token_ids": [5, 97]},
         "no pixel_values": {"prompt_token_ids": [5, IMG, IMG]},
         "image_grid_thw is missing": {"prompt_token_ids": [5], "pixel_values": torch.zeros(4, 8)},
-        "needs a tokenizer": {"prompt": "hello"},
+        "this needs a tokenizer": {"prompt": "hello"},
         "image encoding failed": broken,
     }
     prompts = [good[0], *bad.values(), good[1]]
@@ -192,6 +192,22 @@ def test_text_prompts_and_images_through_a_processor() -> None:
     assert outs[1].finish_reason == "error" and "images[0] cannot be decoded" in outs[1].error
     assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 3
     engine.check_idle()
+
+
+def test_text_prompts_through_a_tokenizer_alone() -> None:
+    class Tokenizer:
+        def encode(self, text):
+            return [4 + ord(c) % 90 for c in text]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ",".join(map(str, ids))
+
+    engine = Engine(NullModelRunner(), EngineConfig(**CFG), tokenizer=Tokenizer())
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(["ab", {"prompt": "ab", "images": [png_bytes()]}], sp)
+    assert outs[0].prompt_token_ids == [4 + ord("a") % 90, 4 + ord("b") % 90]
+    assert outs[0].text == ",".join(map(str, outs[0].token_ids))
+    assert outs[1].finish_reason == "error" and "an image processor" in outs[1].error
 
 
 def test_abort_waiting_and_running() -> None:

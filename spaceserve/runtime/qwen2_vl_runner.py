@@ -1,0 +1,166 @@
+"""The Qwen2-VL model runner: `spaceserve.models.Qwen2VL` behind the engine's runner protocol.
+
+Per step the engine's `ScheduledBatch` becomes the model's step context (`plan_step`: M-RoPE
+positions sliced from each prompt's precomputed table, rope deltas after it), the flattened
+token ids, and the image-embedding rows of the image tokens the step covers, in token order.
+Decode-only steps replay a CUDA graph of the next larger captured batch size when one exists.
+Images are encoded one request at a time, so a request's embeddings never depend on which
+other requests arrived with it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .memory import kv_block_bytes
+from .request import MultiModalData, Request
+from .runner import ModelInfo, StepLimits
+from .scheduler import ScheduledBatch
+
+
+def _eos_ids(config: Any, path: str | None) -> tuple[int, ...]:
+    """EOS ids from the generation config when present, else from the text config."""
+    ids: Any = None
+    if path is not None:
+        try:
+            from transformers import GenerationConfig
+
+            ids = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+        except (OSError, ValueError):
+            ids = None
+    if ids is None:
+        ids = getattr(config.text_config, "eos_token_id", None)
+    if ids is None:
+        return ()
+    return tuple(int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids]))
+
+
+class Qwen2VLRunner:
+    """Runs a loaded `Qwen2VL` for the engine (see `ModelRunner` for the call order)."""
+
+    def __init__(self, model: Any, *, eos_token_ids: Sequence[int] | None = None,
+                 path: str | None = None) -> None:
+        self.model = model
+        self.device = torch.device(model.device)
+        cfg = model.config
+        tcfg, vcfg = cfg.text_config, cfg.vision_config
+        eos = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(cfg, path)
+        self.info = ModelInfo(
+            vocab_size=int(tcfg.vocab_size),
+            max_model_len=int(getattr(tcfg, "max_position_embeddings", 32768)),
+            eos_token_ids=eos,
+            image_token_id=int(cfg.image_token_id),
+            spatial_merge_size=int(vcfg.spatial_merge_size),
+            patch_dim=int(vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size ** 2),
+        )
+        lm = model.language
+        self._lm_shape = (lm.num_layers, lm.num_kv_heads, lm.head_dim)
+        self.kv: Any = None
+        self.limits: StepLimits | None = None
+        self.graphs: dict[int, Any] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, attention_backend: str = "triton",
+                        dtype: Any = None, device: Any = None) -> Qwen2VLRunner:
+        from spaceserve.models import from_pretrained
+
+        model = from_pretrained(path, attention_backend=attention_backend, dtype=dtype,
+                                device=device)
+        return cls(model, path=os.fspath(path))
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        layers, heads, dim = self._lm_shape
+        return kv_block_bytes(layers, heads, dim, block_size, self.model.dtype)
+
+    def profile_peak_bytes(self, limits: StepLimits, max_encoder_tokens: int) -> int:
+        """Peak extra memory of the largest prefill step and the largest encoder pass, run
+        once on dummy inputs (CUDA only; 0 elsewhere)."""
+        if self.device.type != "cuda":
+            return 0
+        model, bs = self.model, limits.block_size
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        t = limits.max_num_batched_tokens
+        cache = model.allocate_kv_cache(-(-t // bs), bs)
+        ctx = model.plan_step([0], [t], [list(range(-(-t // bs)))], block_size=bs)
+        model.forward(torch.zeros(t, dtype=torch.long, device=self.device), ctx, cache)
+        del cache, ctx
+        merge = self.info.spatial_merge_size
+        patches = max_encoder_tokens * merge * merge
+        pv = torch.zeros(patches, self.info.patch_dim, dtype=model.dtype, device=self.device)
+        model.encode_images(pv, [[1, merge, merge * max_encoder_tokens]])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    def allocate_kv_cache(self, num_blocks: int, limits: StepLimits) -> None:
+        self.limits = limits
+        self.kv = self.model.allocate_kv_cache(num_blocks, limits.block_size)
+
+    def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
+        if self.device.type != "cuda" or self.limits is None:
+            return ()
+        from spaceserve.models import DecodeGraph
+
+        for b in sorted(set(batch_sizes)):
+            self.graphs[b] = DecodeGraph(self.model, self.kv, b, self.limits.max_blocks_per_seq)
+        return tuple(sorted(self.graphs))
+
+    def prepare_request(self, req: Request) -> None:
+        grid = req.mm.image_grid_thw if req.mm is not None else None
+        req.model_state = self.model.mrope_positions(req.prompt_token_ids, grid)
+
+    def encode(self, mms: Sequence[MultiModalData]) -> list[torch.Tensor]:
+        out = []
+        for mm in mms:
+            pv = mm.pixel_values.to(device=self.device, dtype=self.model.dtype)
+            out.append(self.model.encode_images(pv, mm.image_grid_thw))
+        return out
+
+    def _inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flattened token ids, and one embedding row per image-token id among them in token
+        order: the encoder's row for a prompt image token, the token's own embedding for a
+        generated one (the model may emit the image token id; it is then plain text)."""
+        ids: list[int] = []
+        embeds: list[torch.Tensor] = []
+        img = self.info.image_token_id
+        for req, s, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
+            piece = req.token_ids[s:s + n]
+            ids += piece
+            p, mm = req.num_prompt_tokens, req.mm
+            if mm is not None and s < p:
+                lo, hi = np.searchsorted(mm.positions, [s, min(s + n, p)])
+                if hi > lo:
+                    embeds.append(mm.embeds[lo:hi])
+            if s + n > p:
+                k = piece[max(0, p - s):].count(img)
+                if k:
+                    row = self.model.language.embed[img]
+                    embeds.append(row.expand(k, row.shape[0]))
+        t = torch.tensor(ids, dtype=torch.long)
+        if self.device.type != "cpu":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        return t, (torch.cat(embeds) if embeds else None)
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        assert self.kv is not None, "allocate_kv_cache first"
+        model, bs = self.model, self.kv.block_size
+        states = [r.model_state for r in batch.reqs]
+        tables = [r.block_ids for r in batch.reqs]
+        input_ids, embeds = self._inputs(batch)
+        nb = batch.num_seqs
+        if batch.num_decodes == nb and self.graphs and nb <= max(self.graphs):
+            graph = self.graphs[min(b for b in self.graphs if b >= nb)]
+            ctx = graph.plan(batch.num_cached, tables, rope_deltas=[s[1] for s in states])
+            return graph.replay(input_ids, ctx)
+        ctx = model.plan_step(batch.num_cached, batch.num_new, tables, block_size=bs,
+                              mrope_positions=[s[0] for s in states],
+                              rope_deltas=[s[1] for s in states], need_logits=batch.need_logits)
+        return model.forward(input_ids, ctx, self.kv, image_embeds=embeds)
