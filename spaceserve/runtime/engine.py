@@ -25,7 +25,7 @@ from typing import Any
 
 from .block_manager import BlockManager
 from .encoder_stage import TemporalEncoderStage
-from .memory import GRAPH_RESERVE_BYTES, plan_kv_cache
+from .memory import GRAPH_RESERVE_BYTES, max_sequence_len, plan_kv_cache
 from .request import Request, RequestOutput, SamplingParams, Status, process_prompt
 from .runner import ModelRunner, StepLimits
 from .sampler import Sampler
@@ -98,7 +98,7 @@ class Engine:
             block_size=bs, block_bytes=runner.kv_block_bytes(bs), device=runner.device,
             num_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
             activation_bytes=peak, reserve_bytes=config.graph_reserve_bytes)
-        self.max_model_len = min(self.context_len, self.memory.capacity_tokens)
+        self.max_model_len = max_sequence_len(self.context_len, self.memory)
         self.limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
                                  self.max_model_len, bs)
         runner.allocate_kv_cache(self.memory.num_blocks, self.limits)

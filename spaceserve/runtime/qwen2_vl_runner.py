@@ -62,7 +62,11 @@ class Qwen2VLRunner:
         self._lm_shape = (lm.num_layers, lm.num_kv_heads, lm.head_dim)
         self.kv: Any = None
         self.limits: StepLimits | None = None
-        self.graphs: dict[int, Any] = {}
+        # SM budgets of the two stages (None = the whole device); a spatial encoder stage sets
+        # them, then captures graphs for the new decoder budget.
+        self.encoder_num_sms: int | None = None
+        self.decoder_num_sms: int | None = None
+        self.graphs: dict[tuple[int, int | None], Any] = {}
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, attention_backend: str = "triton",
@@ -88,6 +92,7 @@ class Qwen2VLRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         t = limits.max_num_batched_tokens
         cache = model.allocate_kv_cache(-(-t // bs), bs)
+        cache_bytes = torch.cuda.memory_allocated(self.device) - base
         ctx = model.plan_step([0], [t], [list(range(-(-t // bs)))], block_size=bs)
         model.forward(torch.zeros(t, dtype=torch.long, device=self.device), ctx, cache)
         del cache, ctx
@@ -96,22 +101,28 @@ class Qwen2VLRunner:
         pv = torch.zeros(patches, self.info.patch_dim, dtype=model.dtype, device=self.device)
         model.encode_images(pv, [[1, merge, merge * max_encoder_tokens]])
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
+        peak = torch.cuda.max_memory_allocated(self.device) - base - cache_bytes
         torch.cuda.empty_cache()
-        return int(peak)
+        return max(0, int(peak))
 
     def allocate_kv_cache(self, num_blocks: int, limits: StepLimits) -> None:
         self.limits = limits
         self.kv = self.model.allocate_kv_cache(num_blocks, limits.block_size)
 
     def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
+        """Capture decode graphs for the current decoder budget (CUDA only)."""
         if self.device.type != "cuda" or self.limits is None:
             return ()
         from spaceserve.models import DecodeGraph
 
-        for b in sorted(set(batch_sizes)):
-            self.graphs[b] = DecodeGraph(self.model, self.kv, b, self.limits.max_blocks_per_seq)
-        return tuple(sorted(self.graphs))
+        sizes = sorted({b for b in batch_sizes if b <= self.limits.max_num_seqs})
+        for b in sizes:
+            key = (b, self.decoder_num_sms)
+            if key not in self.graphs:
+                self.graphs[key] = DecodeGraph(self.model, self.kv, b,
+                                               self.limits.max_blocks_per_seq,
+                                               num_sms=self.decoder_num_sms)
+        return tuple(sizes)
 
     def prepare_request(self, req: Request) -> None:
         grid = req.mm.image_grid_thw if req.mm is not None else None
@@ -121,7 +132,8 @@ class Qwen2VLRunner:
         out = []
         for mm in mms:
             pv = mm.pixel_values.to(device=self.device, dtype=self.model.dtype)
-            out.append(self.model.encode_images(pv, mm.image_grid_thw))
+            out.append(self.model.encode_images(pv, mm.image_grid_thw,
+                                                num_sms=self.encoder_num_sms))
         return out
 
     def _inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -155,12 +167,14 @@ class Qwen2VLRunner:
         states = [r.model_state for r in batch.reqs]
         tables = [r.block_ids for r in batch.reqs]
         input_ids, embeds = self._inputs(batch)
-        nb = batch.num_seqs
-        if batch.num_decodes == nb and self.graphs and nb <= max(self.graphs):
-            graph = self.graphs[min(b for b in self.graphs if b >= nb)]
-            ctx = graph.plan(batch.num_cached, tables, rope_deltas=[s[1] for s in states])
-            return graph.replay(input_ids, ctx)
+        nb, budget = batch.num_seqs, self.decoder_num_sms
+        if batch.num_decodes == nb:
+            fits = [b for b, sms in self.graphs if sms == budget and b >= nb]
+            if fits:
+                graph = self.graphs[min(fits), budget]
+                ctx = graph.plan(batch.num_cached, tables, rope_deltas=[s[1] for s in states])
+                return graph.replay(input_ids, ctx)
         ctx = model.plan_step(batch.num_cached, batch.num_new, tables, block_size=bs,
                               mrope_positions=[s[0] for s in states],
                               rope_deltas=[s[1] for s in states], need_logits=batch.need_logits)
-        return model.forward(input_ids, ctx, self.kv, image_embeds=embeds)
+        return model.forward(input_ids, ctx, self.kv, image_embeds=embeds, num_sms=budget)

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from spaceserve import Engine, SamplingParams
+from spaceserve.kernels import record_launches
+from spaceserve.kernels.testing import assert_within_budget
 
 IMAGE, VIDEO, VSTART, VEND, EOS, BOS = 120, 121, 122, 123, 2, 1
 MAX_TOKENS = 6
@@ -101,12 +103,17 @@ def test_chunks_batching_and_preemption_keep_the_tokens(checkpoint, prompts, exp
     engine.check_idle()
 
 
-def test_triton_backend_matches(checkpoint, prompts, expected) -> None:
+def test_triton_backend_matches_under_stage_budgets(checkpoint, prompts, expected) -> None:
     engine = Engine.from_pretrained(checkpoint[0], attention_backend="triton", device="cpu",
                                     num_kv_blocks=32, block_size=4)
-    outs = engine.generate(prompts[:2], SamplingParams(max_tokens=3, temperature=0.0,
-                                                       ignore_eos=True))
+    engine.runner.encoder_num_sms, engine.runner.decoder_num_sms = 8, 20
+    with record_launches() as launches:
+        outs = engine.generate(prompts[:2], SamplingParams(max_tokens=3, temperature=0.0,
+                                                           ignore_eos=True))
     assert [o.token_ids for o in outs] == [e[:3] for e in expected[:2]]
+    assert_within_budget(launches, 20)
+    assert {r.num_sms for r in launches} == {8, 20}
+    assert {r.name for r in launches if r.num_sms == 8} & {"vit_attention"}
 
 
 def test_bad_image_input_fails_alone(checkpoint, prompts, expected) -> None:
@@ -127,3 +134,21 @@ def test_generated_image_token_beside_an_image_chunk(checkpoint, prompts, expect
                                     num_kv_blocks=64, block_size=4, max_num_batched_tokens=10)
     outs = engine.generate(prompts[1:3], GREEDY)
     assert [o.token_ids for o in outs] == expected[1:3]
+
+
+@pytest.mark.gpu
+def test_cuda_engine_with_decode_graphs_matches_transformers(checkpoint, prompts,
+                                                              expected) -> None:
+    engine = Engine.from_pretrained(checkpoint[0], attention_backend="triton", device="cuda",
+                                    dtype=torch.float32, block_size=16, max_num_seqs=8,
+                                    gpu_memory_utilization=0.05, graph_reserve_bytes=1 << 28,
+                                    max_encoder_tokens_per_step=256)
+    assert engine.memory.source == "profiled" and engine.memory.num_blocks > 64
+    assert engine.graph_batch_sizes == (1, 2, 4, 8)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    engine.check_idle()
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=7,
+                             ignore_eos=True)
+    alone = [engine.generate(p, sampled)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in engine.generate(prompts, sampled)] == alone
