@@ -175,3 +175,42 @@ def test_bad_lm_inputs_raise(load, images):
         model.forward(ids[:4], ctx, model.allocate_kv_cache(8, 8))
     with pytest.raises(ValueError, match="block_size"):
         model.allocate_kv_cache(8, 6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_replanned_decode_equals_eager(load, backend):
+    """What a CUDA-graph replay does, on CPU: one padded all-padding context reused for new
+    steps via copy_from + replan (plan buffers kept) gives the eager step's logits; padding
+    tokens store nothing (the torch store puts them in the scratch block)."""
+    model = load("small", backend)
+    runs = [PagedRun(model, seed=s) for s in range(3)]
+    cache = runs[0].cache
+    for r in runs[1:]:
+        r.cache = cache
+    runs[1].table, runs[2].table = runs[1].table[::-1], runs[2].table[1:] + runs[2].table[:1]
+    runs[0].step(TEXT_B, need_logits=False)
+    runs[1].step(TEXT_C, need_logits=False)
+    runs[2].step(TEXT_B[:4], need_logits=False)
+    width = len(runs[0].table)
+    static = model.plan_step([], [], [], block_size=4, pad_seqs_to=4, max_blocks_per_seq=width)
+    plan = static.plan
+    ids = torch.tensor([EXTRA[0], EXTRA[1], 7, 0])
+    before = [c[:-1].clone() for c in cache.k + cache.v]  # all but the scratch block
+    assert model.forward(ids, static, cache).shape == (4, 128)
+    assert all(torch.equal(b, c[:-1]) for b, c in zip(before, cache.k + cache.v, strict=True))
+    for step, seqs in enumerate([[0, 1, 2], [2, 0]]):
+        tables = [runs[i].table for i in seqs]
+        cached = [runs[i].cached for i in seqs]
+        eager = model.forward(ids[:len(seqs)], model.plan_step(
+            cached, [1] * len(seqs), tables, block_size=4), cache)
+        static.copy_from(model.plan_step(cached, [1] * len(seqs), tables, block_size=4,
+                                         pad_seqs_to=4, max_blocks_per_seq=width))
+        static.plan = model.backend.replan(static.plan, static)
+        assert static.plan is plan  # buffers a graph captured stay the same objects
+        padded = model.forward(torch.cat([ids[:len(seqs)], ids[len(seqs):]]), static, cache)
+        if backend == "triton":  # per-row arithmetic does not depend on the padded rows
+            assert torch.equal(padded[:len(seqs)], eager), step
+        else:  # stock CPU GEMMs block differently for 3 and 4 rows
+            assert_close(padded[:len(seqs)], eager.double(), rtol=1e-6)
+        for i in seqs:
+            runs[i].cached += 1

@@ -101,3 +101,14 @@ def test_missing_files_and_tensors_raise(tmp_path, checkpoints):
     save_file(state, os.path.join(tmp_path, "model.safetensors"))
     with pytest.raises(ValueError, match="visual.blocks.1.mlp.fc2.bias"):
         from_pretrained(tmp_path, attention_backend="torch")
+
+
+def test_image_processor_feeds_the_encoder(load):
+    import numpy as np
+
+    model = load("small", "torch")
+    batch = model.image_processor()(images=[np.zeros((70, 100, 3), dtype=np.uint8)],
+                                    return_tensors="pt")
+    grid = batch["image_grid_thw"]
+    out = model.encode_images(batch["pixel_values"], grid)
+    assert out.shape == (int(grid.prod()) // 4, model.config.text_config.hidden_size)
