@@ -84,7 +84,6 @@ def build_models(config: Any, device: torch.device, dtype: torch.dtype, *,
     if hf:
         from transformers import Qwen2VLForConditionalGeneration
 
-        config._attn_implementation = "sdpa"
         with torch.device(device):
             model = Qwen2VLForConditionalGeneration._from_config(
                 config, attn_implementation="sdpa", dtype=dtype)

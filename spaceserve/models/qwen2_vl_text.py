@@ -67,10 +67,11 @@ class LanguageModel:
         self.eps = float(config.rms_norm_eps)
         self.num_layers = int(config.num_hidden_layers)
         self.vocab_size = int(config.vocab_size)
-        rope = dict(config.rope_parameters or {})
-        if rope.get("rope_type", "default") not in ("default", "mrope"):
+        rope = dict(getattr(config, "rope_parameters", None)
+                    or getattr(config, "rope_scaling", None) or {})
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
             raise ValueError(f"rope_type={rope.get('rope_type')!r} is not supported (default only)")
-        theta = float(rope.get("rope_theta", 1e6))
+        theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 1e6)))
         d = self.head_dim
         self.inv_freq = (1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))).to(device)
         section = list(rope.get("mrope_section", [16, 24, 24]))
