@@ -1,0 +1,64 @@
+"""PNG of a `CurveSet`: latency against SM count for each stage and workload point."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spaceserve.runtime.curves import CurveSet
+
+TITLES = {"encoder": "encoder (per layer)", "prefill": "prefill chunk", "decode": "decode step"}
+
+
+def _series(curve, corun: bool) -> dict[str, list[float]]:
+    """{"axis=value, ...": latencies over curve.sms} from the raw (not enveloped) grid."""
+    raw = curve.corun if corun else curve.isolated
+    names = list(curve.axes)
+    out: dict[str, list[float]] = {}
+
+    def walk(values, prefix: list[str], depth: int) -> None:
+        if depth == len(names):
+            out.setdefault(", ".join(prefix), []).append(values)
+            return
+        for v, sub in zip(curve.grid[names[depth]], values, strict=True):
+            walk(sub, [*prefix, f"{names[depth]}={v:g}"], depth + 1)
+
+    for row in raw:  # one row per SM count, in order
+        walk(row, [], 0)
+    return out
+
+
+def plot_curves(curves: CurveSet, path: str | Path) -> Path | None:
+    """Three panels (encoder, prefill, decode); isolated solid, co-running dashed; returns the
+    path, or None when matplotlib is missing. The PNG is a function of the curves alone."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    stages = {"encoder": curves.encoder_curve, "prefill": curves.prefill_curve,
+              "decode": curves.decode_curve}
+    for ax, (stage, curve) in zip(axes, stages.items(), strict=True):
+        iso, cor = _series(curve, False), _series(curve, True)
+        cmap = plt.get_cmap("viridis", max(2, len(iso)))
+        for i, label in enumerate(iso):
+            color = cmap(i)
+            ax.plot(curve.sms, [t * 1e3 for t in iso[label]], "-o", color=color, ms=3,
+                    label=label)
+            ax.plot(curve.sms, [t * 1e3 for t in cor[label]], "--", color=color, lw=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("SMs")
+        ax.set_ylabel("ms")
+        ax.set_title(TITLES[stage])
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, ncol=2 if len(iso) > 8 else 1)
+    fig.suptitle(f"{curves.model.get('name', 'model')} on {curves.device} ({curves.dtype}, "
+                 f"{curves.source}); dashed: co-running")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return path
