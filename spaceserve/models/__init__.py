@@ -1,4 +1,5 @@
-"""Qwen2-VL on SpaceServe kernels: loading, stage entry points, attention backends, planner."""
+"""Qwen2-VL and Qwen2.5-VL on SpaceServe kernels: loading, stage entry points, attention
+backends, planner."""
 
 from .attention_backends import (
     AttentionBackend,
@@ -18,6 +19,8 @@ from .loader import (
     weight_shapes,
 )
 from .mrope import mrope_positions, text_positions
+from .qwen2_5_vl import Qwen25VL
+from .qwen2_5_vl_vision import Qwen25VisionEncoder, WindowEncoderJob, window_layout
 from .qwen2_vl import Qwen2VL
 from .qwen2_vl_text import KVCache, LanguageModel
 from .qwen2_vl_vision import EncoderJob, VisionEncoder
@@ -30,10 +33,13 @@ __all__ = [
     "HostMeta",
     "KVCache",
     "LanguageModel",
+    "Qwen25VL",
+    "Qwen25VisionEncoder",
     "Qwen2VL",
     "StepContext",
     "VisionEncoder",
     "VitMeta",
+    "WindowEncoderJob",
     "available_backends",
     "from_config",
     "from_pretrained",
@@ -45,4 +51,5 @@ __all__ = [
     "random_state_dict",
     "text_positions",
     "weight_shapes",
+    "window_layout",
 ]

@@ -1,5 +1,6 @@
-"""Building Qwen2-VL: from a local checkpoint directory, from a state dict, or with random
-weights from a config (benchmarks). Configs are transformers' own `Qwen2VLConfig`."""
+"""Building Qwen2-VL and Qwen2.5-VL: from a local checkpoint directory, from a state dict, or
+with random weights from a config (benchmarks). Configs are transformers' own `Qwen2VLConfig` /
+`Qwen2_5_VLConfig`; the architecture follows the config's ``model_type``."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from typing import Any
 import torch
 
 from .attention_backends import AttentionBackend
+from .qwen2_5_vl import Qwen25VL
+from .qwen2_5_vl_vision import vision_weight_shapes
 from .qwen2_vl import Qwen2VL
 
 Tensor = torch.Tensor
-SUPPORTED_MODEL_TYPES = ("qwen2_vl",)
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+MODEL_CLASSES: dict[str, type[Qwen2VL]] = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen25VL}
 
 # Checkpoint key prefixes (old hub layout and transformers 5.x layout) -> internal prefixes.
 _PREFIXES = (
@@ -51,15 +55,21 @@ def _resolve_device(device: Any) -> torch.device:
     return torch.device(device)
 
 
-def _as_config(config: Any) -> Any:
-    from transformers import Qwen2VLConfig
+def config_class(model_type: str) -> Any:
+    """transformers' config class of a supported `model_type`."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
+    return Qwen2_5_VLConfig if model_type == "qwen2_5_vl" else Qwen2VLConfig
+
+
+def _as_config(config: Any) -> Any:
     if isinstance(config, Mapping):
         model_type = config.get("model_type", "qwen2_vl")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported; SpaceServe runs "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        return Qwen2VLConfig(**{k: v for k, v in config.items() if k != "model_type"})
+        return config_class(model_type)(**{k: v for k, v in config.items()
+                                           if k != "model_type"})
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported; SpaceServe runs "
@@ -71,7 +81,8 @@ def from_state_dict(config: Any, state_dict: Mapping[str, Tensor], *,
                     attention_backend: str | AttentionBackend = "triton",
                     dtype: torch.dtype | str | None = None, device: Any = None,
                     dense_ops: str | None = None) -> Qwen2VL:
-    """Build from tensors named as transformers names them (either checkpoint layout)."""
+    """Build from tensors named as transformers names them (either checkpoint layout); a
+    Qwen2.5-VL config gives a `Qwen25VL`."""
     config = _as_config(config)
     weights: dict[str, Tensor] = {}
     for key, t in state_dict.items():
@@ -82,7 +93,8 @@ def from_state_dict(config: Any, state_dict: Mapping[str, Tensor], *,
     dt = _resolve_dtype(dtype, first.dtype if first is not None else torch.float32)
     dev = _resolve_device(device)
     if "lm_head.weight" not in weights and "language.embed_tokens.weight" in weights:
-        if not (config.tie_word_embeddings or config.text_config.tie_word_embeddings):
+        if not (getattr(config, "tie_word_embeddings", False)
+                or getattr(config.text_config, "tie_word_embeddings", False)):
             raise ValueError("the checkpoint has no lm_head.weight and the config does not tie "
                              "word embeddings")
         weights["lm_head.weight"] = weights["language.embed_tokens.weight"]
@@ -95,8 +107,8 @@ def from_state_dict(config: Any, state_dict: Mapping[str, Tensor], *,
             cache[name] = weights[name].to(device=dev, dtype=dt).contiguous()
         return cache[name]
 
-    return Qwen2VL(config, weight, attention_backend=attention_backend, dtype=dt, device=dev,
-                   dense_ops=dense_ops)
+    return MODEL_CLASSES[config.model_type](config, weight, attention_backend=attention_backend,
+                                            dtype=dt, device=dev, dense_ops=dense_ops)
 
 
 def _read_checkpoint(path: str) -> dict[str, Tensor]:
@@ -123,8 +135,6 @@ def from_pretrained(path: str | os.PathLike, *,
     """Load a local checkpoint directory (config.json + safetensors, as save_pretrained writes
     it; no hub access). `dtype` defaults to the checkpoint's, `device` to CUDA when present.
     Raises ValueError for an unsupported architecture or an unknown backend."""
-    from transformers import Qwen2VLConfig
-
     path = os.fspath(path)
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
@@ -136,7 +146,7 @@ def from_pretrained(path: str | os.PathLike, *,
         arch = ", ".join(raw.get("architectures") or []) or "unknown architecture"
         raise ValueError(f"{path}: model_type {model_type!r} ({arch}) is not supported; "
                          f"SpaceServe runs {', '.join(SUPPORTED_MODEL_TYPES)}")
-    config = Qwen2VLConfig.from_pretrained(path)
+    config = config_class(model_type).from_pretrained(path)
     state = _read_checkpoint(path)
     if dtype is None:
         stored = raw.get("dtype") or raw.get("torch_dtype")
@@ -145,10 +155,7 @@ def from_pretrained(path: str | os.PathLike, *,
                            device=device, dense_ops=dense_ops)
 
 
-def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """Names (transformers' hub layout) and shapes of every Qwen2-VL weight."""
-    config = _as_config(config)
-    v, t = config.vision_config, config.text_config
+def _qwen2_vl_vision_shapes(v: Any) -> dict[str, tuple[int, ...]]:
     e, m = int(v.embed_dim), int(v.embed_dim * v.mlp_ratio)
     merged = e * int(v.spatial_merge_size) ** 2
     shapes: dict[str, tuple[int, ...]] = {
@@ -167,6 +174,17 @@ def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
                        p + "attn.proj.weight": (e, e), p + "attn.proj.bias": (e,),
                        p + "mlp.fc1.weight": (m, e), p + "mlp.fc1.bias": (m,),
                        p + "mlp.fc2.weight": (e, m), p + "mlp.fc2.bias": (e,)})
+    return shapes
+
+
+def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Names (transformers' hub layout) and shapes of every Qwen2-VL / Qwen2.5-VL weight."""
+    config = _as_config(config)
+    v, t = config.vision_config, config.text_config
+    if config.model_type == "qwen2_5_vl":
+        shapes = vision_weight_shapes(v)
+    else:
+        shapes = _qwen2_vl_vision_shapes(v)
     h, n_q = int(t.hidden_size), int(t.num_attention_heads)
     n_kv, d = int(t.num_key_value_heads or n_q), int(t.hidden_size) // n_q
     inter, vocab = int(t.intermediate_size), int(t.vocab_size)
@@ -211,8 +229,8 @@ def random_state_dict(config: Any, *, dtype: torch.dtype | str | None = None,
 def from_config(config: Any, *, attention_backend: str | AttentionBackend = "triton",
                 dtype: torch.dtype | str | None = None, device: Any = None,
                 dense_ops: str | None = None, seed: int = 0, std: float = 0.02) -> Qwen2VL:
-    """Random weights for `config` (a Qwen2VLConfig or its dict), for benchmarks; see
-    `random_state_dict`."""
+    """Random weights for `config` (a Qwen2VLConfig / Qwen2_5_VLConfig or its dict), for
+    benchmarks; see `random_state_dict`."""
     config = _as_config(config)
     dt = _resolve_dtype(dtype, torch.float32)
     state = random_state_dict(config, dtype=dt, device=device, seed=seed, std=std)

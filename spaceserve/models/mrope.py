@@ -6,6 +6,10 @@ larger of the merged grid's height and width, so positions grow more slowly than
 The difference at the end of the prompt is the *rope delta*: a token at cache index ``p`` after
 the prompt has position ``p + delta`` on all three rows. This is what transformers'
 ``get_rope_index`` computes; it is reproduced here on host tensors so the planner can slice it.
+
+Qwen2.5-VL (a vision config with ``tokens_per_second``) spaces a video's temporal positions by
+``tokens_per_second * second_per_grid_ts`` per temporal patch (truncated to integers); images
+keep a temporal step of 1 (a still image has one frame, so its temporal row is constant).
 """
 
 from __future__ import annotations
@@ -46,13 +50,15 @@ def mrope_positions(
     config: Any,
     *,
     video_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None = None,
+    second_per_grid_ts: torch.Tensor | Sequence[float] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """M-RoPE positions of one prompt: (positions ``[3, L]`` int64 on CPU, rope delta).
 
     `input_ids` is one prompt (1-D); `config` is a Qwen2VLConfig (its image/video token ids and
     the vision merge size are read). Each maximal run of image tokens is one image and takes the
     next row of `image_grid_thw` (patch grid, before the 2x2 merge), as transformers does.
-    Raises ValueError when the runs and the grids disagree.
+    Raises ValueError when the runs and the grids disagree. `second_per_grid_ts` (one value per
+    video, default 1) only matters for Qwen2.5-VL videos.
     """
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() != 1:
@@ -67,6 +73,10 @@ def mrope_positions(
     used = {1: 0, 2: 0}
     names = {1: "image_grid_thw", 2: "video_grid_thw"}
     wanted = {int(config.image_token_id): 1, int(config.video_token_id): 2}
+    per_second = getattr(config.vision_config, "tokens_per_second", None)
+    if second_per_grid_ts is not None and len(second_per_grid_ts) != len(grids[2]):
+        raise ValueError(f"second_per_grid_ts has {len(second_per_grid_ts)} values for "
+                         f"{len(grids[2])} videos")
 
     pieces: list[torch.Tensor] = []
     pos = 0
@@ -87,7 +97,11 @@ def mrope_positions(
             raise ValueError(
                 f"{names[kind]} row {(t, h, w)} gives {t * gh * gw} tokens, input_ids hold {n}"
             )
-        tt = torch.arange(t, dtype=torch.long).view(t, 1, 1).expand(t, gh, gw)
+        steps = torch.arange(t, dtype=torch.long)
+        if kind == 2 and per_second is not None:  # as transformers: (arange * interval).long()
+            seconds = 1 if second_per_grid_ts is None else second_per_grid_ts[used[2] - 1]
+            steps = (steps * (per_second * seconds)).long()
+        tt = steps.view(t, 1, 1).expand(t, gh, gw)
         hh = torch.arange(gh, dtype=torch.long).view(1, gh, 1).expand(t, gh, gw)
         ww = torch.arange(gw, dtype=torch.long).view(1, 1, gw).expand(t, gh, gw)
         pieces.append(torch.stack([tt, hh, ww]).reshape(3, n) + pos)

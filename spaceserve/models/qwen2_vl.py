@@ -24,6 +24,11 @@ class Qwen2VL:
     `encode_images` (the encoder; preemptible through ``vision.start/advance/finish``) and
     `forward` (one LM step over the paged cache, metadata from `plan_step`)."""
 
+    # The vision tower class and the vision config field giving its output width (architecture
+    # variants override these).
+    vision_class: type[VisionEncoder] = VisionEncoder
+    vision_out_field = "hidden_size"
+
     def __init__(self, config: Any, weight: Callable[[str], Tensor], *,
                  attention_backend: str | AttentionBackend = "triton",
                  dtype: torch.dtype, device: torch.device, dense_ops: str | None = None) -> None:
@@ -33,11 +38,12 @@ class Qwen2VL:
         self.backend = get_backend(attention_backend)
         self.ops: TorchOps = make_ops(dense_ops or self.backend.dense_ops)
         tcfg = config.text_config
-        self.vision = VisionEncoder(config.vision_config, lambda n: weight("visual." + n),
-                                    self.ops, self.backend, device, dtype)
-        if config.vision_config.hidden_size != tcfg.hidden_size:
-            raise ValueError(f"vision_config.hidden_size={config.vision_config.hidden_size} must "
-                             f"equal text_config.hidden_size={tcfg.hidden_size}")
+        self.vision = self.vision_class(config.vision_config, lambda n: weight("visual." + n),
+                                        self.ops, self.backend, device, dtype)
+        out = getattr(config.vision_config, self.vision_out_field)
+        if out != tcfg.hidden_size:
+            raise ValueError(f"vision_config.{self.vision_out_field}={out} must equal "
+                             f"text_config.hidden_size={tcfg.hidden_size}")
         head = weight("lm_head.weight")
         self.language = LanguageModel(tcfg, lambda n: weight("language." + n), head,
                                       config.image_token_id, self.ops, self.backend, device, dtype)
