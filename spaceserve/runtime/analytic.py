@@ -1,4 +1,5 @@
-"""Analytic resource-utility curves: a roofline model of Qwen2-VL stages on a device preset.
+"""Analytic resource-utility curves: a roofline model of Qwen2-VL / Qwen2.5-VL stages on a device
+preset.
 
 Before anything is profiled, SIS and the simulator need curves. This module derives them from
 each op's FLOPs and bytes, computed from a transformers config, and a device preset:
@@ -9,7 +10,10 @@ each op's FLOPs and bytes, computed from a transformers config, and a device pre
   flight), again counting only SMs the op can occupy;
 - an op takes ``max(compute, memory)``; every layer adds a fixed launch overhead;
 - co-running with the other stage derates both the HBM ceiling and the FLOP rate by the preset's
-  ``contention`` factor (shared HBM/L2 and power-capped clocks).
+  ``contention`` factor (shared HBM/L2 and power-capped clocks);
+- Qwen2.5-VL's window blocks attend within windows of ``vision_window`` patches (cost linear in
+  the patch count), its full blocks over the whole sequence; an encoder "layer" is the mean
+  over the mix, so TWSRFT's remaining-work estimates and SIS see the right pass cost.
 
 Results are marked ``source="modelled"``. The numbers are a model: they fix orders of magnitude
 and the shape of the trade-off (memory-bound decode saturates at about half an H200, the
@@ -67,6 +71,8 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    vision_window: int = 0  # patches per attention window (0: every block attends fully)
+    vision_window_layers: int = 0  # blocks attending within windows (the rest: full)
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
@@ -75,18 +81,24 @@ class ModelShape:
         tc = getattr(config, "text_config", None) or config
         if vc is None:
             raise ValueError("config: needs a vision_config (a Qwen2-VL style config)")
+        window = window_layers = 0
         if hasattr(vc, "embed_dim"):  # Qwen2-VL: LayerNorm + GELU MLP, hidden_size = LLM width
             embed, mlp, gated, out = vc.embed_dim, int(vc.embed_dim * vc.mlp_ratio), False, \
                 vc.hidden_size
-        else:  # Qwen2.5-VL: SwiGLU MLP, merger to out_hidden_size
+        else:  # Qwen2.5-VL: SwiGLU MLP, merger to out_hidden_size, window attention
             embed, mlp, gated, out = vc.hidden_size, vc.intermediate_size, True, vc.out_hidden_size
+            if getattr(vc, "window_size", None):
+                m = vc.spatial_merge_size
+                window = (vc.window_size // m // vc.patch_size * m) ** 2
+                full = {int(i) for i in vc.fullatt_block_indexes if 0 <= int(i) < vc.depth}
+                window_layers = vc.depth - len(full) if window else 0
         heads = tc.num_attention_heads
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
         patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
         return cls(name or getattr(config, "model_type", "model"), vc.depth, embed, vc.num_heads,
                    mlp, gated, out, vc.spatial_merge_size, patch_dim, tc.num_hidden_layers,
                    tc.hidden_size, tc.intermediate_size, heads, tc.num_key_value_heads, head_dim,
-                   tc.vocab_size)
+                   tc.vocab_size, vision_window=window, vision_window_layers=window_layers)
 
 
 def qwen2_vl_7b_config() -> Any:
@@ -103,6 +115,24 @@ def qwen2_vl_7b_config() -> Any:
     return Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
                          video_token_id=151656, vision_start_token_id=151652,
                          vision_end_token_id=151653)
+
+
+def qwen2_5_vl_7b_config() -> Any:
+    """Qwen2.5-VL-7B's config, built offline (no hub access)."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                rms_norm_eps=1e-6, max_position_embeddings=128000,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                 "mrope_section": [16, 24, 24]})
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                  out_hidden_size=3584, hidden_act="silu", patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3, window_size=112,
+                  fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
+                            video_token_id=151656, vision_start_token_id=151652,
+                            vision_end_token_id=151653)
 
 
 class Roofline:
@@ -133,26 +163,36 @@ class Roofline:
         """A norm or elementwise pass: read and write `rows x width`."""
         return self._op(0.0, 2.0 * self.b * rows * width, math.ceil(rows / 4), sms, corun)
 
-    def encoder_layer(self, patches: float, sms: int, corun: bool = False) -> float:
-        """One vision-layer equivalent: a full pass over `patches` ViT tokens divided by depth.
-
-        Attention is costed as one sequence of `patches` tokens (an upper bound for a batch of
-        several images).
-        """
-        s, p = self.s, float(patches)
+    def _vit_layer(self, p: float, segment: float, sms: int, corun: bool) -> float:
+        """One vision block over `p` patches attending within segments of `segment` patches."""
+        s, segment = self.s, max(1.0, segment)
         e, hd = s.vision_embed, s.vision_embed // s.vision_heads
         layer = 2 * self._rowwise(p, e, sms, corun)
         layer += self._gemm(p, e, 3 * e, sms, corun) + self._gemm(p, e, e, sms, corun)
-        attn_par = math.ceil(p / 128) * s.vision_heads
-        layer += self._op(4.0 * p * p * s.vision_heads * hd, 4.0 * self.b * p * e, attn_par, sms,
-                          corun, self.d.attn_efficiency)
+        attn_par = math.ceil(p / segment) * math.ceil(segment / 128) * s.vision_heads
+        layer += self._op(4.0 * p * segment * s.vision_heads * hd, 4.0 * self.b * p * e, attn_par,
+                          sms, corun, self.d.attn_efficiency)
         up = 2 * s.vision_mlp if s.vision_gated else s.vision_mlp
         layer += self._gemm(p, e, up, sms, corun) + self._gemm(p, s.vision_mlp, e, sms, corun)
+        return layer
+
+    def encoder_layer(self, patches: float, sms: int, corun: bool = False) -> float:
+        """One vision-layer equivalent: a full pass over `patches` ViT tokens divided by depth.
+
+        Full attention is costed as one sequence of `patches` tokens (an upper bound for a batch
+        of several images); window blocks as `patches / vision_window` windows.
+        """
+        s, p = self.s, float(patches)
+        e = s.vision_embed
+        windowed = s.vision_window_layers if s.vision_window else 0
+        total = (s.vision_depth - windowed) * self._vit_layer(p, p, sms, corun)
+        if windowed:
+            total += windowed * self._vit_layer(p, min(p, float(s.vision_window)), sms, corun)
         m, wide = p / s.merge ** 2, e * s.merge ** 2
         extra = self._gemm(p, s.patch_dim, e, sms, corun) + self._rowwise(p, e, sms, corun)
         extra += self._gemm(m, wide, wide, sms, corun) + self._gemm(m, wide, s.vision_out, sms,
                                                                    corun)
-        total = s.vision_depth * layer + extra + (s.vision_depth + 2) * self.d.layer_overhead_s
+        total = total + extra + (s.vision_depth + 2) * self.d.layer_overhead_s
         return total / s.vision_depth
 
     def _text_layer(self, rows: float, attn: float, sms: int, corun: bool) -> float:
