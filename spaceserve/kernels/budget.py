@@ -7,11 +7,17 @@ the environment variable ``SPACESERVE_NUM_SMS``. A budget outside ``1..device SM
 
 Every launch is observable through `record_launches()`; when nobody records, recording costs one
 truthiness check of an empty list.
+
+Launches run one program per budgeted SM, except inside `programs_per_sm_scope(n)`: a green-context
+partition whose SM count was read back from the driver sets it around its stage's launches, so
+`launch_persistent` may size the grid up to ``num_sms * n`` (recorded in `LaunchRecord`). The
+scope is a context variable: it holds for the thread (or task) that entered it and nowhere else.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import threading
@@ -120,3 +126,29 @@ def record_launches() -> Iterator[list[LaunchRecord]]:
                 if s is sink:
                     del _recorders[i]
                     break
+
+
+_PROGRAMS_PER_SM: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "spaceserve_programs_per_sm", default=1)
+
+
+def current_programs_per_sm() -> int:
+    """Programs per budgeted SM that a launch made here may use (1 outside a partition scope)."""
+    return _PROGRAMS_PER_SM.get()
+
+
+@contextlib.contextmanager
+def programs_per_sm_scope(programs_per_sm: int) -> Iterator[None]:
+    """Let launches inside the block run `programs_per_sm` programs per budgeted SM.
+
+    Only a green-context partition (whose budget is the SM count the driver granted) enters a
+    scope above 1; results do not change, since no kernel's work split depends on its grid.
+    """
+    if isinstance(programs_per_sm, bool) or not isinstance(programs_per_sm, int) \
+            or programs_per_sm < 1:
+        raise ValueError(f"programs_per_sm={programs_per_sm!r} must be an int >= 1")
+    token = _PROGRAMS_PER_SM.set(programs_per_sm)
+    try:
+        yield
+    finally:
+        _PROGRAMS_PER_SM.reset(token)

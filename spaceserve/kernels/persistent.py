@@ -22,7 +22,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from .budget import LaunchRecord, _recorders, record
+from .budget import LaunchRecord, _recorders, current_programs_per_sm, record
 
 
 def persistent_grid(num_tiles: int, num_sms: int, programs_per_sm: int = 1) -> tuple[int]:
@@ -37,17 +37,20 @@ def launch_persistent(
     num_sms: int,
     args: Sequence[Any],
     *,
-    programs_per_sm: int = 1,
+    programs_per_sm: int | None = None,
     config: dict[str, Any] | None = None,
     **meta: Any,
 ) -> tuple[int]:
     """Launch `kernel` persistently over `num_tiles` tiles under a budget of `num_sms` SMs.
 
     `programs_per_sm > 1` is only for green-context partitions whose SM count was read back from
-    the driver (DESIGN.md); everywhere else it must stay 1. `config` (block sizes, warps, stages)
-    is passed to the kernel as keyword meta-parameters and kept in the launch record. Returns the
-    grid.
+    the driver (DESIGN.md); everywhere else it must stay 1. None (the default) takes the value of
+    the enclosing `budget.programs_per_sm_scope`, which is 1 outside a partition. `config` (block
+    sizes, warps, stages) is passed to the kernel as keyword meta-parameters and kept in the launch
+    record. Returns the grid.
     """
+    if programs_per_sm is None:
+        programs_per_sm = current_programs_per_sm()
     if programs_per_sm < 1:
         raise ValueError(f"programs_per_sm={programs_per_sm} must be >= 1")
     grid = persistent_grid(num_tiles, num_sms, programs_per_sm)

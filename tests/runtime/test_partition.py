@@ -1,0 +1,156 @@
+"""SM partitions: the logged fallback to kernel budgets, split budgets and switching, programs per
+SM inside a green partition (and nowhere else), and the SM probe (GPU; a clear skip on CPU)."""
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from spaceserve.kernels import record_launches, rms_norm
+from spaceserve.kernels.budget import current_programs_per_sm, device_num_sms, programs_per_sm_scope
+from spaceserve.kernels.smprobe import (
+    SmProbeUnavailable,
+    launch_smprobe,
+    probe_available,
+    probe_report,
+    probe_sms,
+)
+from spaceserve.kernels.testing import assert_within_budget
+from spaceserve.runtime import partition
+from spaceserve.runtime.partition import Partition, PartitionSet, default_splits
+
+
+@pytest.fixture
+def fresh_log():
+    """Forget that the fallback was logged, so this test sees its one line."""
+    saved = set(partition._LOGGED)
+    partition._LOGGED.clear()
+    yield
+    partition._LOGGED.clear()
+    partition._LOGGED.update(saved)
+
+
+def test_fallback_is_logged_once_and_budgets_are_the_requested_splits(caplog, fresh_log):
+    total = device_num_sms("cpu")
+    with caplog.at_level(logging.WARNING, logger="spaceserve.runtime"):
+        a = PartitionSet("cpu", [64, 32, 96], programs_per_sm=2)
+        b = PartitionSet("cpu", [48])
+    lines = [r for r in caplog.records if "green contexts unavailable" in r.getMessage()]
+    assert len(lines) == 1 and "kernel budgets" in lines[0].getMessage()
+    assert a.reason == b.reason == "no CUDA device" and not a.green
+    assert sorted(a.splits) == [32, 64, 96]
+    for e, p in a.splits.items():
+        assert (p.requested, p.encoder_sms, p.decoder_sms) == (e, e, total - e)
+        assert not p.green and p.encoder_stream is None and p.decoder_stream is None
+    assert a.full.decoder_sms == total and a.get(0) is a.full and a.current is a.full
+    assert [p.requested for p in a.partitions()] == [0, 32, 64, 96]
+    assert a.switch(a.get(64)) is a.full and a.current is a.get(64)
+    assert a.decoder_streams() == []
+    assert a.describe()["splits"][64] == {"encoder_sms": 64, "decoder_sms": total - 64,
+                                          "green": False}
+
+
+@pytest.mark.parametrize("bad", [[0], [device_num_sms("cpu")], [8, "16"], [True]])
+def test_bad_splits_raise_naming_the_argument(bad):
+    with pytest.raises(ValueError, match="encoder_splits"):
+        PartitionSet("cpu", bad)
+
+
+def test_unknown_split_and_bad_programs_per_sm_raise():
+    pset = PartitionSet("cpu", [32])
+    with pytest.raises(ValueError, match="encoder_sms=40"):
+        pset.get(40)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        PartitionSet("cpu", [32], programs_per_sm=0)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        with programs_per_sm_scope(0):
+            pass
+
+
+def test_default_splits_are_multiples_of_eight():
+    assert default_splits(132) == (32, 64, 96)
+    assert default_splits(114) == (32, 56, 88)
+    assert all(0 < e < 16 for e in default_splits(16))
+
+
+def test_shared_mode_is_one_whole_device_partition():
+    pset = PartitionSet("cpu", shared=True)
+    total = device_num_sms("cpu")
+    assert pset.splits == {} and pset.get(64) is pset.full
+    assert (pset.full.encoder_sms, pset.full.decoder_sms) == (total, total)
+
+
+def _norm(x, w, budget):
+    return rms_norm(x, w, 1e-6, num_sms=budget)
+
+
+def test_programs_per_sm_only_inside_a_green_partition():
+    x, w = torch.randn(224, 32), torch.randn(32)  # 7 row tiles
+    ref = _norm(x, w, 2)
+    green = Partition(16, 2, 4, green=True, programs_per_sm=3)
+    plain = PartitionSet("cpu", [2], programs_per_sm=3).get(2)  # fallback: budgets alone
+    with record_launches() as launches:
+        with green.encoder_scope():
+            a = _norm(x, w, 2)
+            seen: list[int] = []
+            t = threading.Thread(target=lambda: seen.append(current_programs_per_sm()))
+            t.start()
+            t.join()
+        with plain.encoder_scope():
+            b = _norm(x, w, 2)
+        c = _norm(x, w, 2)
+    assert seen == [1], "the scope leaked into another thread"
+    assert current_programs_per_sm() == 1
+    assert [(r.grid, r.programs_per_sm) for r in launches] == [((6,), 3), ((2,), 1), ((2,), 1)]
+    assert_within_budget(launches, 2)
+    assert torch.equal(a, ref) and torch.equal(b, ref) and torch.equal(c, ref)
+
+
+def test_capture_scope_without_green_contexts_only_sets_the_scope():
+    pset = PartitionSet("cpu", [32], programs_per_sm=2)
+    with pset.capture_scope(pset.get(32)):
+        assert current_programs_per_sm() == 1
+
+
+def test_sm_probe_skips_clearly_on_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    why = probe_available("cpu")
+    assert why is not None and "interpreter" in why and "inline" in why
+    with pytest.raises(SmProbeUnavailable, match="inline"):
+        probe_sms(8, device="cpu")
+    with pytest.raises(SmProbeUnavailable):
+        launch_smprobe(torch.zeros(4, dtype=torch.int32))
+
+
+def test_probe_report_finds_shared_sms():
+    rep = probe_report({"encoder": [0, 1, 1, 2], "decoder": torch.tensor([5, 6, 7])},
+                       {"encoder": 3, "decoder": 2})
+    assert rep.disjoint and rep.sms["encoder"] == (0, 1, 2)
+    assert not rep.within_budgets()  # the decoder ran on 3 SMs under a budget of 2
+    clash = probe_report({"encoder": [0, 1], "decoder": [1, 2]})
+    assert clash.shared == (1,) and "1 SMs shared" in clash.summary()
+    with pytest.raises(ValueError, match="unwritten"):
+        probe_report({"encoder": [0, -1]})
+
+
+@pytest.mark.gpu
+def test_green_partitions_never_share_an_sm():
+    pset = PartitionSet("cuda", [32, 64])
+    try:
+        for e in (32, 64):
+            part = pset.get(e)
+            pset.switch(part)
+            outs = {}
+            for name, budget, scope in (("encoder", part.encoder_sms, part.encoder_scope),
+                                        ("decoder", part.decoder_sms, part.decoder_scope)):
+                with scope():
+                    outs[name] = probe_sms(budget, spin=1 << 16)
+            torch.cuda.synchronize()
+            rep = probe_report(outs, {"encoder": part.encoder_sms, "decoder": part.decoder_sms})
+            assert rep.within_budgets(), rep.summary()
+            if pset.green:
+                assert rep.disjoint, rep.summary()
+    finally:
+        pset.close()
