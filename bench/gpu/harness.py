@@ -69,6 +69,7 @@ SECTIONS: dict[str, Section] = {
                                help="paged decode / prefill attention"),
     "models": Section(60, "bench.bench_models:run",
                       help="Qwen2-VL-7B vision pass and decode step vs transformers"),
+    "qwen25-vision": Section(45, "bench.bench_qwen25_vision:run", help="Qwen2.5-VL-7B ViT vs HF"),
 }
 
 
