@@ -266,3 +266,19 @@ def test_bad_vision_configs_raise(change, match):
 def test_bad_inputs_raise(load, pixels, mutate, match):
     with pytest.raises(ValueError, match=match):
         load("torch").encode_images(*mutate(*pixels))
+
+
+@pytest.mark.gpu
+def test_bf16_vision_on_cuda(checkpoint, pixels, reference):
+    """bf16 tower on the GPU (the gated-MLP pointer path: 54-wide rows are not 16-byte
+    aligned), under a budget and chunked, against transformers in fp64."""
+    dev = torch.device("cuda")
+    model = from_pretrained(checkpoint[0], attention_backend="triton", dtype=torch.bfloat16,
+                            device=dev)
+    pv, grid = pixels[0].to(dev), pixels[1]
+    full = model.encode_images(pv, grid, num_sms=16)
+    assert_close(full, reference, rtol=2e-2)
+    job = model.vision.start(pv, grid)
+    while not job.done:
+        model.vision.advance(job, 1, num_sms=8)
+    assert torch.equal(model.vision.finish(job, num_sms=8), full)
