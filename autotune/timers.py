@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -62,24 +63,37 @@ class WallTimer:
         return statistics.median(samples)
 
 
+@dataclass
+class CudaApi:
+    """The CUDA calls the timer makes (replaceable by wall-clock stand-ins in CPU tests)."""
+
+    event: Callable[[], Any] = field(default=lambda: torch.cuda.Event(enable_timing=True))
+    stream: Callable[[torch.device], Any] = field(default=lambda d: torch.cuda.Stream(d))
+    use_stream: Callable[[Any], Any] = field(default=lambda s: torch.cuda.stream(s))
+    synchronize: Callable[[torch.device], None] = field(
+        default=lambda d: torch.cuda.synchronize(d))
+    set_device: Callable[[torch.device], None] = field(
+        default=lambda d: torch.cuda.set_device(d))
+
+
 class _Loop(threading.Thread):
     """Runs `fn` on `stream` until stopped, at most `ahead` iterations queued on the GPU."""
 
-    def __init__(self, fn: Callable[[], Any], stream: torch.cuda.Stream, device: torch.device,
+    def __init__(self, fn: Callable[[], Any], stream: Any, device: torch.device, api: CudaApi,
                  ahead: int = 2) -> None:
         super().__init__(daemon=True)
-        self.fn, self.stream, self.device, self.ahead = fn, stream, device, ahead
+        self.fn, self.stream, self.device, self.api, self.ahead = fn, stream, device, api, ahead
         self.stop = threading.Event()
         self.started = threading.Event()
-        self.last: torch.cuda.Event | None = None
+        self.last: Any = None
         self.iterations = 0
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            torch.cuda.set_device(self.device)
-            pending: deque[torch.cuda.Event] = deque()
-            with torch.cuda.stream(self.stream):
+            self.api.set_device(self.device)
+            pending: deque[Any] = deque()
+            with self.api.use_stream(self.stream):
                 while not self.stop.is_set():
                     while len(pending) >= self.ahead and not pending[0].query():
                         if self.stop.is_set():
@@ -88,7 +102,7 @@ class _Loop(threading.Thread):
                     if len(pending) >= self.ahead:
                         pending.popleft()
                     self.fn()
-                    ev = torch.cuda.Event(enable_timing=True)
+                    ev = self.api.event()
                     ev.record(self.stream)
                     pending.append(ev)
                     self.last = ev
@@ -96,6 +110,7 @@ class _Loop(threading.Thread):
                     self.started.set()
         except BaseException as exc:  # reported by the timing thread
             self.error = exc
+        finally:
             self.started.set()
 
 
@@ -104,23 +119,26 @@ class CudaTimer:
 
     Each (stage, work, sms) is warmed up once (the first call may compile or capture), then
     timed `reps` times, enough for `target_s` of GPU time (at least `min_reps`, at most
-    `max_reps`); the median is returned.
+    `max_reps`); the median is returned. Co-running points whose background stopped before
+    the timed calls ended are listed in `uncovered` (and logged).
     """
 
     def __init__(self, device: torch.device | str | None = None, warmup: int = 1,
-                 target_s: float = 0.03, min_reps: int = 1, max_reps: int = 10) -> None:
+                 target_s: float = 0.03, min_reps: int = 1, max_reps: int = 10,
+                 api: CudaApi | None = None) -> None:
         self.device = torch.device(device or "cuda")
+        if self.device.index is None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.warmup, self.target_s = warmup, target_s
         self.min_reps, self.max_reps = min_reps, max_reps
+        self.api = api or CudaApi()
         self._estimate: dict[tuple, float] = {}
-        self._stream: torch.cuda.Stream | None = None
+        self._stream: Any = None
         self.uncovered: list[str] = []
+        self.background_iterations = 0
 
-    def _events(self, n: int) -> list[torch.cuda.Event]:
-        return [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-
-    def _timed(self, run: Callable[[], Any], reps: int) -> list[torch.cuda.Event]:
-        ev = self._events(reps + 1)
+    def _timed(self, run: Callable[[], Any], reps: int) -> list[Any]:
+        ev = [self.api.event() for _ in range(reps + 1)]
         ev[0].record()
         for i in range(reps):
             run()
@@ -128,7 +146,7 @@ class CudaTimer:
         return ev
 
     @staticmethod
-    def _samples(ev: list[torch.cuda.Event]) -> list[float]:
+    def _samples(ev: list[Any]) -> list[float]:
         return [a.elapsed_time(b) * 1e-3 for a, b in zip(ev[:-1], ev[1:], strict=True)]
 
     def __call__(self, run: Callable[[], Any], background: Callable[[], Any] | None,
@@ -137,7 +155,7 @@ class CudaTimer:
         if key not in self._estimate:
             for _ in range(self.warmup):
                 run()
-            torch.cuda.synchronize(self.device)
+            self.api.synchronize(self.device)
             ev = self._timed(run, 1)
             ev[-1].synchronize()
             self._estimate[key] = self._samples(ev)[0]
@@ -154,23 +172,26 @@ class CudaTimer:
     def _corun(self, run: Callable[[], Any], background: Callable[[], Any], reps: int,
                point: Point) -> float:
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        torch.cuda.synchronize(self.device)
-        loop = _Loop(background, self._stream, self.device)
+            self._stream = self.api.stream(self.device)
+        self.api.synchronize(self.device)
+        loop = _Loop(background, self._stream, self.device, self.api)
         switch = sys.getswitchinterval()
         sys.setswitchinterval(1e-4)  # let the two launch loops alternate finely
         try:
             loop.start()
             loop.started.wait()
-            ev = self._timed(run, reps)
-            ev[-1].synchronize()  # the background keeps running until the timed calls end
+            if loop.error is None:
+                ev = self._timed(run, reps)
+                while not ev[-1].query():  # the background runs on until the timed calls end
+                    time.sleep(1e-4)
         finally:
             loop.stop.set()
             loop.join()
             sys.setswitchinterval(switch)
-        torch.cuda.synchronize(self.device)
+        self.api.synchronize(self.device)
         if loop.error is not None:
             raise RuntimeError(f"background work of {point.key} failed") from loop.error
+        self.background_iterations += loop.iterations
         if loop.last is None or ev[0].elapsed_time(loop.last) < ev[0].elapsed_time(ev[-1]):
             self.uncovered.append(point.key)
             log.warning("%s: the background stopped before the timed calls ended", point.key)
