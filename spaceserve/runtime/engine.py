@@ -31,8 +31,10 @@ from .runner import ModelRunner, StepLimits
 from .sampler import Sampler
 from .scheduler import Scheduler
 
-MODES = ("temporal",)
+MODES = ("temporal", "shared", "spatial-static", "spatial")
 ATTENTION_BACKENDS = ("triton", "torch")
+PREFILL_PLACEMENTS = ("auto", "compute", "decode")
+ENCODER_DRIVERS = ("cooperative", "thread")
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
@@ -43,6 +45,14 @@ class EngineConfig:
     `num_kv_blocks` None sizes the cache from free device memory (CPU: a default count).
     `max_model_len` None takes the model's context. `graph_batch_sizes` None: the default
     buckets up to `max_num_seqs` (a runner without graphs ignores them).
+
+    Co-located modes (``shared``, ``spatial-static``, ``spatial``; see `epd.py`):
+    `encoder_sms` is the static split (None: about half the device, a multiple of 8);
+    `encoder_splits` the splits partitions are made for in ``spatial`` (None: about a quarter,
+    half and three quarters); `curves` a resource-utility curves JSON for SIS and TWSRFT (None:
+    the analytic model); `prefill_on` "auto" (SIS in ``spatial``, else the compute partition),
+    "compute" or "decode"; `encoder_driver` "cooperative" or "thread"; `green_contexts` False
+    forces kernel budgets alone; `programs_per_sm` applies inside green partitions only.
     """
 
     mode: str = "temporal"
@@ -58,10 +68,37 @@ class EngineConfig:
     graph_reserve_bytes: int = GRAPH_RESERVE_BYTES
     graph_batch_sizes: tuple[int, ...] | None = None
     seed: int = 0
+    encoder_sms: int | None = None
+    encoder_splits: tuple[int, ...] | None = None
+    curves: str | None = None
+    prefill_on: str = "auto"
+    encoder_driver: str = "cooperative"
+    encoder_window_s: float = 0.02
+    green_contexts: bool = True
+    programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not available; modes: {', '.join(MODES)}")
+        for name, allowed in (("prefill_on", PREFILL_PLACEMENTS),
+                              ("encoder_driver", ENCODER_DRIVERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
+                                 f"{', '.join(allowed)}")
+        for name in ("encoder_sms", "programs_per_sm"):
+            value = getattr(self, name)
+            if value is None and name == "encoder_sms":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.encoder_splits is not None and (not self.encoder_splits or any(
+                isinstance(e, bool) or not isinstance(e, int) or e < 1
+                for e in self.encoder_splits)):
+            raise ValueError(f"encoder_splits={self.encoder_splits!r} must be ints >= 1")
+        if self.curves is not None and not isinstance(self.curves, str):
+            raise ValueError(f"curves={self.curves!r} must be a path (str) or None")
+        if not self.encoder_window_s > 0:
+            raise ValueError(f"encoder_window_s={self.encoder_window_s} must be > 0")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_images_per_prompt", "max_encoder_tokens_per_step",
                      "max_held_embeddings", "num_kv_blocks", "max_model_len"):
@@ -82,7 +119,8 @@ class Engine:
     """Serves one model runner; see the module docstring."""
 
     def __init__(self, runner: ModelRunner, config: EngineConfig | None = None, *,
-                 tokenizer: Any = None, processor: Any = None) -> None:
+                 tokenizer: Any = None, processor: Any = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.runner = runner
         self.tokenizer = tokenizer if tokenizer is not None else getattr(processor, "tokenizer",
@@ -105,11 +143,20 @@ class Engine:
         sizes = config.graph_batch_sizes
         if sizes is None:
             sizes = tuple(s for s in DEFAULT_GRAPH_SIZES if s <= config.max_num_seqs)
-        self.graph_batch_sizes = runner.capture_decode_graphs(sizes)
         self.block_manager = BlockManager(self.memory.num_blocks, bs)
-        self.encoder = TemporalEncoderStage(
-            runner, max_tokens_per_step=config.max_encoder_tokens_per_step,
-            max_held=config.max_held_embeddings)
+        self.spatial: Any = None  # the co-located modes' step runtime (epd.py)
+        self.encoder: Any
+        if config.mode == "temporal":
+            self.graph_batch_sizes = runner.capture_decode_graphs(sizes)
+            self.encoder = TemporalEncoderStage(
+                runner, max_tokens_per_step=config.max_encoder_tokens_per_step,
+                max_held=config.max_held_embeddings)
+        else:
+            from .epd import build_spatial
+
+            self.encoder, self.spatial = build_spatial(runner, config, sizes,
+                                                       clock=clock or time.monotonic)
+            self.graph_batch_sizes = self.spatial.graph_batch_sizes
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -128,10 +175,13 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, *, mode: str = "temporal",
-                        attention_backend: str = "triton", dtype: Any = None,
+                        attention_backend: str | None = None, dtype: Any = None,
                         device: Any = None, **config: Any) -> Engine:
-        """Load a Qwen2-VL checkpoint (a local directory) with its tokenizer and processor."""
+        """Load a Qwen2-VL checkpoint (a local directory) with its tokenizer and processor.
+        `attention_backend` None: "torch" (stock kernels) in ``shared`` mode, else "triton"."""
         cfg = EngineConfig(mode=mode, **config)
+        if attention_backend is None:
+            attention_backend = "torch" if mode == "shared" else "triton"
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
@@ -207,20 +257,28 @@ class Engine:
             self._drain(now)
             for req, msg in self.encoder.step():
                 self._end(req, "error", msg, now)
-            batch = self.scheduler.schedule()
-            if batch:
-                logits = self.runner.execute(batch)
-                sampled = self.sampler(logits, batch.sample_reqs).tolist() \
-                    if batch.sample_reqs else []
-                now = time.monotonic()
-                for req in self.scheduler.update(batch, sampled, now):
-                    self._end(req, req.finish_reason, None, now)
-                for req in batch.sample_reqs:
-                    if req.stream and req.status is Status.RUNNING:
-                        self._emit(req, False)
-                self.num_steps += 1
+            if self.spatial is not None:
+                self.spatial.step(self)
+            else:
+                batch = self.scheduler.schedule()
+                if batch:
+                    logits = self.runner.execute(batch)
+                    sampled = self.sampler(logits, batch.sample_reqs).tolist() \
+                        if batch.sample_reqs else []
+                    self._account(batch, sampled)
             out, self._outbox = self._outbox, []
             return out
+
+    def _account(self, batch: Any, sampled: list[int], count_step: bool = True) -> None:
+        """A batch's sampled tokens: advance the requests, finish those that stopped, stream."""
+        now = time.monotonic()
+        for req in self.scheduler.update(batch, sampled, now):
+            self._end(req, req.finish_reason, None, now)
+        for req in batch.sample_reqs:
+            if req.stream and req.status is Status.RUNNING:
+                self._emit(req, False)
+        if count_step:
+            self.num_steps += 1
 
     def _drain(self, now: float) -> None:
         while self._inbox:
@@ -238,7 +296,8 @@ class Engine:
                 self.scheduler.add(item)
             else:
                 req = self._active.get(item)
-                if req is not None:
+                if req is not None and not (self.spatial is not None
+                                            and self.spatial.defer_abort(req)):
                     self._end(req, "abort", None, now)
 
     def _end(self, req: Request, reason: str, error: str | None, now: float) -> None:
@@ -267,6 +326,8 @@ class Engine:
     def fail_all(self, message: str) -> None:
         """End every active request with an error (the model failed; nothing can continue)."""
         with self._step_lock:
+            if self.spatial is not None:
+                self.spatial.drain()
             now = time.monotonic()
             with self._lock:
                 self._inbox.clear()
@@ -316,8 +377,9 @@ class Engine:
             except RuntimeError:  # the loop is gone: nobody listens any more
                 pass
 
-        rid = self.add_request(prompt, sampling_params, request_id=request_id, sink=sink,
-                               stream=True)
+        # preprocessing (image processor, tokenizer) runs off the event loop's thread
+        rid = await asyncio.to_thread(self.add_request, prompt, sampling_params,
+                                      request_id=request_id, sink=sink, stream=True)
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive())
         done = False
@@ -344,6 +406,14 @@ class Engine:
         self.scheduler.check_idle()
         assert self.encoder.num_held == 0, f"{self.encoder.num_held} embeddings still held"
         assert self.encoder.num_pending == 0, "encoder work still pending"
+        if self.spatial is not None:
+            assert self.spatial.num_inflight == 0, "a compute-partition prefill is in flight"
+
+    def close(self) -> None:
+        """Stop the encoder stage's thread and release SM partitions (co-located modes)."""
+        if self.spatial is not None:
+            with self._step_lock:
+                self.spatial.close()
 
 
 def load_processor(path: str) -> tuple[Any, Any]:

@@ -1,9 +1,11 @@
 """The Qwen2-VL model runner: `spaceserve.models.Qwen2VL` behind the engine's runner protocol.
 
-Per step the engine's `ScheduledBatch` becomes the model's step context (`plan_step`: M-RoPE
-positions sliced from each prompt's precomputed table, rope deltas after it), the flattened
-token ids, and the image-embedding rows of the image tokens the step covers, in token order.
-Decode-only steps replay a CUDA graph of the next larger captured batch size when one exists.
+Per step the engine's `ScheduledBatch` becomes the model's step context through one
+preallocated planner (`runner.StepPlanner` over `models.context.ContextPlanner`: M-RoPE
+positions sliced from each prompt's precomputed table, rope deltas after it, the flattened
+token ids), plus the image-embedding rows of the image tokens the step covers, in token order.
+Decode-only steps replay a CUDA graph of the next larger captured batch size when one exists;
+the graphs are captured on the planner's own buffers, so a replay copies nothing.
 Images are encoded one request at a time, so a request's embeddings never depend on which
 other requests arrived with it.
 """
@@ -19,7 +21,7 @@ import torch
 
 from .memory import kv_block_bytes
 from .request import MultiModalData, Request
-from .runner import ModelInfo, StepLimits
+from .runner import ModelInfo, StepLimits, StepPlanner
 from .scheduler import ScheduledBatch
 
 
@@ -62,6 +64,7 @@ class Qwen2VLRunner:
         self._lm_shape = (lm.num_layers, lm.num_kv_heads, lm.head_dim)
         self.kv: Any = None
         self.limits: StepLimits | None = None
+        self.planner: StepPlanner | None = None
         # SM budgets of the two stages (None = the whole device); a spatial encoder stage sets
         # them, then captures graphs for the new decoder budget.
         self.encoder_num_sms: int | None = None
@@ -108,6 +111,8 @@ class Qwen2VLRunner:
     def allocate_kv_cache(self, num_blocks: int, limits: StepLimits) -> None:
         self.limits = limits
         self.kv = self.model.allocate_kv_cache(num_blocks, limits.block_size)
+        self.planner = StepPlanner(limits, self.device, backend=self.model.backend,
+                                   rope=lambda req: req.model_state)
 
     def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
         """Capture decode graphs for the current decoder budget (CUDA only)."""
@@ -121,7 +126,8 @@ class Qwen2VLRunner:
             if key not in self.graphs:
                 self.graphs[key] = DecodeGraph(self.model, self.kv, b,
                                                self.limits.max_blocks_per_seq,
-                                               num_sms=self.decoder_num_sms)
+                                               num_sms=self.decoder_num_sms,
+                                               planner=self.planner.core)
         return tuple(sizes)
 
     def prepare_request(self, req: Request) -> None:
@@ -136,45 +142,63 @@ class Qwen2VLRunner:
                                                 num_sms=self.encoder_num_sms))
         return out
 
-    def _inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Flattened token ids, and one embedding row per image-token id among them in token
+    # Preemptible encoding (the spatial encoder stage runs a request's images layer by layer).
+
+    @property
+    def encoder_layers(self) -> int:
+        return int(self.model.vision.num_layers)
+
+    def start_encode(self, mm: MultiModalData, pixel_values: torch.Tensor | None = None) -> Any:
+        """Set up `mm`'s encoder job (validates; ValueError). `pixel_values` may already be on
+        the device (uploaded on the encoder stream); it is cast to the model's dtype there."""
+        pv = mm.pixel_values if pixel_values is None else pixel_values
+        pv = pv.to(device=self.device, dtype=self.model.dtype, non_blocking=True)
+        return self.model.vision.start(pv, mm.image_grid_thw)
+
+    def advance_encode(self, job: Any, layers: int, *, num_sms: int | None = None) -> int:
+        return self.model.vision.advance(job, layers, num_sms=self.model._budget(num_sms))
+
+    def finish_encode(self, job: Any, *, num_sms: int | None = None) -> torch.Tensor:
+        return self.model.vision.finish(job, num_sms=self.model._budget(num_sms))
+
+    def _image_rows(self, batch: ScheduledBatch, ids: np.ndarray) -> torch.Tensor | None:
+        """One embedding row per image-token id among the step's token ids `ids`, in token
         order: the encoder's row for a prompt image token, the token's own embedding for a
         generated one (the model may emit the image token id; it is then plain text)."""
-        ids: list[int] = []
-        embeds: list[torch.Tensor] = []
         img = self.info.image_token_id
+        if not (ids == img).any():
+            return None
+        embeds: list[torch.Tensor] = []
         for req, s, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
-            piece = req.token_ids[s:s + n]
-            ids += piece
             p, mm = req.num_prompt_tokens, req.mm
             if mm is not None and s < p:
                 lo, hi = np.searchsorted(mm.positions, [s, min(s + n, p)])
                 if hi > lo:
                     embeds.append(mm.embeds[lo:hi])
             if s + n > p:
-                k = piece[max(0, p - s):].count(img)
+                k = req.token_ids[max(s, p):s + n].count(img)
                 if k:
                     row = self.model.language.embed[img]
                     embeds.append(row.expand(k, row.shape[0]))
-        t = torch.tensor(ids, dtype=torch.long)
-        if self.device.type != "cpu":
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        return t, (torch.cat(embeds) if embeds else None)
+        return torch.cat(embeds) if embeds else None
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
+        """One step under the decoder's budget, or under the encoder's with
+        ``stage="encoder"`` (prefill placed in the compute partition; never a graph)."""
         assert self.kv is not None, "allocate_kv_cache first"
-        model, bs = self.model, self.kv.block_size
-        states = [r.model_state for r in batch.reqs]
-        tables = [r.block_ids for r in batch.reqs]
-        input_ids, embeds = self._inputs(batch)
-        nb, budget = batch.num_seqs, self.decoder_num_sms
-        if batch.num_decodes == nb:
+        if stage not in ("decoder", "encoder"):
+            raise ValueError(f"stage={stage!r} must be 'decoder' or 'encoder'")
+        assert self.planner is not None
+        nb, graph = batch.num_seqs, None
+        budget = self.decoder_num_sms if stage == "decoder" else self.encoder_num_sms
+        if batch.num_decodes == nb and stage == "decoder":
             fits = [b for b, sms in self.graphs if sms == budget and b >= nb]
             if fits:
                 graph = self.graphs[min(fits), budget]
-                ctx = graph.plan(batch.num_cached, tables, rope_deltas=[s[1] for s in states])
-                return graph.replay(input_ids, ctx)
-        ctx = model.plan_step(batch.num_cached, batch.num_new, tables, block_size=bs,
-                              mrope_positions=[s[0] for s in states],
-                              rope_deltas=[s[1] for s in states], need_logits=batch.need_logits)
-        return model.forward(input_ids, ctx, self.kv, image_embeds=embeds, num_sms=budget)
+        plan = self.planner.plan(batch, pad_to=graph.batch_size if graph is not None else None)
+        ctx = plan.context
+        if graph is not None:  # the graph captured the planner's buffers: nothing to copy
+            return graph.replay(ctx.input_ids, ctx)
+        embeds = self._image_rows(batch, plan.host["input_ids"])
+        return self.model.forward(ctx.input_ids, ctx, self.kv, image_embeds=embeds,
+                                  num_sms=budget)

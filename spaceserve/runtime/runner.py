@@ -16,9 +16,9 @@ image row) changes its outputs, which is what the engine's tests check.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -28,7 +28,8 @@ from .sampler import M32, fold_seed, mix32, sample
 from .scheduler import ScheduledBatch
 
 __all__ = [
-    "ModelInfo", "ModelRunner", "NullModelRunner", "StepLimits", "StepPlan", "StepPlanner",
+    "ModelInfo", "ModelRunner", "NullModelRunner", "PreemptibleEncoder", "StepLimits", "StepPlan",
+    "StepPlanner",
 ]
 
 
@@ -93,6 +94,32 @@ class ModelRunner(Protocol):
         ...
 
 
+@runtime_checkable
+class PreemptibleEncoder(Protocol):
+    """Optional runner methods that let an encoder stage run a request's images layer by layer
+    (the spatial stage preempts at layer boundaries); a runner without them is encoded whole.
+
+    A job advanced in any chunking must give bitwise the embeddings of `ModelRunner.encode`.
+    Runners that have them also take ``execute(batch, stage="encoder")``: the step under the
+    encoder's SM budget (prefill placed in the compute partition) instead of the decoder's.
+    """
+
+    encoder_layers: int
+
+    def start_encode(self, mm: MultiModalData, pixel_values: torch.Tensor | None = None) -> Any:
+        """Validate `mm` (ValueError) and set up its job; `pixel_values` replaces
+        ``mm.pixel_values`` (e.g. already uploaded to the device). Launches nothing heavy."""
+        ...
+
+    def advance_encode(self, job: Any, layers: int, *, num_sms: int | None = None) -> int:
+        """Run up to `layers` more layers of `job`; returns how many ran."""
+        ...
+
+    def finish_encode(self, job: Any, *, num_sms: int | None = None) -> torch.Tensor:
+        """The embeddings ``[mm.num_tokens, hidden]`` of a job advanced to its last layer."""
+        ...
+
+
 @dataclass(frozen=True)
 class StepLimits:
     """Capacities fixed at start-up; the planner's buffers are sized from them."""
@@ -117,16 +144,17 @@ class StepPlan:
     tokens ``query_start_loc[i] .. query_start_loc[i + 1] - 1``; padding sequences (seq_len 0,
     slot -1) follow the real ones when the batch was padded to a graph bucket, and get logits
     rows too (``num_logits`` counts the real ones). Tensors live on the runner's device and are
-    views of fixed buffers; `host` holds numpy views of the same values."""
+    views of the planner's fixed buffers, valid until its next plan; `host` holds numpy views of
+    the same values and `context` the model-facing `StepContext` of the same step."""
 
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64, index of the token in its sequence
+    positions: torch.Tensor  # [T] int64, the token's index in its sequence (+ rope delta)
     slot_mapping: torch.Tensor  # [T] int64, -1 = do not store
     logits_indices: torch.Tensor  # [R] int64, token index of each logits row
     logits_seqs: torch.Tensor  # [R] int64, sequence of each logits row
     seq_lens: torch.Tensor  # [B] int32, cached + new (0 = padding)
     query_start_loc: torch.Tensor  # [B + 1] int32
-    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+    block_tables: torch.Tensor  # [B, width] int32
     num_tokens: int
     num_seqs: int
     num_real_seqs: int
@@ -137,84 +165,58 @@ class StepPlan:
     mm_index: torch.Tensor | None = None  # [M] int64 token indices taking image embeddings
     mm_embeds: torch.Tensor | None = None  # [M, hidden]
     host: dict[str, np.ndarray] = field(default_factory=dict)
+    context: Any = None  # spaceserve.models.StepContext
 
 
 class StepPlanner:
-    """Fills preallocated buffers from a `ScheduledBatch` with vectorised host work.
+    """Turns a `ScheduledBatch` into a `StepPlan` through the models' `ContextPlanner`, the
+    one planner (numpy into preallocated buffers, two non-blocking copies, the attention plan
+    refilled in place).
 
     Block tables persist per sequence slot (``req.row``) and only newly allocated blocks are
     written, so a decode step costs a few numpy operations over the batch, not a Python loop
-    per token or per block. On a GPU the host buffers are pinned and reach the device in two
-    asynchronous copies; they are reused next step, which is safe because the engine reads the
-    sampled tokens (a synchronisation) before planning again.
+    per token or per block. `rope` maps a request to (its prompt's ``[3, L]`` M-RoPE positions
+    or None, its rope delta) and is asked when the request takes its slot; without it
+    positions are token indices. `backend` (an attention backend) gets its plan refilled for
+    every step not padded for a graph. Buffers are reused next step, which is safe because the
+    engine reads the sampled tokens (a synchronisation) before planning again.
     """
 
     def __init__(self, limits: StepLimits, device: torch.device | str,
-                 graph_batch_sizes: Sequence[int] = ()) -> None:
+                 graph_batch_sizes: Sequence[int] = (), *, backend: Any = None,
+                 rope: Callable[[Request], tuple[Any, int]] | None = None) -> None:
+        from spaceserve.models.context import ContextPlanner
+
         self.limits = limits
         self.device = torch.device(device)
         self.graph_batch_sizes = tuple(sorted(graph_batch_sizes))
-        t, b, w = limits.max_tokens, limits.max_num_seqs, limits.max_blocks_per_seq
-        self._t, self._b, self._w = t, b, w
-        pin = self.device.type == "cuda"
-        self._h64 = torch.zeros(3 * t + 2 * b, dtype=torch.int64, pin_memory=pin)
-        self._h32 = torch.zeros(2 * b + 1 + b * w, dtype=torch.int32, pin_memory=pin)
-        if self.device.type == "cpu":
-            self._d64, self._d32 = self._h64, self._h32
-        else:
-            self._d64 = torch.zeros_like(self._h64, device=self.device)
-            self._d32 = torch.zeros_like(self._h32, device=self.device)
-        n64, n32 = self._h64.numpy(), self._h32.numpy()
-        self._ids, self._pos, self._slot = n64[:t], n64[t:2 * t], n64[2 * t:3 * t]
-        self._lidx, self._lseq = n64[3 * t:3 * t + b], n64[3 * t + b:]
-        self._lens, self._qsl = n32[:b], n32[b:2 * b + 1]
-        self._bt = n32[2 * b + 1:].reshape(b, w)
-        self.table = np.zeros((b, w), dtype=np.int64)  # persistent block table per slot
-        self._arange = np.arange(max(limits.max_model_len, t) + 2, dtype=np.int64)
+        self.rope = rope
+        self.core = ContextPlanner(limits.max_num_seqs, limits.max_tokens,
+                                   limits.max_blocks_per_seq, limits.block_size,
+                                   device=self.device, backend=backend)
+        self.table = self.core.table  # persistent block table per slot
 
-    def _views(self, buf64: torch.Tensor, buf32: torch.Tensor, tp: int, bp: int, rp: int
-               ) -> tuple[torch.Tensor, ...]:
-        t, b = self._t, self._b
-        return (buf64[:tp], buf64[t:t + tp], buf64[2 * t:2 * t + tp],
-                buf64[3 * t:3 * t + rp], buf64[3 * t + b:3 * t + b + rp],
-                buf32[:bp], buf32[b:b + bp + 1],
-                buf32[2 * b + 1:2 * b + 1 + bp * self._w].view(bp, self._w))
-
-    def plan(self, batch: ScheduledBatch) -> StepPlan:
+    def plan(self, batch: ScheduledBatch, *, pad_to: int | None = None) -> StepPlan:
+        """The plan of `batch`. A decode-only batch is padded to `pad_to` sequences, or else
+        to the next of `graph_batch_sizes`, with block tables as wide as the limits allow and
+        no attention plan (a graph replays its own)."""
         reqs, nd, nb = batch.reqs, batch.num_decodes, len(batch.reqs)
-        bs, table, arange = self.limits.block_size, self.table, self._arange
+        core, table, rope = self.core, self.table, self.rope
         for r in reqs:
-            k = len(r.block_ids)
-            if k != r.synced_blocks:
-                table[r.row, r.synced_blocks:k] = r.block_ids[r.synced_blocks:]
+            k, s = len(r.block_ids), r.synced_blocks
+            if k != s:
+                if s == 0:  # the request (re)took its slot
+                    mpos, delta = rope(r) if rope is not None else (None, 0)
+                    core.set_row(r.row, rope_delta=delta, mrope_positions=mpos)
+                table[r.row, s:k] = r.block_ids[s:]
                 r.synced_blocks = k
-        rows = np.array([r.row for r in reqs], dtype=np.int64)
-        ids, pos, slot, lidx, lseq = self._ids, self._pos, self._slot, self._lidx, self._lseq
-        lens, qsl = self._lens, self._qsl
-        qsl[0] = 0
-        if nd:
-            p = np.array(batch.num_cached[:nd], dtype=np.int64)
-            ids[:nd] = [r.token_ids[-1] for r in reqs[:nd]]
-            pos[:nd] = p
-            slot[:nd] = table[rows[:nd], p // bs] * bs + p % bs
-            lens[:nd] = p + 1
-            qsl[1:nd + 1] = arange[1:nd + 1]
-            lidx[:nd] = arange[:nd]
-            lseq[:nd] = arange[:nd]
-        t = nl = nd
+        ids = [r.token_ids[-1] for r in reqs[:nd]]
+        t = nd
         idx_parts: list[np.ndarray] = []
         emb_parts: list[torch.Tensor] = []
         for i in range(nd, nb):
             r, s, n = reqs[i], batch.num_cached[i], batch.num_new[i]
-            ids[t:t + n] = r.token_ids[s:s + n]
-            pr = arange[s:s + n]
-            pos[t:t + n] = pr
-            slot[t:t + n] = table[r.row, pr // bs] * bs + pr % bs
-            lens[i] = s + n
-            qsl[i + 1] = t + n
-            if batch.need_logits[i]:
-                lidx[nl], lseq[nl] = t + n - 1, i
-                nl += 1
+            ids += r.token_ids[s:s + n]
             mm = r.mm
             if mm is not None and mm.num_tokens:
                 lo, hi = np.searchsorted(mm.positions, [s, s + n])
@@ -222,42 +224,42 @@ class StepPlanner:
                     idx_parts.append(mm.positions[lo:hi] - s + t)
                     emb_parts.append(mm.embeds[lo:hi])
             t += n
-        bp, tp, rp = nb, t, nl
         buckets = self.graph_batch_sizes
-        if nd == nb and buckets and nb <= buckets[-1]:
-            bp = next(x for x in buckets if x >= nb)
-            pad = bp - nb
-            ids[t:t + pad] = 0
-            pos[t:t + pad] = 0
-            slot[t:t + pad] = -1
-            lens[nb:bp] = 0
-            qsl[nb + 1:bp + 1] = arange[t + 1:t + pad + 1]
-            lidx[nl:nl + pad] = arange[t:t + pad]
-            lseq[nl:nl + pad] = arange[nb:bp]
-            tp, rp = t + pad, nl + pad
-        max_k = int(lens[:nb].max())
-        width = -(-max_k // bs)
-        self._bt[:nb, :width] = table[rows, :width]
-        if self._d64 is not self._h64:
-            self._d64.copy_(self._h64, non_blocking=True)
-            end = 2 * self._b + 1 + bp * self._w
-            self._d32[:end].copy_(self._h32[:end], non_blocking=True)
-        views = self._views(self._d64, self._d32, tp, bp, rp)
+        if pad_to is None and nd == nb and buckets and nb <= buckets[-1]:
+            pad_to = next(x for x in buckets if x >= nb)
+        graph = pad_to is not None
+        ctx = core.plan([r.row for r in reqs], batch.num_cached, batch.num_new,
+                        need_logits=None if nd == nb else batch.need_logits, input_ids=ids,
+                        pad_seqs_to=pad_to,
+                        width=self.limits.max_blocks_per_seq if graph else None,
+                        plan_attention=not graph)
         mm_index = mm_embeds = None
         if idx_parts:
             mm_index = torch.from_numpy(np.concatenate(idx_parts)).to(self.device)
             mm_embeds = torch.cat(emb_parts)
-        host = dict(zip(("input_ids", "positions", "slot_mapping", "logits_indices",
-                         "logits_seqs", "seq_lens", "query_start_loc"),
-                        (ids[:tp], pos[:tp], slot[:tp], lidx[:rp], lseq[:rp], lens[:bp],
-                         qsl[:bp + 1]), strict=True))
-        host["block_tables"] = self._bt[:bp]
-        return StepPlan(*views, num_tokens=tp, num_seqs=bp, num_real_seqs=nb, num_decodes=nd,
-                        num_logits=nl, max_seqlen_q=max(batch.num_new), max_seqlen_k=max_k,
-                        mm_index=mm_index, mm_embeds=mm_embeds, host=host)
+        h = ctx.host
+        host = {"input_ids": h.input_ids, "positions": h.positions.numpy()[0],
+                "slot_mapping": h.slot_mapping.numpy(), "logits_indices": h.logits_indices,
+                "logits_seqs": h.logits_seqs, "seq_lens": h.seq_lens,
+                "query_start_loc": h.cu_seqlens_q, "block_tables": h.block_tables}
+        return StepPlan(ctx.input_ids, ctx.positions[0], ctx.slot_mapping, ctx.logits_indices,
+                        ctx.logits_seqs, ctx.seq_lens, ctx.cu_seqlens_q, ctx.block_tables,
+                        num_tokens=ctx.num_tokens, num_seqs=ctx.num_seqs, num_real_seqs=nb,
+                        num_decodes=nd, num_logits=ctx.logits_indices.shape[0] - ctx.num_seqs + nb,
+                        max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
+                        mm_index=mm_index, mm_embeds=mm_embeds, host=host, context=ctx)
 
 
 _P = (1 << 31) - 1
+
+
+@dataclass
+class NullEncodeJob:
+    """A null-model encoder job: the request's images and how many layers have run."""
+
+    mm: MultiModalData
+    num_layers: int
+    layers_done: int = 0
 
 
 class NullModelRunner:
@@ -267,13 +269,15 @@ class NullModelRunner:
     reads), which is what the step-time benchmark uses to measure the engine, not the model.
     `graph_batch_sizes` makes it pad pure-decode batches the way a graph-replaying runner
     does, so the padding path runs on CPU. An image whose pixels are not finite fails to
-    encode (ValueError).
+    encode (ValueError). The encoder is also preemptible (`PreemptibleEncoder`) over
+    `encoder_layers` layers that do nothing but count (``num_encoder_layers_run``).
     """
 
     def __init__(self, *, vocab_size: int = 97, max_model_len: int = 4096,
                  eos_token_id: int = 0, image_token_id: int | None = 3,
                  spatial_merge_size: int = 2, patch_dim: int = 8, hidden: int = 4,
-                 graph_batch_sizes: Sequence[int] = (), check: bool = True) -> None:
+                 graph_batch_sizes: Sequence[int] = (), check: bool = True,
+                 encoder_layers: int = 4) -> None:
         self.info = ModelInfo(vocab_size, max_model_len, (eos_token_id,), image_token_id,
                               spatial_merge_size, patch_dim)
         self.device = torch.device("cpu")
@@ -288,6 +292,11 @@ class NullModelRunner:
         self._cols = mix32(torch.arange(vocab_size, dtype=torch.int64) * 0x2F0B3A49 & M32)
         self.num_executes = 0
         self.num_encoded = 0
+        if isinstance(encoder_layers, bool) or not isinstance(encoder_layers, int) \
+                or encoder_layers < 1:
+            raise ValueError(f"encoder_layers={encoder_layers!r} must be an int >= 1")
+        self.encoder_layers = encoder_layers
+        self.num_encoder_layers_run = 0
 
     def kv_block_bytes(self, block_size: int) -> int:
         return 8 * block_size
@@ -322,6 +331,25 @@ class NullModelRunner:
             out.append(emb)
             self.num_encoded += 1
         return out
+
+    def start_encode(self, mm: MultiModalData, pixel_values: torch.Tensor | None = None
+                     ) -> NullEncodeJob:
+        pv = mm.pixel_values if pixel_values is None else pixel_values
+        if not torch.isfinite(pv).all():
+            raise ValueError("image holds non-finite pixel values")
+        return NullEncodeJob(mm, self.encoder_layers)
+
+    def advance_encode(self, job: NullEncodeJob, layers: int, *, num_sms: int | None = None
+                       ) -> int:
+        steps = max(0, min(layers, job.num_layers - job.layers_done))
+        job.layers_done += steps
+        self.num_encoder_layers_run += steps
+        return steps
+
+    def finish_encode(self, job: NullEncodeJob, *, num_sms: int | None = None) -> torch.Tensor:
+        if job.layers_done != job.num_layers:
+            raise ValueError(f"job has run {job.layers_done} of {job.num_layers} layers")
+        return self.encode([job.mm])[0]
 
     def token_values(self, token_ids: Sequence[int], mm: MultiModalData | None = None,
                      embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -367,7 +395,7 @@ class NullModelRunner:
             if len(out) >= params.max_tokens or len(seq) >= max_len:
                 return out, "length"
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
         assert self.planner is not None and self.cache is not None, "allocate_kv_cache first"
         plan = self.planner.plan(batch)
         self.num_executes += 1

@@ -295,7 +295,7 @@ def test_sampling_params_validation(kwargs, name) -> None:
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    (dict(mode="spatial"), "mode"), (dict(block_size=0), "block_size"),
+    (dict(mode="sideways"), "mode"), (dict(block_size=0), "block_size"),
     (dict(max_num_seqs=0), "max_num_seqs"), (dict(gpu_memory_utilization=0), "gpu_memory"),
     (dict(num_kv_blocks=0), "num_kv_blocks"), (dict(graph_batch_sizes=(0,)), "graph_batch"),
 ])

@@ -1,0 +1,308 @@
+"""The engine step of the co-located modes: encoder, prefill and decode on their own partitions.
+
+Modes (`Engine(..., mode=...)`; ``temporal`` is the engine's own time-multiplexed baseline):
+- ``spatial``: SM partitions (green contexts where available, else kernel budgets alone) for a
+  small set of splits; SIS picks the split and where prefill runs every step, from
+  resource-utility curves (a ``curves=`` JSON file, else the analytic roofline of the model);
+- ``spatial-static``: one fixed split (``encoder_sms``);
+- ``shared``: two streams, no partition, every launch on the whole device - what running the
+  encoder beside the decoder under MPS gives (use the torch backend's stock kernels for it).
+
+One step: collect prefills finished in the compute partition, let SIS choose (a split change
+waits until the compute side is idle, then switches streams with events between them), schedule
+a continuous batch, and run it. Prefill chunks go beside the encoder on the compute partition
+("compute": launched on the encoder stream under the encoder budget, sampled there into pinned
+memory and collected by event query in a later step, so decode never waits for them) or stay in
+the decode batch under its token budget ("decode"). Then the decode step is launched on the
+decoder stream, the encoder stage issues its launches (cooperative driver) while that step runs
+on the device, and the step's sampled tokens are read back - a sync of the decoder stream only.
+
+A request whose prefill is in flight on the compute stream is hidden from the scheduler (it can
+be neither scheduled again nor preempted: its KV blocks are being written) and an abort of it
+takes effect when the prefill completes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spaceserve.kernels.budget import device_num_sms
+
+from .curves import CurveSet
+from .partition import Partition, PartitionSet, default_splits
+from .request import Request, Status
+from .scheduler import ScheduledBatch, Scheduler
+from .sis import SisState, SpaceInferenceScheduler, Split
+from .spatial import SpatialEncoderStage
+
+SPATIAL_MODES = ("shared", "spatial-static", "spatial")
+PLACEMENTS = ("auto", "compute", "decode")
+CONTEXT_BUCKET = 64  # SIS sees the mean decode context rounded to this
+_CURVES: dict[Any, CurveSet] = {}
+
+
+def load_curves(path: str | None, runner: Any) -> CurveSet:
+    """Curves from `path`, else the analytic roofline of the runner's model (Qwen2-VL-7B's when
+    the runner has no model config); ValueError naming ``curves`` for a bad file."""
+    if path is not None:
+        try:
+            return CurveSet.load(path)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"curves={path!r}: {exc}") from None
+    from .analytic import ModelShape, analytic_curves
+
+    config = getattr(getattr(runner, "model", None), "config", None)
+    try:
+        key = ModelShape.from_config(config) if config is not None else None
+    except (AttributeError, TypeError, ValueError):
+        config = key = None
+    if key not in _CURVES:
+        _CURVES[key] = analytic_curves(config)
+    return _CURVES[key]
+
+
+def set_budgets(runner: Any, part: Partition) -> None:
+    """The runner's stage budgets follow the partition (graphs are keyed by them)."""
+    runner.encoder_num_sms = part.encoder_sms
+    runner.decoder_num_sms = part.decoder_sms
+
+
+def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, ScheduledBatch | None]:
+    """(decode part, prefill part) of a batch; either is None when empty."""
+    nd, n = batch.num_decodes, batch.num_seqs
+    dec = pre = None
+    if nd:
+        dec = ScheduledBatch(batch.reqs[:nd], batch.num_cached[:nd], batch.num_new[:nd],
+                             batch.need_logits[:nd], batch.sample_reqs[:nd], nd, nd,
+                             batch.preempted)
+    if n > nd:
+        pre = ScheduledBatch(batch.reqs[nd:], batch.num_cached[nd:], batch.num_new[nd:],
+                             batch.need_logits[nd:], batch.sample_reqs[nd:], 0,
+                             batch.num_tokens - nd, [] if dec else batch.preempted)
+    return dec, pre
+
+
+@dataclass
+class _Prefill:
+    """A prefill batch launched on the compute partition: sampled ids land in `host`."""
+
+    batch: ScheduledBatch
+    host: torch.Tensor | None
+    event: Any
+
+
+class SpatialRuntime:
+    """Runs the engine steps of one co-located mode (module docstring)."""
+
+    def __init__(self, runner: Any, stage: SpatialEncoderStage, partitions: PartitionSet, *,
+                 mode: str, target: Partition, sis: SpaceInferenceScheduler | None = None,
+                 prefill_on: str = "auto", curve_depth: int = 32,
+                 clock: Callable[[], float] = time.monotonic,
+                 graph_batch_sizes: tuple[int, ...] = ()) -> None:
+        self.runner, self.stage, self.partitions = runner, stage, partitions
+        self.mode, self.target, self.sis = mode, target, sis
+        self.prefill_on, self.curve_depth, self.clock = prefill_on, curve_depth, clock
+        self.graph_batch_sizes = graph_batch_sizes
+        self.placement = "compute" if prefill_on == "auto" else prefill_on
+        self.last_split: Split | None = None
+        self.switches: list[tuple[float, int]] = [(clock(), partitions.current.requested)]
+        self._prefills: deque[_Prefill] = deque()
+        self._busy: set[int] = set()  # seq_no of requests whose prefill is in flight
+        self._deferred: set[int] = set()  # aborts waiting for an in-flight prefill
+        self.num_compute_prefills = 0
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self, eng: Any) -> None:
+        """One engine step after new requests were drained and the encoder stage polled."""
+        self._collect(eng)
+        self._choose(eng)
+        part = self.partitions.current
+        batch = self._schedule(eng.scheduler)
+        on_compute = self.placement == "compute" and (part.requested > 0 or
+                                                      self.partitions.shared)
+        dec, pre = split_batch(batch) if on_compute else ((batch or None), None)
+        if pre is not None:
+            self._launch_prefill(eng, pre, part)
+        if dec is None:
+            if not self.stage.launch() and pre is None:
+                self._wait()
+            return
+        with part.decoder_scope():
+            logits = self.runner.execute(dec)
+            ids = eng.sampler(logits, dec.sample_reqs) if dec.sample_reqs else None
+            self.stage.launch()  # while the decode step runs on the device
+            sampled = ids.tolist() if ids is not None else []
+        eng._account(dec, sampled)
+
+    def _schedule(self, sched: Scheduler) -> ScheduledBatch:
+        if not self._busy:
+            return sched.schedule()
+        hidden = [r for r in sched.running if r.seq_no in self._busy]
+        sched.running = [r for r in sched.running if r.seq_no not in self._busy]
+        try:
+            return sched.schedule()
+        finally:
+            sched.running = hidden + sched.running
+
+    def _launch_prefill(self, eng: Any, pre: ScheduledBatch, part: Partition) -> None:
+        with part.encoder_scope():
+            logits = self.runner.execute(pre, stage="encoder")
+            host = None
+            if pre.sample_reqs:
+                ids = eng.sampler(logits, pre.sample_reqs)
+                host = ids
+                if ids.is_cuda:
+                    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                    host.copy_(ids, non_blocking=True)
+            event = self.stage.record_event()
+        self._prefills.append(_Prefill(pre, host, event))
+        self._busy.update(r.seq_no for r in pre.reqs)
+        self.num_compute_prefills += 1
+
+    def _collect(self, eng: Any) -> None:
+        """Account every compute-partition prefill whose event has completed (no wait)."""
+        while self._prefills and (self._prefills[0].event is None
+                                  or self._prefills[0].event.query()):
+            fl = self._prefills.popleft()
+            sampled = fl.host.tolist() if fl.host is not None else []
+            if isinstance(fl.event, torch.cuda.Event):
+                for stream in self.partitions.decoder_streams():  # its KV writes come first
+                    stream.wait_event(fl.event)
+            for r in fl.batch.reqs:
+                self._busy.discard(r.seq_no)
+            eng._account(fl.batch, sampled, count_step=False)
+            now = time.monotonic()
+            for r in fl.batch.reqs:
+                if r.seq_no in self._deferred:
+                    self._deferred.discard(r.seq_no)
+                    if r.status is not Status.FINISHED:
+                        eng._end(r, "abort", None, now)
+
+    def _wait(self) -> None:
+        """Nothing to run this step: wait for a prefill or a grant in flight."""
+        if self._prefills and hasattr(self._prefills[0].event, "synchronize"):
+            self._prefills[0].event.synchronize()
+        else:
+            self.stage.wait()
+
+    # -- splits and placement ----------------------------------------------------------------
+    def _choose(self, eng: Any) -> None:
+        if self.sis is not None:
+            split = self.sis.decide(self.sis_state(eng.scheduler))
+            self.last_split = split
+            target = self.partitions.get(split.encoder_sms)
+            auto = split.prefill_on
+        else:
+            target, auto = self.target, "compute"
+        self.placement = auto if self.prefill_on == "auto" else self.prefill_on
+        if target is self.partitions.current:
+            self.stage.resume()
+            return
+        self.stage.pause()  # the switch waits until the compute side is idle
+        if self.stage.idle() and not self._prefills:
+            self.partitions.switch(target)
+            set_budgets(self.runner, target)
+            self.switches.append((self.clock(), target.requested))
+            self.stage.resume()
+
+    def sis_state(self, sched: Scheduler) -> SisState:
+        """Waiting encoder jobs, prompts ready to prefill and the decode load, for SIS."""
+        prefill = [len(r.token_ids) - r.num_computed for r in sched.waiting
+                   if r.mm is None or r.mm.embeds is not None]
+        decoding = 0
+        context = 0
+        for r in sched.running:
+            left = len(r.token_ids) - r.num_computed
+            if left > 1:
+                prefill.append(left)
+            else:
+                decoding += 1
+                context += len(r.token_ids)
+        mean = context / decoding if decoding else 0.0
+        return SisState(tuple(self.stage.pending_work(self.curve_depth)), tuple(prefill),
+                        decoding, round(mean / CONTEXT_BUCKET) * CONTEXT_BUCKET)
+
+    # -- aborts, failures, shutdown ------------------------------------------------------------
+    def defer_abort(self, req: Request) -> bool:
+        """True when `req`'s prefill is in flight: its abort waits for it."""
+        if req.seq_no in self._busy:
+            self._deferred.add(req.seq_no)
+            return True
+        return False
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._prefills)
+
+    def drain(self) -> None:
+        """Wait for everything launched on the compute side, then forget in-flight prefills
+        (their requests are being ended by the caller)."""
+        for fl in self._prefills:
+            if hasattr(fl.event, "synchronize"):
+                fl.event.synchronize()
+        self.stage.drain()
+        self._prefills.clear()
+        self._busy.clear()
+        self._deferred.clear()
+
+    def close(self) -> None:
+        self.stage.close()
+        self.drain()
+        self.partitions.close()
+
+
+def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
+                  clock: Callable[[], float] = time.monotonic
+                  ) -> tuple[SpatialEncoderStage, SpatialRuntime]:
+    """Partitions, decode graphs per partition, the encoder stage and the step runtime of a
+    co-located mode from an `EngineConfig`; ValueError names a bad setting."""
+    mode, device = config.mode, torch.device(runner.device)
+    if mode not in SPATIAL_MODES:
+        raise ValueError(f"mode={mode!r} is not a co-located mode ({', '.join(SPATIAL_MODES)})")
+    total = device_num_sms(device)
+    green = None if config.green_contexts else False
+    if mode == "shared":
+        pset = PartitionSet(device, shared=True)
+        parts = [pset.full]
+    elif mode == "spatial-static":
+        e = config.encoder_sms
+        if e is None:
+            splits = default_splits(total)
+            e = splits[len(splits) // 2]
+        if not 0 < e < total:
+            raise ValueError(f"encoder_sms={e} must be in 1..{total - 1} (SMs of this device)")
+        pset = PartitionSet(device, [e], green=green, programs_per_sm=config.programs_per_sm)
+        parts = [pset.get(e)]
+    else:
+        splits = tuple(config.encoder_splits or default_splits(total))
+        if not all(0 < e < total for e in splits):
+            raise ValueError(f"encoder_splits={splits} must be in 1..{total - 1}")
+        pset = PartitionSet(device, splits, green=green, programs_per_sm=config.programs_per_sm)
+        parts = pset.partitions()
+    curves = load_curves(config.curves, runner)
+    captured: tuple[int, ...] = ()
+    for part in parts:
+        set_budgets(runner, part)
+        with pset.capture_scope(part):
+            captured = runner.capture_decode_graphs(graph_sizes)
+    target = parts[0] if mode != "spatial" else pset.full
+    pset.switch(target)
+    set_budgets(runner, target)
+    if pset.cuda:
+        torch.cuda.synchronize(device)  # weights, caches and graphs are ready on every stream
+    stage = SpatialEncoderStage(runner, pset, curves, driver=config.encoder_driver,
+                                window_s=config.encoder_window_s,
+                                max_held=config.max_held_embeddings, clock=clock)
+    sis = None
+    if mode == "spatial":
+        sis = SpaceInferenceScheduler(curves, sorted(pset.splits), total_sms=total, clock=clock)
+    runtime = SpatialRuntime(runner, stage, pset, mode=mode, target=target, sis=sis,
+                             prefill_on=config.prefill_on, curve_depth=curves.encoder_depth,
+                             clock=clock, graph_batch_sizes=captured)
+    return stage, runtime

@@ -1,0 +1,423 @@
+"""The spatial encoder stage: images encoded on the encoder's own stream and SMs, TWSRFT-ordered.
+
+A request's images become one encoder job (`PreemptibleEncoder.start_encode`) when it is
+submitted: its pixels are pinned and uploaded with a non-blocking copy on the encoder stream.
+TWSRFT decides which job advances next and for how many layers (about one time window), so a
+small image arriving behind a huge one is not blocked by it. TWSRFT's batching of jobs at one
+depth is off (a one-patch token budget): each request is encoded alone, as the temporal stage
+does, so its embeddings never depend on which others arrived with it. Every launch goes on the
+current partition's encoder stream under its encoder budget; an event recorded after each grant
+says when its work is done.
+
+Hand-off: a finished job's embeddings are attached to the request (and so admitted to prefill)
+only once its event has completed - `event.query()`, never a wait - and they are marked with
+``record_stream`` on every decoder stream, so the caching allocator cannot hand their memory to
+another tensor while a prefill still reads them. They stay with the request (a request preempted
+by recompute needs them again) until `release`, when the request ends.
+
+Drivers (who issues the encoder's launches):
+- ``cooperative`` (default): the engine thread, inside its step, right after it launched the
+  decode step and before it waits for that step's sampled tokens. On a GPU the launches are
+  asynchronous, so the encoder's host launch time overlaps the decode step's device time and
+  adds nothing to the next decode launch as long as it is shorter than a decode step; a grant is
+  a few layers, i.e. tens of launches. Nothing competes for the GIL.
+- ``thread``: a worker thread launches grants and waits on their events. Its launch bursts
+  overlap decode's device time too, but when the engine thread needs the GIL during a burst it
+  waits for the burst to end or for the interpreter's switch interval (5 ms by default, about a
+  decode step), so some decode launches come late.
+`bench/bench_colocation.py` (``driver_experiment``) measures both on CPU with a model whose
+"device" is a virtual clock: what it measures is the host side only (when decode launches are
+issued), not GPU execution. On CPU every launch is synchronous, so there both drivers simply
+interleave encoder and decode work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .curves import CurveSet
+from .partition import Partition, PartitionSet
+from .request import Request
+from .runner import ModelRunner
+from .sis import PendingEncode
+from .twsrft import TwsrftScheduler
+
+DRIVERS = ("cooperative", "thread")
+
+
+@dataclass
+class _Encoding:
+    """One request's images inside the stage."""
+
+    key: int
+    req: Request
+    patches: int
+    state: str = "backlog"  # backlog -> active -> held | failed; released at the end
+    job: Any = None
+    layers_done: int = 0
+    embeds: torch.Tensor | None = None
+
+    @property
+    def released(self) -> bool:
+        return self.state == "released"
+
+
+@dataclass
+class _Flight:
+    """One launched grant: its completion event, the jobs it finished and those that failed."""
+
+    event: Any
+    done: list[_Encoding] = field(default_factory=list)
+    failed: list[tuple[_Encoding, str]] = field(default_factory=list)
+
+
+def _complete(event: Any) -> bool:
+    return event is None or bool(event.query())
+
+
+class SpatialEncoderStage:
+    """Encoder stage on its own stream and SM partition, ordered by TWSRFT (module docstring).
+
+    `curves` give TWSRFT its cost model (scaled from the curves' encoder depth to the runner's);
+    `event_factory` replaces CUDA events (tests and the host-side experiment model an
+    asynchronous device with it). `max_held` bounds the requests holding or computing
+    embeddings; `max_inflight` the grants launched but not complete.
+    """
+
+    def __init__(self, runner: ModelRunner, partitions: PartitionSet, curves: CurveSet, *,
+                 driver: str = "cooperative", window_s: float = 0.02, max_wait_s: float = 0.5,
+                 policy: str = "twsrft", max_held: int = 64,
+                 max_inflight: int = 2, grants_per_step: int = 1,
+                 clock: Callable[[], float] = time.monotonic,
+                 event_factory: Callable[[], Any] | None = None) -> None:
+        if driver not in DRIVERS:
+            raise ValueError(f"driver={driver!r} is not one of {', '.join(DRIVERS)}")
+        for name, value in (("max_held", max_held), ("max_inflight", max_inflight),
+                            ("grants_per_step", grants_per_step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        self.runner = runner
+        self.partitions = partitions
+        self.driver = driver
+        self.max_held, self.max_inflight = max_held, max_inflight
+        self.grants_per_step = grants_per_step
+        self.preemptible = all(hasattr(runner, m) for m in (
+            "encoder_layers", "start_encode", "advance_encode", "finish_encode"))
+        self.num_layers = int(runner.encoder_layers) if self.preemptible else 1
+        scale = curves.encoder_depth / self.num_layers
+
+        def cost(patches: int, layers: int) -> float:
+            part = self.partitions.current
+            sms = part.encoder_sms if part.requested or partitions.shared else \
+                max(p.encoder_sms for p in partitions.partitions())
+            return curves.encoder(patches, layers * scale, sms, True)
+
+        self.sched = TwsrftScheduler(self.num_layers, cost, policy=policy, window_s=window_s,
+                                     max_wait_s=max_wait_s, token_budget=1,
+                                     clock=clock)
+        self.event_factory = event_factory
+        self._keys = itertools.count()
+        self._encodings: dict[int, _Encoding] = {}  # request seq_no -> encoding, until release
+        self._backlog: deque[_Encoding] = deque()  # waiting for a max_held slot
+        self._active = 0  # encodings set up (or being set up) and not finished
+        self._held: set[int] = set()
+        self._flights: deque[_Flight] = deque()
+        self._failures: list[tuple[Request, str]] = []
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._paused = False
+        self._launching = False
+        self._stop = False
+        self.num_grants = 0
+        self.num_layers_run = 0
+        self._thread: threading.Thread | None = None
+        if driver == "thread":
+            self._thread = threading.Thread(target=self._worker, name="spaceserve-encoder",
+                                            daemon=True)
+            self._thread.start()
+
+    # -- the EncoderStage protocol ------------------------------------------------------------
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._backlog) + self._active
+
+    def submit(self, req: Request) -> None:
+        if req.mm is None or req.mm.embeds is not None:
+            return
+        enc = _Encoding(req.seq_no, req, int(req.mm.pixel_values.shape[0]))
+        with self._lock:
+            self._encodings[enc.key] = enc
+            self._backlog.append(enc)
+        self._admit()
+
+    def ready(self, req: Request) -> bool:
+        return req.mm is None or req.mm.embeds is not None
+
+    def step(self) -> list[tuple[Request, str]]:
+        """Attach the embeddings of completed grants, start backlogged jobs; returns failures."""
+        self.poll()
+        self._admit()
+        with self._lock:
+            failures, self._failures = self._failures, []
+        return failures
+
+    def release(self, req: Request) -> None:
+        with self._lock:
+            enc = self._encodings.pop(req.seq_no, None)
+            if enc is not None:
+                if enc.state == "backlog":
+                    self._backlog.remove(enc)
+                elif enc.state == "active":
+                    self._active -= 1
+                enc.state = "released"
+                enc.embeds = enc.job = None
+            self._held.discard(req.seq_no)
+            self._cond.notify_all()
+        if req.mm is not None:
+            req.mm.embeds = None
+
+    # -- the encoder's launches ------------------------------------------------------------
+    def launch(self) -> int:
+        """Cooperative driver: launch up to `grants_per_step` grants (at most `max_inflight`
+        incomplete); returns how many. The thread driver launches by itself (returns 0)."""
+        if self.driver != "cooperative":
+            return 0
+        n = 0
+        while n < self.grants_per_step and self._can_launch() and self._launch_one():
+            n += 1
+        return n
+
+    def _can_launch(self) -> bool:
+        part = self.partitions.current
+        on_compute = bool(part.requested) or self.partitions.shared
+        return on_compute and not self._paused and self.incomplete() < self.max_inflight
+
+    def incomplete(self) -> int:
+        """Grants launched whose work has not finished on the device."""
+        with self._lock:
+            return sum(1 for f in self._flights if not _complete(f.event))
+
+    def _launch_one(self) -> bool:
+        with self._lock:
+            while True:
+                grant = self.sched.next_grant()
+                if grant is None:
+                    return False
+                members = [self._encodings.get(k) for k in grant.request_ids]
+                live = [e for e in members if e is not None and e.state == "active"]
+                if live:
+                    break
+                self.sched.report(grant.job_id, grant.layers)  # only aborted requests left
+            part = self.partitions.current
+            self._launching = True
+        try:
+            flight = self._run(grant.layers, live, part)
+        finally:
+            with self._lock:
+                self.sched.report(grant.job_id, grant.layers)
+                self._flights.append(flight)
+                self._launching = False
+                self.num_grants += 1
+                self._cond.notify_all()
+        return True
+
+    def _run(self, layers: int, members: list[_Encoding], part: Partition) -> _Flight:
+        flight = _Flight(None)
+        budget = part.encoder_sms
+        with part.encoder_scope():
+            for enc in members:
+                try:
+                    if self.preemptible:
+                        ran = self.runner.advance_encode(enc.job, layers, num_sms=budget)
+                        enc.layers_done += ran
+                        self.num_layers_run += ran
+                        if enc.layers_done >= self.num_layers:
+                            enc.embeds = self.runner.finish_encode(enc.job, num_sms=budget)
+                            enc.job = None
+                            flight.done.append(enc)
+                    else:
+                        enc.embeds = self.runner.encode([enc.req.mm])[0]
+                        enc.layers_done = 1
+                        flight.done.append(enc)
+                except Exception as exc:  # reported on the request; the others go on
+                    enc.job = enc.embeds = None
+                    flight.failed.append(
+                        (enc, f"image encoding failed: {type(exc).__name__}: {exc}"))
+            flight.event = self._record_event()
+        return flight
+
+    def _record_event(self) -> Any:
+        if self.event_factory is not None:
+            return self.event_factory()
+        if self.partitions.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            return event
+        return None
+
+    def record_event(self) -> Any:
+        """An event on the current stream (what the stage records after a grant)."""
+        return self._record_event()
+
+    # -- completion and hand-off --------------------------------------------------------------
+    def poll(self) -> int:
+        """Attach the embeddings of every completed grant (event query, no wait); returns how
+        many requests became ready."""
+        ready = 0
+        while True:
+            with self._lock:
+                if not self._flights or not _complete(self._flights[0].event):
+                    return ready
+                flight = self._flights.popleft()
+                for enc, msg in flight.failed:
+                    if enc.state == "active":
+                        self._fail(enc, msg)
+                for enc in flight.done:
+                    if enc.state == "active" and self._attach(enc):
+                        ready += 1
+                self._cond.notify_all()
+
+    def _fail(self, enc: _Encoding, msg: str) -> None:
+        self._active -= 1
+        enc.state = "failed"
+        enc.job = enc.embeds = None
+        self._failures.append((enc.req, msg))
+
+    def _attach(self, enc: _Encoding) -> bool:
+        mm, emb = enc.req.mm, enc.embeds
+        enc.embeds = None
+        if emb is None or emb.dim() != 2 or emb.shape[0] != mm.num_tokens:
+            shape = None if emb is None else tuple(emb.shape)
+            self._fail(enc, f"encoder returned shape {shape} for {mm.num_tokens} image tokens")
+            return False
+        if emb.is_cuda:
+            for stream in self.partitions.decoder_streams():
+                emb.record_stream(stream)
+        mm.embeds = emb
+        self._active -= 1
+        enc.state = "held"
+        self._held.add(enc.key)
+        return True
+
+    def _admit(self) -> None:
+        """Start backlogged jobs while fewer than `max_held` requests hold or compute
+        embeddings: pin and upload the pixels on the encoder stream, set up the job."""
+        while True:
+            with self._lock:
+                if not self._backlog or len(self._held) + self._active >= self.max_held:
+                    return
+                enc = self._backlog.popleft()
+                enc.state = "active"
+                self._active += 1
+            try:
+                job = self._start(enc) if self.preemptible else None
+            except Exception as exc:
+                with self._lock:
+                    if enc.state == "active":
+                        self._fail(enc, f"image encoding failed: {type(exc).__name__}: {exc}")
+                continue
+            with self._lock:
+                if enc.state == "active":
+                    enc.job = job
+                    self.sched.submit(enc.key, max(1, enc.patches))
+                self._cond.notify_all()
+
+    def _start(self, enc: _Encoding) -> Any:
+        pv = enc.req.mm.pixel_values
+        part = self.partitions.current
+        with part.encoder_scope():
+            if self.partitions.cuda and pv.device.type == "cpu":
+                pv = pv.pin_memory().to(self.partitions.device, non_blocking=True)
+            return self.runner.start_encode(enc.req.mm, pixel_values=pv)
+
+    # -- for SIS, partition switches and shutdown ----------------------------------------------
+    def pending_work(self, curve_depth: int) -> list[PendingEncode]:
+        """Waiting encoder jobs as SIS sees them (layers scaled to the curves' depth)."""
+        scale = curve_depth / self.num_layers
+        out = []
+        with self._lock:
+            for job in self.sched.jobs():
+                prompt = sum(len(e.req.token_ids) for k in job.request_ids
+                             if (e := self._encodings.get(k)) is not None)
+                out.append(PendingEncode(job.patches, max(1, round(job.layers_left * scale)),
+                                         prompt))
+            for enc in self._backlog:
+                out.append(PendingEncode(max(1, enc.patches), max(1, round(self.num_layers
+                                                                           * scale)),
+                                         len(enc.req.token_ids)))
+        return out
+
+    def pause(self) -> None:
+        """Stop launching new grants (a partition switch waits for the compute side)."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._cond.notify_all()
+
+    def idle(self) -> bool:
+        """No grant being launched and none incomplete on the device."""
+        with self._lock:
+            return not self._launching and self.incomplete() == 0
+
+    def wait(self, timeout_s: float = 0.005) -> None:
+        """Block until the oldest incomplete grant finishes (GPU), or briefly (thread driver);
+        for an engine with nothing else to do."""
+        with self._lock:
+            pending = [f.event for f in self._flights if not _complete(f.event)]
+        if pending and hasattr(pending[0], "synchronize"):
+            pending[0].synchronize()
+        elif self._thread is not None and self.num_pending:
+            with self._cond:
+                self._cond.wait(timeout_s)
+
+    def drain(self) -> None:
+        """Wait for every launched grant (failure paths and shutdown)."""
+        with self._lock:
+            events = [f.event for f in self._flights]
+        for ev in events:
+            if ev is not None and hasattr(ev, "synchronize"):
+                ev.synchronize()
+
+    def close(self) -> None:
+        """Stop the worker thread (thread driver) and wait for the launched work."""
+        with self._lock:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.drain()
+
+    def _has_work(self) -> bool:
+        return len(self.sched) > 0 and not self.sched.busy
+
+    def _worker(self) -> None:
+        """Thread driver: launch grants while there is work and room, then wait on events."""
+        while True:
+            with self._cond:
+                while not self._stop and not (self._has_work() and self._can_launch()):
+                    self._cond.wait(0.002)
+                if self._stop:
+                    return
+            if not self._launch_one():
+                continue
+            with self._lock:
+                pending = [f.event for f in self._flights if not _complete(f.event)]
+            if len(pending) >= self.max_inflight and hasattr(pending[0], "synchronize"):
+                pending[0].synchronize()
