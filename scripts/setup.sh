@@ -21,3 +21,6 @@ echo "setup: pip install -e .[dev]"
 "${PIP[@]}" install --quiet -e ".[dev]"
 .venv/bin/python -c "import torch, triton; print(f'setup: torch {torch.__version__}, triton ' \
 f'{triton.__version__}, CUDA available: {torch.cuda.is_available()}')"
+# the server and its tests (the `serve` extra, also in `dev`)
+.venv/bin/python -c "import fastapi, uvicorn, httpx, openai, PIL; \
+print(f'setup: fastapi {fastapi.__version__}, uvicorn {uvicorn.__version__}, openai {openai.__version__}')"

@@ -1,0 +1,1 @@
+"""Benchmarks of SpaceServe as a service (`spaceserve bench serve`)."""

@@ -1,0 +1,148 @@
+"""Serving-benchmark metrics, named as `vllm bench serve` names them.
+
+The aggregation is the simulator's (`spaceserve.runtime.sim.metrics.summarize`): TTFT, TPOT =
+(E2EL - TTFT) / (output tokens - 1) over requests with more than one token, ITL = every gap
+between consecutive streamed outputs, E2EL; mean / median / p99. This module turns measured
+results into the records it takes, adds goodput (requests per second that meet every SLO) and
+flattens everything to vLLM's key names (``mean_ttft_ms``, ``p99_itl_ms``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from spaceserve.runtime.sim.metrics import summarize
+
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+@dataclass
+class Result:
+    """What one benchmark request did; times in seconds on one monotonic clock."""
+
+    idx: int
+    kind: str
+    resolution: str
+    send: float
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    text: str = ""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish is not None and self.first_token is not None
+
+
+@dataclass
+class Record:
+    """A successful request in the simulator's record shape (times relative to run start)."""
+
+    rid: int
+    kind: str
+    resolution: str
+    arrival: float
+    first_token: float
+    finish: float
+    generated: int
+    prompt_tokens: int
+    itls: list[float]
+    gpu: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.finish - self.first_token) / (self.generated - 1) \
+            if self.generated > 1 else None
+
+    @property
+    def e2el(self) -> float:
+        return self.finish - self.arrival
+
+
+def to_record(r: Result, t0: float) -> Record | None:
+    """The record of a successful result (None for a failed one)."""
+    if not r.ok:
+        return None
+    times = r.token_times or [r.first_token]
+    itls = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return Record(r.idx, r.kind, r.resolution, r.send - t0, r.first_token - t0, r.finish - t0,
+                  max(r.output_tokens, 1), r.prompt_tokens, itls)
+
+
+def parse_slos(text: str | None) -> dict[str, float]:
+    """``"ttft:500,tpot:50"`` (milliseconds) -> {"ttft": 500.0, ...}; ValueError otherwise."""
+    out: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, value = part.strip().partition(":")
+        if not sep or name not in SLO_METRICS:
+            raise ValueError(f"SLO {part!r}: want NAME:MS with NAME in {', '.join(SLO_METRICS)}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise ValueError(f"SLO {part!r}: {value!r} is not a number") from None
+        if not out[name] > 0:
+            raise ValueError(f"SLO {part!r} must be positive")
+    return out
+
+
+def meets(rec: Record, slos: dict[str, float]) -> bool:
+    """Whether a request meets every SLO (ms). A one-token request has no TPOT to miss."""
+    for name, limit_ms in slos.items():
+        value = getattr(rec, name)
+        if value is not None and value * 1e3 > limit_ms:
+            return False
+    return True
+
+
+def goodput(records: Sequence[Record], slos: dict[str, float], duration: float) -> float:
+    """Requests per second that met every SLO."""
+    if duration <= 0:
+        return 0.0
+    return sum(1 for r in records if meets(r, slos)) / duration
+
+
+def flatten(summary: dict[str, Any]) -> dict[str, Any]:
+    """The simulator's nested summary under vLLM's flat key names."""
+    out: dict[str, Any] = {"completed": summary["served"], "duration": summary["duration_s"],
+                           "request_throughput": summary["request_throughput"],
+                           "output_throughput": summary["served_output_throughput"]}
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            out[f"{stat}_{metric}_ms"] = summary[metric][f"{stat}_ms"]
+    return out
+
+
+def summarize_results(results: Iterable[Result], slos: dict[str, float], t0: float,
+                      duration: float | None = None) -> dict[str, Any]:
+    """Load (image + text) and probe metrics of one run, failures counted apart.
+
+    `duration` (seconds) defaults to first send -> last finish; throughput and goodput use it.
+    """
+    results = list(results)
+    records = [rec for rec in (to_record(r, t0) for r in results) if rec is not None]
+    out: dict[str, Any] = {"failed": sum(1 for r in results if not r.ok),
+                           "errors": sorted({r.error for r in results if r.error})[:5]}
+    for name, kinds in (("load", ("image", "text")), ("probe", ("probe",))):
+        group = [r for r in records if r.kind in kinds]
+        s = flatten(summarize(group))
+        span = duration if duration is not None else s["duration"]
+        if duration is not None and span > 0:
+            s["duration"] = span
+            s["request_throughput"] = len(group) / span
+            s["output_throughput"] = sum(r.generated for r in group) / span
+        s["total_input_tokens"] = sum(r.prompt_tokens for r in group)
+        s["total_output_tokens"] = sum(r.generated for r in group)
+        s["request_goodput"] = goodput(group, slos, span) if slos else None
+        out[name] = s
+    return out

@@ -1,0 +1,66 @@
+"""Figures of the serving benchmark: latency against rate per mode, and the SM split timeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_vs_rate(runs: list[dict[str, Any]], path: Path) -> Path | None:
+    """Mean TPOT, p99 ITL and mean TTFT of the load (solid) and probes (dashed) per mode."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = (("mean_tpot_ms", "TPOT mean (ms)"), ("p99_itl_ms", "ITL p99 (ms)"),
+              ("mean_ttft_ms", "TTFT mean (ms)"))
+    for label in dict.fromkeys(r["label"] for r in runs):
+        mine = sorted((r for r in runs if r["label"] == label), key=lambda r: r["rate"])
+        rates = [r["rate"] for r in mine]
+        for ax, (key, title) in zip(axes, panels, strict=True):
+            line = ax.plot(rates, [r["metrics"]["load"][key] for r in mine], "o-",
+                           label=label)[0]
+            probes = [r["metrics"]["probe"][key] for r in mine]
+            if any(p == p for p in probes):  # not all nan
+                ax.plot(rates, probes, "s--", color=line.get_color(), alpha=0.7,
+                        label=f"{label} probes")
+            ax.set_title(title)
+            ax.set_xlabel("request rate (req/s)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_timeline(runs: list[dict[str, Any]], path: Path) -> Path | None:
+    """Encoder and decoder SMs over time, one row per run."""
+    plt = _pyplot()
+    if plt is None or not runs:
+        return None
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.6 * len(runs) + 0.6), sharex=True,
+                             squeeze=False)
+    for ax, run in zip(axes[:, 0], runs, strict=True):
+        tl = run.get("timeline") or []
+        t = [s["t"] for s in tl]
+        ax.step(t, [s["encoder_sms"] for s in tl], where="post", label="encoder SMs")
+        ax.step(t, [s["decoder_sms"] for s in tl], where="post", label="decoder SMs")
+        ax.set_ylabel("SMs")
+        ax.set_title(f"{run['label']} @ {run['rate']:g} req/s", fontsize=9)
+    axes[0, 0].legend(fontsize=8, loc="upper right")
+    axes[-1, 0].set_xlabel("time since run start (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,253 @@
+"""`spaceserve bench serve`: serving benchmark, in-process engine or a server over HTTP.
+
+For each mode (in-process: an engine per mode; HTTP: the running server, labelled --label) and
+each request rate, requests are sent on their arrival schedule (gamma / Poisson, an image-size
+mix with text-only requests, probe requests beside the load), then TTFT, TPOT, ITL and E2EL
+(mean / median / p99), throughput and goodput under the SLOs are reported for the load and the
+probes apart, as `vllm bench serve` names them. Writes results.json (every run, every request,
+the SM split timeline), latency_vs_rate.png and sm_split_timeline.png under --out, and prints
+a table and a few outputs. A mode this engine build lacks runs as temporal and is labelled so.
+
+Default: the tiny random-weight Qwen2-VL, spatial against temporal, two rates, on whatever
+device there is (a CPU finishes in about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .backends import HttpBackend, InProcessBackend, chat_body
+from .metrics import Result, parse_slos, summarize_results
+from .plots import plot_timeline, plot_vs_rate
+from .workload import ServeWorkload, build_requests, parse_mix
+
+
+async def _poll_split(backend: HttpBackend, samples: list[dict[str, float]], t0: float,
+                      period: float = 0.1) -> None:
+    from spaceserve.server.metrics import parse_gauges
+
+    while True:
+        try:
+            g = parse_gauges(await backend.metrics_text())
+            samples.append({"t": time.monotonic() - t0,
+                            "encoder_sms": g.get("spaceserve:encoder_sms", math.nan),
+                            "decoder_sms": g.get("spaceserve:decoder_sms", math.nan)})
+        except Exception:  # a missed scrape is a gap in the timeline, not a failure
+            pass
+        await asyncio.sleep(period)
+
+
+def _thin(samples: list[dict[str, float]], period: float = 0.1) -> list[dict[str, float]]:
+    """Keep split changes and one sample per `period` otherwise."""
+    out: list[dict[str, float]] = []
+    for s in samples:
+        if not out or (s["encoder_sms"], s["decoder_sms"]) != (
+                out[-1]["encoder_sms"], out[-1]["decoder_sms"]) or s["t"] - out[-1]["t"] >= \
+                period:
+            out.append(s)
+    return out
+
+
+async def run_one(backend: Any, workload: ServeWorkload, model: str, slos: dict[str, float],
+                  client: Any = None) -> dict[str, Any]:
+    """Send one workload on schedule; metrics, per-request results and the split timeline."""
+    reqs = build_requests(workload)
+    bodies = [chat_body(r, model) for r in reqs]  # images encoded before the clock starts
+    t0 = time.monotonic()
+    polled: list[dict[str, float]] = []
+    poller = asyncio.ensure_future(_poll_split(backend, polled, t0)) \
+        if isinstance(backend, HttpBackend) else None
+    tasks = []
+    for r, body in zip(reqs, bodies, strict=True):
+        delay = t0 + r.arrival - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(backend.send(r, body)))
+    results: list[Result] = list(await asyncio.gather(*tasks))
+    end = time.monotonic()
+    if poller is not None:
+        poller.cancel()
+    if client is not None:
+        polled = [{"t": s.time - t0, "encoder_sms": s.encoder_sms, "decoder_sms": s.decoder_sms}
+                  for s in list(client.timeline) if t0 <= s.time <= end]
+    return {"rate": workload.request_rate, "num_requests": len(reqs),
+            "metrics": summarize_results(results, slos, t0, duration=end - t0),
+            "timeline": _thin(polled), "results": results, "t0": t0}
+
+
+def _request_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
+    t0 = run["t0"]
+    rows = []
+    for r in run["results"]:
+        row = {"idx": r.idx, "kind": r.kind, "resolution": r.resolution, "send": r.send - t0,
+               "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+               "error": r.error}
+        if r.ok:
+            row["ttft"] = r.first_token - r.send
+            row["e2el"] = r.finish - r.send
+            row["tpot"] = (r.finish - r.first_token) / (r.output_tokens - 1) \
+                if r.output_tokens > 1 else None
+        rows.append(row)
+    return rows
+
+
+def _fmt(x: Any, width: int = 8, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-".rjust(width)
+    return f"{x:{width}.{digits}f}"
+
+
+HEADER = (f"{'mode':<28}{'rate':>6}{'done':>6}{'fail':>5}{'req/s':>7}{'tok/s':>8}"
+          f"{'TTFT':>8}{'p99':>8}{'TPOT':>8}{'p99':>8}{'ITLp99':>8}{'E2EL':>8}{'good':>7}"
+          f" |{'probe TTFT':>11}{'TPOT':>7}")
+
+
+def table_row(run: dict[str, Any]) -> str:
+    m, p = run["metrics"]["load"], run["metrics"]["probe"]
+    return (f"{run['label']:<28}{run['rate']:>6g}{m['completed']:>6}{run['metrics']['failed']:>5}"
+            f"{_fmt(m['request_throughput'], 7, 2)}{_fmt(m['output_throughput'], 8)}"
+            f"{_fmt(m['mean_ttft_ms'])}{_fmt(m['p99_ttft_ms'])}{_fmt(m['mean_tpot_ms'])}"
+            f"{_fmt(m['p99_tpot_ms'])}{_fmt(m['p99_itl_ms'])}{_fmt(m['mean_e2el_ms'])}"
+            f"{_fmt(m['request_goodput'], 7, 2)} |{_fmt(p['mean_ttft_ms'], 11)}"
+            f"{_fmt(p['mean_tpot_ms'], 7)}")
+
+
+def _show(run: dict[str, Any], n: int) -> None:
+    shown = [r for r in run["results"] if r.ok][:n]
+    for r in shown:
+        what = f"{r.kind} {r.resolution}".strip()
+        print(f"  [{run['label']} #{r.idx} {what}, {r.prompt_tokens} prompt tokens] "
+              f"{r.text[:70]!r}")
+
+
+async def _run_inprocess(args: argparse.Namespace, workloads: list[ServeWorkload],
+                         slos: dict[str, float]) -> list[dict[str, Any]]:
+    from spaceserve.server.engine_client import AsyncEngine, load_engine
+
+    runs = []
+    for mode in args.modes:
+        engine, pre, note = load_engine(args.model, mode=mode, device=args.device,
+                                        attention_backend=args.attention_backend,
+                                        max_num_seqs=args.max_num_seqs,
+                                        num_kv_blocks=args.num_kv_blocks, seed=args.seed)
+        label = mode if note is None else f"{mode} (ran as temporal)"
+        if note:
+            print(f"note: {note}")
+        client = AsyncEngine(engine, max_pending=10_000, mode_note=note)
+        backend = InProcessBackend(client, pre, args.model)
+        try:
+            warm = ServeWorkload(request_rate=50.0, duration_s=0.1, image_mix=workloads[0]
+                                 .image_mix, output_len=4, seed=12345)
+            await run_one(backend, warm, args.model, slos)
+            for w in workloads:
+                run = await run_one(backend, w, args.model, slos, client=client)
+                run.update(label=label, mode=mode, ran_as=client.mode, note=note)
+                runs.append(run)
+                print(table_row(run), flush=True)
+        finally:
+            client.close()
+    return runs
+
+
+async def _run_http(args: argparse.Namespace, workloads: list[ServeWorkload],
+                    slos: dict[str, float]) -> list[dict[str, Any]]:
+    backend = HttpBackend(args.base_url, args.served_model or args.model)
+    runs = []
+    try:
+        for w in workloads:
+            run = await run_one(backend, w, backend.model, slos)
+            run.update(label=args.label, mode=args.label, ran_as=None, note=None)
+            runs.append(run)
+            print(table_row(run), flush=True)
+    finally:
+        await backend.close()
+    return runs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spaceserve bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=("inprocess", "http"), default="inprocess")
+    p.add_argument("--model", default="tiny", help="checkpoint directory or 'tiny'")
+    p.add_argument("--modes", default="spatial,temporal", help="in-process engine modes")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="http backend")
+    p.add_argument("--served-model", help="http: the model name the server serves")
+    p.add_argument("--label", default="server", help="http: the run's label in the outputs")
+    p.add_argument("--rates", default="2,8", help="comma-separated request rates (req/s)")
+    p.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per rate")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--image-mix", default="112x112=0.4,224x224=0.3,448x448=0.1,text=0.2",
+                   help="WxH=weight entries; 'text' = text-only requests")
+    p.add_argument("--probe-rate", type=float, default=2.0, help="probe requests/s (0: none)")
+    p.add_argument("--input-words", type=int, default=12)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--probe-output-len", type=int, default=8)
+    p.add_argument("--slo", default="ttft:1000,tpot:100",
+                   help="goodput SLOs in ms, e.g. ttft:500,tpot:50,e2el:5000")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="in-process: cuda or cpu (default: cuda when present)")
+    p.add_argument("--attention-backend", help="in-process: triton or torch")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--out", type=Path, default=Path("runs/bench-serve"))
+    p.add_argument("--show", type=int, default=3, help="outputs to print per mode")
+    p.add_argument("--no-plot", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    started = time.monotonic()
+    try:
+        args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        rates = [float(x) for x in args.rates.split(",") if x.strip()]
+        slos = parse_slos(args.slo)
+        workloads = [ServeWorkload(request_rate=r, duration_s=args.duration,
+                                   burstiness=args.burstiness, image_mix=parse_mix(args.image_mix),
+                                   probe_rate=args.probe_rate, input_words=args.input_words,
+                                   output_len=args.output_len,
+                                   probe_output_len=args.probe_output_len, seed=args.seed)
+                     for r in rates]
+        if not workloads:
+            raise ValueError("--rates: no rate given")
+    except ValueError as exc:
+        print(f"spaceserve bench serve: {exc}", file=sys.stderr)
+        return 2
+    print(f"serving benchmark: {args.backend}, model {args.model}, rates {rates} req/s, "
+          f"{args.duration:g} s each, mix {args.image_mix}, probes {args.probe_rate:g}/s, "
+          f"SLOs {slos} ms")
+    print("latencies in ms (means unless p99), goodput in req/s")
+    print(HEADER)
+    runner = _run_inprocess if args.backend == "inprocess" else _run_http
+    try:
+        runs = asyncio.run(runner(args, workloads, slos))
+    except ValueError as exc:
+        print(f"spaceserve bench serve: {exc}", file=sys.stderr)
+        return 2
+    print("\nsample outputs (random weights: the text is noise, the token counts are real):")
+    for label in dict.fromkeys(r["label"] for r in runs):
+        _show(next(r for r in runs if r["label"] == label), args.show)
+    args.out.mkdir(parents=True, exist_ok=True)
+    doc = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+           "runs": [{k: v for k, v in r.items() if k not in ("results", "t0")}
+                    | {"requests": _request_rows(r)} for r in runs]}
+    (args.out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    written = [args.out / "results.json"]
+    if not args.no_plot:
+        for fn, name in ((plot_vs_rate, "latency_vs_rate.png"),
+                         (plot_timeline, "sm_split_timeline.png")):
+            path = fn(runs, args.out / name)
+            if path is None:
+                print("note: matplotlib is not installed; no plots")
+                break
+            written.append(path)
+    print(f"\nwrote {', '.join(str(p) for p in written)} "
+          f"({time.monotonic() - started:.1f} s in all)")
+    return 0

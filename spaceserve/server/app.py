@@ -1,0 +1,341 @@
+"""The OpenAI-compatible HTTP server (`spaceserve serve`): FastAPI over an `AsyncEngine`.
+
+Routes: ``POST /v1/chat/completions`` (non-streaming, or SSE with ``stream``), ``GET
+/v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every client mistake is an
+OpenAI-style JSON error with a 4xx status: 400 for a malformed body, field or image, 404 for an
+unknown model, 413 for an oversized body, 503 when the bounded queue is full. Prompt rendering
+and image decoding run in a worker pool; the engine steps on its own thread. A client that goes
+away (non-streaming or streaming) aborts its request, which frees its KV blocks.
+
+A stream sends its first chunk only once the first token exists (so a request that fails
+before generating anything still gets a JSON error and a 4xx), then one chunk per new text,
+the finish reason on the last content chunk, a usage chunk with empty ``choices`` when
+``stream_options.include_usage``, and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from spaceserve.runtime.request import RequestOutput, SamplingParams
+
+from . import protocol as P
+from .chat import ChatPreprocessor
+from .engine_client import AsyncEngine, QueueFull, RequestHandle
+from .images import ImageLimits, check_dir
+from .protocol import APIError
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds on what one request may carry."""
+
+    max_body_bytes: int = 32 * 1024 * 1024
+    images: ImageLimits = ImageLimits()
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(json.dumps(obj, ensure_ascii=False, separators=(",", ":")),
+                    status_code=status, media_type="application/json")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _next(handle: RequestHandle, gone: asyncio.Task) -> RequestOutput | None:
+    """The request's next output, or None once the client has disconnected."""
+    get = asyncio.ensure_future(handle.next())
+    done, _ = await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        return get.result()
+    get.cancel()
+    return None
+
+
+def _error_of(out: RequestOutput) -> APIError:
+    msg = out.error or "request failed"
+    if msg.startswith("engine step failed"):
+        return APIError(500, msg, type="server_error")
+    return APIError(400, msg)
+
+
+class _Deltas:
+    """Incremental text of a stream; holds back a trailing partial UTF-8 character."""
+
+    def __init__(self) -> None:
+        self.sent = ""
+
+    def take(self, text: str | None, final: bool) -> str:
+        if not text:
+            return ""
+        if not final and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        if len(text) <= len(self.sent):
+            return ""
+        # An earlier character that changed on decoding cannot be taken back; go on from here.
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_name: str,
+               limits: ServerLimits | None = None, root: str | None = None) -> FastAPI:
+    """The FastAPI application serving `client`'s engine under the name `model_name`."""
+    limits = limits or ServerLimits()
+    app = FastAPI(title="SpaceServe", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.client = client
+    created = P.now()
+    metrics = client.metrics
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> Response:
+        metrics.http_error(exc.status)
+        return _json(exc.body(), exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        metrics.http_error(exc.status_code)
+        return _json(APIError(exc.status_code, str(exc.detail)).body(), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> Response:
+        metrics.http_error(500)
+        return _json(APIError(500, f"internal error: {type(exc).__name__}",
+                              type="server_error").body(), 500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        body = {"status": "ok" if client.alive else "dead", "mode": client.mode,
+                "note": client.mode_note}
+        return _json(body, 200 if client.alive else 503)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json({"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "spaceserve",
+            "root": root or model_name, "max_model_len": client.engine.max_model_len}]})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        text = client.metrics.render(client.gauges())
+        text += (f'# HELP spaceserve:mode_info Engine mode.\n# TYPE spaceserve:mode_info gauge\n'
+                 f'spaceserve:mode_info{{mode="{client.mode}"}} 1\n')
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def sampling(req: P.ChatCompletionRequest, prompt: dict[str, Any]) -> SamplingParams:
+        n = len(prompt["prompt_token_ids"])
+        ctx = client.engine.max_model_len
+        limit = req.output_limit()
+        if n >= ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens; the "
+                           f"messages take {n}.", param="messages")
+        if limit is not None and n + limit > ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens; you "
+                           f"requested {n + limit} ({n} in the messages, {limit} in the "
+                           "completion).", param="max_tokens")
+        return SamplingParams(max_tokens=limit if limit is not None else ctx - n,
+                              temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+                              ignore_eos=req.ignore_eos)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = P.parse_request(await _read_body(request, limits.max_body_bytes))
+        if req.model != model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
+                           type="NotFoundError", code="model_not_found")
+        if not client.alive:
+            raise APIError(503, "the engine is not running", type="server_error")
+        rid = f"chatcmpl-{time.time_ns():x}{id(request) & 0xFFFF:04x}"
+        try:
+            handle = client.reserve(rid)
+        except QueueFull as exc:
+            raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
+                           code="queue_full") from None
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        streaming = False
+        try:
+            await handle.start(lambda: preprocessor.prepare(req, limits.images),
+                               lambda prompt: sampling(req, prompt), stream=req.stream)
+            first = await _next(handle, gone)
+            if first is None:
+                return Response(status_code=499)
+            if first.finish_reason in ("error", "abort") and not first.token_ids:
+                raise _error_of(first)
+            created_at = P.now()
+            if not req.stream:
+                if first.finish_reason == "error":
+                    raise _error_of(first)
+                return _json(P.completion_response(
+                    rid, model_name, created_at, first.text or "", first.finish_reason,
+                    first.prompt_token_ids, first.token_ids,
+                    return_token_ids=req.return_token_ids))
+            streaming = True
+            return StreamingResponse(_stream(req, handle, gone, first, created_at),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        finally:
+            if not streaming:
+                gone.cancel()
+                handle.close()
+
+    async def _stream(req: P.ChatCompletionRequest, handle: RequestHandle, gone: asyncio.Task,
+                      first: RequestOutput, created_at: int) -> AsyncIterator[bytes]:
+        rid, usage = handle.request_id, bool(req.stream_options and
+                                            req.stream_options.include_usage)
+        deltas = _Deltas()
+        out: RequestOutput | None = first
+        role = True
+        try:
+            while out is not None:
+                text = deltas.take(out.text, out.finished)
+                ids = out.new_token_ids if req.return_token_ids else None
+                reason = out.finish_reason if out.finished else None
+                if reason == "error":
+                    yield P.sse(_error_of(out).body())
+                    break
+                if role or text or reason or ids:
+                    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                    if text or role:
+                        delta["content"] = text
+                    yield P.sse(P.chunk(rid, model_name, created_at, delta, reason,
+                                        include_usage=usage, token_ids=ids))
+                    role = False
+                if out.finished:
+                    if usage:
+                        yield P.sse(P.usage_chunk(rid, model_name, created_at,
+                                                  len(out.prompt_token_ids), len(out.token_ids)))
+                    break
+                out = await _next(handle, gone)
+            if out is not None:
+                yield b"data: [DONE]\n\n"
+        finally:
+            gone.cancel()
+            handle.close()
+
+    return app
+
+
+class ServerThread:
+    """uvicorn serving `app` on a background thread (loopback tests, benchmarks); port 0
+    picks a free port, readable as `port` once started."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.host, self.port = host, port
+        # uvicorn binds the socket itself: asyncio then sets TCP_NODELAY on every connection
+        # (a socket passed in without IPPROTO_TCP misses it, and each response waits ~40 ms
+        # for a delayed ACK).
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
+                                                    log_level=log_level, lifespan="off",
+                                                    timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spaceserve serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    p.add_argument("--served-model-name", help="name clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--mode", default="temporal",
+                   help="engine mode: temporal, spatial, spatial-static, shared")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
+    p.add_argument("--attention-backend", help="triton or torch (default by device)")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-pending", type=int, default=256,
+                   help="requests in flight before answering 503")
+    p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes)
+    p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_image_bytes)
+    p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_image_pixels)
+    p.add_argument("--max-images-per-request", type=int,
+                   default=ImageLimits.max_images_per_request)
+    p.add_argument("--allowed-local-media-path",
+                   help="folder file:// image URLs may read from (default: none allowed)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from .engine_client import load_engine
+
+    args = build_parser().parse_args(argv)
+    try:
+        limits = ServerLimits(args.max_body_bytes, ImageLimits(
+            args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
+            check_dir(args.allowed_local_media_path)))
+        engine, pre, note = load_engine(
+            args.model, mode=args.mode, device=args.device, dtype=args.dtype,
+            attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+            max_model_len=args.max_model_len, seed=args.seed,
+            max_images_per_prompt=args.max_images_per_request)
+    except ValueError as exc:
+        print(f"spaceserve serve: {exc}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"spaceserve serve: {note}", file=sys.stderr)
+    client = AsyncEngine(engine, max_pending=args.max_pending, mode_note=note)
+    app = create_app(client, pre, model_name=args.served_model_name or args.model,
+                     limits=limits, root=args.model)
+    print(f"spaceserve serve: {args.model} ({client.mode}) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        client.close()
+    return 0

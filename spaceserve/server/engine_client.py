@@ -1,0 +1,299 @@
+"""The engine on a background thread, driven from asyncio without blocking the event loop.
+
+`AsyncEngine` owns one `Engine`. A daemon thread runs ``engine.step()`` whenever requests are
+active and sleeps on a condition otherwise; requests enter through `reserve` (admission against
+a bounded number of in-flight requests: `QueueFull` when full) and `RequestHandle.start`, which
+runs prompt preparation and ``add_request`` in a worker pool. The engine's per-request sink
+hands each output to the request's asyncio queue with ``call_soon_threadsafe``. Closing a handle
+before its final output (a client went away) aborts the request, which frees its KV blocks and
+embeddings at the next step. After every step the thread samples the SM split and the queue
+depths: the gauges of ``/metrics`` and the benchmark's split timeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from spaceserve.runtime.engine import Engine
+from spaceserve.runtime.request import RequestOutput, SamplingParams
+
+from .metrics import ServerMetrics
+
+KNOWN_MODES = ("temporal", "spatial", "spatial-static", "shared")
+
+
+class QueueFull(Exception):
+    """Too many requests in flight; answered with 503."""
+
+
+@dataclass(frozen=True)
+class SplitSample:
+    """The engine's state after one step (engine monotonic clock)."""
+
+    time: float
+    encoder_sms: int
+    decoder_sms: int
+    waiting: int
+    running: int
+    encoder_pending: int
+
+
+class RequestHandle:
+    """One admitted request: start it, iterate its outputs, close it (aborts if unfinished)."""
+
+    def __init__(self, client: AsyncEngine, request_id: str) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.added = False
+        self.finished = False
+        self.closed = False
+        self._lock = threading.Lock()  # orders adding against closing
+
+    def _sink(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.client.metrics.observe(out)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        except RuntimeError:  # the loop is gone: nobody listens any more
+            pass
+
+    async def start(self, prepare: Callable[[], Any], params: SamplingParams | Callable[
+            [Any], SamplingParams], *, stream: bool) -> Any:
+        """Run ``prepare()`` (blocking prompt work) in the pool, then add the request; returns
+        the prepared prompt. `params` may be a function of it (limits known only then)."""
+        def job() -> Any:
+            prompt = prepare()
+            sp = params(prompt) if callable(params) else params
+            with self._lock:
+                if self.closed:
+                    return prompt
+                self.client.engine.add_request(prompt, sp, request_id=self.request_id,
+                                               sink=self._sink, stream=stream)
+                self.added = True
+            self.client.wake()
+            return prompt
+
+        return await self.loop.run_in_executor(self.client.pool, job)
+
+    async def next(self) -> RequestOutput:
+        out = await self.queue.get()
+        self.finished = out.finished
+        return out
+
+    def close(self) -> None:
+        """Release the admission slot; abort the request when it has not finished."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            abort = self.added and not self.finished
+        if abort:
+            self.client.engine.abort(self.request_id)
+            self.client.wake()
+        self.client._release()
+
+
+class AsyncEngine:
+    """See the module docstring. `max_pending` bounds requests admitted and not yet closed."""
+
+    def __init__(self, engine: Engine, *, max_pending: int = 256, workers: int = 4,
+                 mode_note: str | None = None, timeline_len: int = 200_000) -> None:
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending={max_pending!r} must be an int >= 1")
+        self.engine = engine
+        self.max_pending = max_pending
+        self.mode_note = mode_note
+        self.metrics = ServerMetrics()
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spaceserve-prep")
+        self.timeline: deque[SplitSample] = deque(maxlen=timeline_len)
+        self.last_error: str | None = None
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._plock = threading.Lock()
+        self._closing = False
+        self._ids = 0
+        self._device_sms = _device_sms(engine)
+        self._thread = threading.Thread(target=self._run, name="spaceserve-engine", daemon=True)
+        self._thread.start()
+
+    # Admission.
+
+    @property
+    def num_pending(self) -> int:
+        return self._pending
+
+    def reserve(self, request_id: str | None = None) -> RequestHandle:
+        """Admit one request or raise QueueFull; call inside the event loop."""
+        with self._plock:
+            if self._pending >= self.max_pending:
+                raise QueueFull(f"{self._pending} requests in flight (max_pending="
+                                f"{self.max_pending})")
+            self._pending += 1
+            self._ids += 1
+            rid = request_id or f"srv-{self._ids}"
+        return RequestHandle(self, rid)
+
+    def _release(self) -> None:
+        with self._plock:
+            self._pending -= 1
+
+    # The engine thread.
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closing
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cond:
+                while not self._closing and not eng.has_unfinished():
+                    self._cond.wait(0.25)
+                if self._closing:
+                    return
+            before = eng.num_steps
+            try:
+                eng.step()
+            except Exception as exc:  # end every request with the reason instead of hanging
+                self.last_error = f"engine step failed: {type(exc).__name__}: {exc}"
+                eng.fail_all(self.last_error)
+            self._sample()
+            if eng.num_steps == before:
+                time.sleep(0.0005)  # nothing could run (only drains): do not spin
+
+    def _sample(self) -> None:
+        enc, dec = self.sm_split()
+        g = self.queue_depths()
+        s = SplitSample(time.monotonic(), enc, dec, g["waiting"], g["running"],
+                        g["encoder_pending"])
+        last = self.timeline[-1] if self.timeline else None
+        if last is None or (last.encoder_sms, last.decoder_sms, last.waiting, last.running,
+                            last.encoder_pending) != (enc, dec, s.waiting, s.running,
+                                                      s.encoder_pending) \
+                or s.time - last.time > 0.05:
+            self.timeline.append(s)
+
+    # State.
+
+    @property
+    def mode(self) -> str:
+        return str(getattr(self.engine.config, "mode", "temporal"))
+
+    def sm_split(self) -> tuple[int, int]:
+        """(encoder SMs, decoder SMs); a stage without a budget has the whole device."""
+        fn = getattr(self.engine, "sm_split", None)
+        if callable(fn):
+            try:
+                enc, dec = fn()
+                return int(enc), int(dec)
+            except Exception:  # a half-started spatial stage: fall back to the runner's view
+                pass
+        runner = self.engine.runner
+        enc = getattr(runner, "encoder_num_sms", None)
+        dec = getattr(runner, "decoder_num_sms", None)
+        return int(enc or self._device_sms), int(dec or self._device_sms)
+
+    def queue_depths(self) -> dict[str, int]:
+        eng = self.engine
+        sched, enc = getattr(eng, "scheduler", None), getattr(eng, "encoder", None)
+        bm = getattr(eng, "block_manager", None)
+        return {
+            "waiting": len(getattr(sched, "waiting", ())),
+            "running": len(getattr(sched, "running", ())),
+            "encoder_pending": int(getattr(enc, "num_pending", 0)),
+            "encoder_held": int(getattr(enc, "num_held", 0)),
+            "active": int(eng.num_active),
+            "pending": self._pending,
+            "kv_blocks_free": int(getattr(bm, "num_free", 0)),
+            "kv_blocks_total": int(getattr(eng.memory, "num_blocks", 0)),
+        }
+
+    def gauges(self) -> list[tuple[str, str, float]]:
+        g = self.queue_depths()
+        enc, dec = self.sm_split()
+        total = max(g["kv_blocks_total"], 1)
+        return [
+            ("num_requests_waiting", "Requests waiting to be scheduled.", g["waiting"]),
+            ("num_requests_running", "Requests in the running batch.", g["running"]),
+            ("num_requests_in_flight", "Requests admitted by the server.", g["pending"]),
+            ("encoder_queue_depth", "Image requests waiting for the encoder.",
+             g["encoder_pending"]),
+            ("encoder_embeddings_held", "Encoded images held for prefill.", g["encoder_held"]),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use.",
+             1.0 - g["kv_blocks_free"] / total),
+            ("encoder_sms", "SMs of the encoder stage.", enc),
+            ("decoder_sms", "SMs of the decoder stage.", dec),
+            ("device_sms", "SMs of the device.", self._device_sms),
+            ("engine_steps_total", "Engine steps run.", self.engine.num_steps),
+        ]
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _device_sms(engine: Engine) -> int:
+    try:
+        from spaceserve.kernels.budget import device_num_sms
+
+        return int(device_num_sms(engine.runner.device))
+    except Exception:  # no device query possible: count the H200's
+        return 132
+
+
+def resolve_mode(mode: str) -> tuple[str, str | None]:
+    """(mode to run, note): a known mode this engine build lacks runs as temporal, said so."""
+    from spaceserve.runtime import engine as engine_module
+
+    available = tuple(getattr(engine_module, "MODES", ("temporal",)))
+    if mode in available:
+        return mode, None
+    if mode in KNOWN_MODES:
+        return "temporal", (f"mode {mode!r} is not available in this engine build "
+                            f"(available: {', '.join(available)}); running 'temporal' instead")
+    raise ValueError(f"mode={mode!r} is unknown; modes: {', '.join(KNOWN_MODES)}")
+
+
+def load_engine(model: str, *, mode: str = "temporal", device: str | None = None,
+                dtype: str | None = None, attention_backend: str | None = None,
+                **config: Any) -> tuple[Engine, Any, str | None]:
+    """(engine, chat preprocessor, mode note) for a checkpoint directory or ``tiny``.
+
+    Defaults: CUDA when present, the checkpoint's dtype, the triton attention backend on CUDA
+    and the torch one on CPU (the Triton interpreter is far too slow to serve)."""
+    import torch
+
+    from spaceserve.runtime.engine import EngineConfig
+    from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
+
+    from .chat import ChatPreprocessor
+    from .tiny import resolve_model
+
+    run_mode, note = resolve_mode(mode)
+    cfg = EngineConfig(mode=run_mode, **config)
+    path = resolve_model(model)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if attention_backend is None:
+        attention_backend = "triton" if str(device).startswith("cuda") else "torch"
+    runner = Qwen2VLRunner.from_pretrained(path, attention_backend=attention_backend,
+                                           dtype=dtype, device=device)
+    pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id)
+    engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
+    return engine, pre, note

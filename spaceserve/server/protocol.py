@@ -1,0 +1,181 @@
+"""OpenAI chat-completions wire format: validated requests, response and chunk builders, errors.
+
+Requests are pydantic models validated in strict mode (a string is not a number, a number is
+not a bool), so a malformed field is a 400 that names it. Responses are plain dicts built by the
+functions below: they sit on the per-token path of streaming, where model validation would only
+add latency.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class ImageURL(_Model):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Model):
+    """The fields SpaceServe honours; unknown fields are ignored, unsupported ones refused."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=0, lt=2 ** 63)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    stop: None = None
+    logprobs: Literal[False] | None = None
+    tools: None = None
+    return_token_ids: bool = False  # extension: token ids in the response (as vLLM offers)
+    user: str | None = None
+
+    def output_limit(self) -> int | None:
+        """`max_completion_tokens` wins over the older `max_tokens`."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = \
+            status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    """pydantic's error location as a field path; union branch and tag names dropped."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in str(part) or "-" in str(part) or part == "str":
+            continue  # a union branch, not a field
+        elif part in ("text", "image_url") and i and isinstance(loc[i - 1], int) \
+                and i + 1 < len(loc):
+            continue  # the tag of a content part, followed by its field
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def parse_request(body: bytes) -> ChatCompletionRequest:
+    """Bytes to a validated request; APIError 400 naming the first bad field otherwise."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        req = ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        err = max(exc.errors(include_url=False), key=lambda e: len(e.get("loc", ())))
+        where = _loc(tuple(err.get("loc", ())))
+        msg = err.get("msg", "invalid value")
+        if where in ("n",):
+            msg = "only n=1 is supported"
+        elif where in ("stop", "tools", "logprobs"):
+            msg = f"{where} is not supported"
+        raise APIError(400, f"{where or 'body'}: {msg}", param=where or None) from None
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true",
+                       param="stream_options")
+    return req
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str,
+                        prompt_ids: list[int], token_ids: list[int], *,
+                        return_token_ids: bool = False) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` object."""
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                              "logprobs": None, "finish_reason": finish_reason}
+    out: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": created,
+                           "model": model, "choices": [choice],
+                           "usage": usage(len(prompt_ids), len(token_ids))}
+    if return_token_ids:
+        choice["token_ids"] = list(token_ids)
+        out["prompt_token_ids"] = list(prompt_ids)
+    return out
+
+
+def chunk(rid: str, model: str, created: int, delta: dict[str, Any],
+          finish_reason: str | None = None, *, include_usage: bool = False,
+          token_ids: list[int] | None = None) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` with a single choice."""
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                              "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": model, "choices": [choice]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(rid: str, model: str, created: int, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    """One server-sent event (``data: ...`` and a blank line)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False,
+                                                      separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,197 @@
+"""Client mistakes get a clear 4xx and leave the server serving; thousands of generated bodies
+(null model, in-process ASGI transport) find no 5xx, and leave no request or KV block held."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+
+import httpx
+import pytest
+
+from spaceserve.server.app import ServerLimits
+from spaceserve.server.images import ImageLimits
+
+from .conftest import MODEL, make_app, null_engine, png, wait_until
+
+GOOD_PNG = png(56, 56)
+GOOD_URL = "data:image/png;base64," + base64.b64encode(GOOD_PNG).decode()
+OK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def image_msg(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "what is this?"}]}]
+
+
+@pytest.fixture(scope="module")
+def null_app(preprocessor, tmp_path_factory):
+    media = tmp_path_factory.mktemp("media")
+    (media / "ok.png").write_bytes(GOOD_PNG)
+    engine = null_engine(preprocessor, max_model_len=64)
+    limits = ServerLimits(max_body_bytes=300_000, images=ImageLimits(
+        max_image_bytes=100_000, max_image_pixels=300 * 300, max_images_per_request=2,
+        allowed_local_dir=str(media)))
+    client, app = make_app(engine, preprocessor, max_pending=1000, limits=limits)
+    yield engine, client, app, media
+    client.close()
+
+
+def post(app, body, raw: bytes | None = None, headers: dict | None = None):
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            if raw is not None:
+                return await c.post("/v1/chat/completions", content=raw, headers=headers)
+            return await c.post("/v1/chat/completions", json=body)
+
+    return asyncio.run(go())
+
+
+BIG = "x" * 400_000
+
+
+def flat_png_url(h: int, w: int) -> str:
+    """A one-colour PNG: many pixels in few bytes."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (10, 200, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+CASES = [
+    ("malformed json", None, b'{"model": "tiny-test", "messages": [', 400, "not valid JSON"),
+    ("not an object", None, b"[1, 2]", 400, "JSON object"),
+    ("missing messages", {"model": MODEL}, None, 400, "messages"),
+    ("empty messages", {"model": MODEL, "messages": []}, None, 400, "messages"),
+    ("bad role", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, None, 400,
+     "messages[0].role"),
+    ("unknown model", OK | {"model": "gpt-9"}, None, 404, "does not exist"),
+    ("temperature", OK | {"temperature": 2.5}, None, 400, "temperature"),
+    ("top_p", OK | {"top_p": 0}, None, 400, "top_p"),
+    ("max_tokens", OK | {"max_tokens": 0}, None, 400, "max_tokens"),
+    ("max_tokens type", OK | {"max_tokens": "5"}, None, 400, "max_tokens"),
+    ("seed", OK | {"seed": -1}, None, 400, "seed"),
+    ("n", OK | {"n": 2}, None, 400, "n=1"),
+    ("stream_options", OK | {"stream_options": {"include_usage": True}}, None, 400,
+     "stream_options"),
+    ("context", OK | {"max_tokens": 60}, None, 400, "maximum context length"),
+    ("bad base64", OK | {"messages": image_msg("data:image/png;base64,@@@")}, None, 400,
+     "base64"),
+    ("not an image", OK | {"messages": image_msg("data:image/png;base64," +
+                                                 base64.b64encode(b"hello").decode())},
+     None, 400, "cannot decode"),
+    ("remote url", OK | {"messages": image_msg("https://example.com/a.png")}, None, 400,
+     "remote"),
+    ("file outside", OK | {"messages": image_msg("file:///etc/passwd")}, None, 400,
+     "outside"),
+    ("too many pixels", OK | {"messages": image_msg(flat_png_url(400, 400))}, None, 400,
+     "pixels"),
+    ("too many images", OK | {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": GOOD_URL}}] * 3}]}, None, 400, "at most 2"),
+    ("oversized body", OK | {"messages": [{"role": "user", "content": BIG}]}, None, 413,
+     "limit"),
+]
+
+
+@pytest.mark.parametrize("name,body,raw,status,needle", CASES, ids=[c[0] for c in CASES])
+def test_client_errors_are_4xx(null_app, name, body, raw, status, needle) -> None:
+    engine, client, app, _ = null_app
+    r = post(app, body, raw, {"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    ok = post(app, OK)  # still serving
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_file_url_inside_allowed_folder(null_app) -> None:
+    _, _, app, media = null_app
+    r = post(app, OK | {"messages": image_msg(f"file://{media}/ok.png")})
+    assert r.status_code == 200
+    assert r.json()["usage"]["prompt_tokens"] > 4  # the 2x2 merged grid's 4 tokens included
+
+
+def _mutate(rng: random.Random, value, depth: int = 0):
+    """A random corruption of a JSON value."""
+    junk = [None, True, -1, 0, 1, 2 ** 70, 1e308, -0.5, "", "x" * rng.randint(1, 40), [], {},
+            [1, "a"], {"type": "text"}, "\u0000\ud7ff", float("nan")]
+    if isinstance(value, dict) and value and depth < 4 and rng.random() < 0.7:
+        out = dict(value)
+        key = rng.choice(list(out))
+        roll = rng.random()
+        if roll < 0.25:
+            del out[key]
+        elif roll < 0.5:
+            out[key] = rng.choice(junk)
+        elif roll < 0.6:
+            out["extra_" + str(rng.randint(0, 9))] = rng.choice(junk)
+        else:
+            out[key] = _mutate(rng, out[key], depth + 1)
+        return out
+    if isinstance(value, list) and value and depth < 4 and rng.random() < 0.7:
+        out = list(value)
+        i = rng.randrange(len(out))
+        roll = rng.random()
+        if roll < 0.3:
+            out.append(out[i])
+        elif roll < 0.5:
+            out.pop(i)
+        else:
+            out[i] = _mutate(rng, out[i], depth + 1)
+        return out
+    return rng.choice(junk)
+
+
+def _bodies(n: int, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    seeds = [
+        OK,
+        OK | {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 3},
+        OK | {"temperature": 0.7, "top_p": 0.5, "seed": 3, "ignore_eos": True},
+        OK | {"messages": image_msg(GOOD_URL), "max_completion_tokens": 2},
+        {"model": MODEL, "messages": [{"role": "system", "content": "be brief"},
+                                      {"role": "assistant", "content": None},
+                                      {"role": "user", "content": [{"type": "text",
+                                                                    "text": "a"}]}]},
+    ]
+    out = []
+    for i in range(n):
+        body = rng.choice(seeds)
+        for _ in range(rng.randint(0, 3)):
+            body = _mutate(rng, body)
+        raw = json.dumps(body, allow_nan=True).encode()
+        if i % 10 == 0:  # byte-level damage too
+            cut = rng.randrange(len(raw) + 1)
+            raw = raw[:cut] + bytes([rng.randrange(256)]) + raw[cut + 1:]
+        out.append(raw)
+    return out
+
+
+def test_fuzz_no_5xx_and_nothing_leaks(null_app) -> None:
+    engine, client, app, _ = null_app
+    bodies = _bodies(2000)
+
+    async def go():
+        statuses = []
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            for i in range(0, len(bodies), 25):
+                rs = await asyncio.gather(*(c.post(
+                    "/v1/chat/completions", content=b,
+                    headers={"content-type": "application/json"}) for b in bodies[i:i + 25]))
+                for r in rs:
+                    assert r.status_code < 500, r.text
+                    if r.status_code != 200:
+                        assert r.json()["error"]["message"]
+                    statuses.append(r.status_code)
+        return statuses
+
+    statuses = asyncio.run(go())
+    assert statuses.count(200) > 200 and statuses.count(400) > 200  # both kinds exercised
+    assert wait_until(lambda: engine.num_active == 0 and client.num_pending == 0)
+    engine.check_idle()
+    assert engine.block_manager.num_free == engine.memory.num_blocks
