@@ -1,0 +1,1 @@
+"""Offline profiling (resource-utility curves) and per-budget kernel tuning for SpaceServe."""

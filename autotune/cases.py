@@ -50,8 +50,9 @@ class TuneShapes:
 
 @dataclass
 class Case:
-    """One tuning case: `run(num_sms)` calls the kernel(s) and returns the output (timed);
-    `reference()` the fp64 expectation; `setup()` runs after each config change (re-plans)."""
+    """One tuning case: `run(num_sms)` calls the kernel(s) and returns the output; `timed`
+    (default `run`) is what gets timed, for in-place kernels whose `run` must start from fresh
+    inputs; `reference()` the fp64 expectation; `setup()` runs after each config change."""
 
     name: str
     dtype: torch.dtype
@@ -59,6 +60,7 @@ class Case:
     reference: Callable[[], Tensor]
     default: dict[str, Any] = field(default_factory=dict)
     setup: Callable[[], None] = field(default=lambda: None)
+    timed: Callable[[int], Any] | None = None
 
 
 def _randn(gen: torch.Generator, *shape: int, device: torch.device, dtype: torch.dtype,
@@ -224,6 +226,57 @@ def layer_norm_case(s: TuneShapes, dev: torch.device, dtype: torch.dtype) -> Cas
     return _norm_case("layer_norm", s.vit_tokens, s.vit_embed, dev, dtype)
 
 
+def rotary_case(s: TuneShapes, dev: torch.device, dtype: torch.dtype) -> Case:
+    """M-RoPE-style rotation of a prefill chunk's q and k (in place)."""
+    from spaceserve.kernels.rotary import apply_rotary, ref_apply_rotary, rotary_config
+
+    gen = torch.Generator(device=dev).manual_seed(9)
+    t, d = s.prefill_tokens, s.head_dim
+    q = _randn(gen, t, s.heads, d, device=dev, dtype=dtype)
+    k = _randn(gen, t, s.kv_heads, d, device=dev, dtype=dtype)
+    ang = _randn(gen, t, d // 2, device=dev, dtype=torch.float32)
+    cos, sin = (torch.cat([f(ang)] * 2, dim=-1).contiguous() for f in (torch.cos, torch.sin))
+    work = [q.clone(), k.clone()]
+
+    def run(n: int) -> Tensor:
+        qq, kk = q.clone(), k.clone()
+        return _flat(*apply_rotary(qq, kk, cos, sin, num_sms=n))
+
+    return Case(f"rotary [{t}x({s.heads}+{s.kv_heads})x{d}]", dtype, run,
+                lambda: _flat(*ref_apply_rotary(q.double(), k.double(), cos.double(),
+                                                sin.double())),
+                default=rotary_config(d, max(s.heads, s.kv_heads)),
+                timed=lambda n: apply_rotary(work[0], work[1], cos, sin, num_sms=n))
+
+
+def store_kv_case(s: TuneShapes, dev: torch.device, dtype: torch.dtype) -> Case:
+    """A prefill chunk's K/V written to scattered cache slots (in place)."""
+    from spaceserve.kernels.kv_cache import ref_store_kv, store_kv
+
+    gen = torch.Generator(device=dev).manual_seed(10)
+    t = s.prefill_tokens
+    k, v = (_randn(gen, t, s.kv_heads, s.head_dim, device=dev, dtype=dtype) for _ in range(2))
+    blocks = -(-t // s.block_size) + 1
+    shape = (blocks, s.block_size, s.kv_heads, s.head_dim)
+    kc, vc = (torch.zeros(shape, device=dev, dtype=dtype) for _ in range(2))
+    slots = torch.randperm(blocks * s.block_size, generator=torch.Generator().manual_seed(10))
+    slots = slots[:t].to(dev)
+
+    def run(n: int) -> Tensor:
+        kc.zero_()
+        vc.zero_()
+        store_kv(k, v, kc, vc, slots, num_sms=n)
+        return _flat(kc, vc)
+
+    def reference() -> Tensor:
+        rk, rv = (torch.zeros(shape, device=dev, dtype=torch.float64) for _ in range(2))
+        ref_store_kv(k.double(), v.double(), rk, rv, slots)
+        return _flat(rk, rv)
+
+    return Case(f"store_kv [{t}x{s.kv_heads}x{s.head_dim}]", dtype, run, reference,
+                timed=lambda n: store_kv(k, v, kc, vc, slots, num_sms=n))
+
+
 CaseFn = Callable[[TuneShapes, torch.device, torch.dtype], Case]
 CASES: dict[str, CaseFn] = {
     "linear": linear_case, "linear_skinny": linear_skinny_case,
@@ -232,6 +285,7 @@ CASES: dict[str, CaseFn] = {
     "paged_decode": paged_decode_case, "paged_prefill": paged_prefill_case,
     "vit_attention": vit_attention_case,
     "rms_norm": rms_norm_case, "layer_norm": layer_norm_case,
+    "rotary": rotary_case, "store_kv": store_kv_case,
 }
 
 _G = dict(GROUP_M=8)
@@ -292,10 +346,22 @@ def _norm_candidates(case: Case) -> list[dict[str, int]]:
     return out
 
 
+def _rotary_candidates(case: Case) -> list[dict[str, int]]:
+    bt, warps = int(case.default["BLOCK_T"]), int(case.default["num_warps"])
+    return [dict(BLOCK_T=t, num_warps=w) for t in sorted({max(1, bt // 2), bt * 2})
+            for w in (4, 8) if (t, w) != (bt, warps)]
+
+
+STORE_CANDIDATES = [dict(BLOCK_ELEMS=e, num_warps=w) for e in (2048, 8192, 16384)
+                    for w in (4, 8)]
+
+
 def candidates(name: str, case: Case, device: torch.device) -> list[dict[str, int]]:
     """Configs to try for kernel `name` (the launcher's default is always tried as well)."""
-    if name in ("rms_norm", "layer_norm"):
-        cands = _norm_candidates(case)
+    relative = {"rms_norm": _norm_candidates, "layer_norm": _norm_candidates,
+                "rotary": _rotary_candidates, "store_kv": lambda c: list(STORE_CANDIDATES)}
+    if name in relative:
+        cands = relative[name](case)
         return cands if device.type == "cuda" else cands[:2]
     table = GPU_CANDIDATES if device.type == "cuda" else CPU_CANDIDATES
     return [dict(c) for c in table.get(name, [])]

@@ -116,7 +116,8 @@ class Tuner:
             table[name] = entry
         with using_kernel_configs(table):
             case.setup()
-            return self.bench(lambda: case.run(budget))
+            timed = case.timed or case.run
+            return self.bench(lambda: timed(budget))
 
     def _trial(self, res: KernelResult, entry: dict[int, dict], case: Case, ref: torch.Tensor,
                budget: int, bucket: int, cfg: dict) -> float | None:

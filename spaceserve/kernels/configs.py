@@ -41,6 +41,7 @@ HONOURED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "splitk_reduce": (("BLOCK", "num_warps", "num_stages"), ()),
     "rms_norm": (("num_stages",), ("BLOCK_M", "num_warps")),
     "layer_norm": (("num_stages",), ("BLOCK_M", "num_warps")),
+    # BLOCK_HALF must cover head_dim / 2 (the launcher's default does): never from a table.
     "rotary": (("BLOCK_T", "BLOCK_H", "num_warps", "num_stages"), ()),
     "vit_attention": ((), ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")),
     "paged_decode": (("num_stages",), ("BLOCK_N", "num_warps")),

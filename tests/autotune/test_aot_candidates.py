@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autotune.aot_candidates import BASES, compile_specs
-from autotune.cases import GPU_CANDIDATES
+from autotune.cases import GPU_CANDIDATES, STORE_CANDIDATES
 from spaceserve.kernels.configs import HONOURED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ T36_ENV = "SPACESERVE_TRITON36_PYTHON"
 
 
 def test_candidates_only_set_honoured_keys():
-    for kernel, cands in GPU_CANDIDATES.items():
+    for kernel, cands in [*GPU_CANDIDATES.items(), ("store_kv", STORE_CANDIDATES)]:
         per_budget, whole = HONOURED[kernel]
         for cand in cands:
             assert set(cand) <= set(per_budget) | set(whole), (kernel, cand)

@@ -127,3 +127,16 @@ def test_cli_writes_a_loadable_table(tmp_path, capsys):
     table = load_kernel_configs(out)
     assert set(table) == {"rms_norm"} and set(table["rms_norm"]) == {4, 132}
     assert set(table["rms_norm"][4]) <= {"num_stages"}
+
+
+def test_every_case_matches_its_reference_at_tiny_shapes():
+    """Each kernel's case runs through the interpreter within its dtype's tolerance for the
+    default and the CPU candidates, and the tuned table keeps results budget-independent."""
+    from autotune.cases import CASES
+
+    names = [n for n in CASES if n not in ("linear", "paged_decode", "rms_norm")]
+    tuner = Tuner(CPU, torch.float32, TuneShapes.tiny(), [4], log=lambda m: None)
+    for res in tuner.tune(names):
+        assert res.trials and not [t for t in res.trials if "rejected" in t], res.name
+        assert res.identity == "ok" and set(res.tuned_ms) == {4, 132}, res.name
+    assert set(tuner.table) == set(names)
