@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                       "compile every kernel configuration for sm_90a (no GPU needed)"),
     "sim": ("spaceserve.runtime.sim.cli",
             "simulate TWSRFT + SIS on resource-utility curves: TPOT against image rate per mode"),
+    "profile": ("autotune.profile", "measure resource-utility curves of a model on this device"),
     "serve": ("spaceserve.server.app", "OpenAI-compatible HTTP server (--model PATH or tiny)"),
     "bench": ("spaceserve.bench.cli", "benchmarks: `bench serve` (serving, in-process or HTTP)"),
 }

@@ -70,6 +70,7 @@ SECTIONS: dict[str, Section] = {
     "models": Section(60, "bench.bench_models:run",
                       help="Qwen2-VL-7B vision pass and decode step vs transformers"),
     "qwen25-vision": Section(45, "bench.bench_qwen25_vision:run", help="Qwen2.5-VL-7B ViT vs HF"),
+    "autotune": Section(70, "bench.bench_autotune:run", help="measured curves, tuned configs"),
 }
 
 
