@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -293,8 +294,9 @@ def tiny_config() -> Any:
 def load_model(spec: str, device: torch.device | str | None = None,
                dtype: torch.dtype | None = None, backend: str | None = None) -> tuple[Any, str]:
     """(model, name) for `spec`: "tiny", "qwen2-vl-7b" (random weights) or a checkpoint
-    directory. On CPU the torch backend runs (the interpreter would take hours); on CUDA the
-    Triton kernels, bf16 unless `dtype` says otherwise."""
+    directory (random weights when it holds only a config.json). On CPU the torch backend runs
+    (the interpreter would take hours); on CUDA the Triton kernels, bf16 unless `dtype` says
+    otherwise."""
     from spaceserve.models import from_config, from_pretrained
     from spaceserve.runtime.analytic import qwen2_vl_7b_config
 
@@ -307,5 +309,10 @@ def load_model(spec: str, device: torch.device | str | None = None,
     if spec == "qwen2-vl-7b":
         return (from_config(qwen2_vl_7b_config(), attention_backend=backend, dtype=dt,
                             device=dev), "Qwen2-VL-7B")
-    model = from_pretrained(spec, attention_backend=backend, dtype=dtype, device=dev)
-    return model, spec.rstrip("/").rsplit("/", 1)[-1]
+    name = Path(spec).resolve().name
+    if (Path(spec) / "config.json").is_file() and not any(Path(spec).glob("*.safetensors")):
+        from transformers import Qwen2VLConfig
+
+        config = Qwen2VLConfig.from_pretrained(spec)
+        return from_config(config, attention_backend=backend, dtype=dt, device=dev), name
+    return from_pretrained(spec, attention_backend=backend, dtype=dtype, device=dev), name

@@ -181,3 +181,13 @@ def test_cli_tiny(tmp_path, capsys):
     assert "40/40 points" in capsys.readouterr().out
     CurveSet.load(tmp_path / "curves.json")
     assert (tmp_path / "curves.png").exists()
+
+
+def test_load_model_from_a_config_directory(tmp_path):
+    from autotune.workload import tiny_config
+
+    path = tmp_path / "my-model"
+    tiny_config().save_pretrained(path)
+    model, name = load_model(str(path), "cpu")
+    assert name == "my-model" and model.vision.num_layers == 2
+    assert model.attention_backend == "torch" and model.dtype == torch.float32
