@@ -21,6 +21,7 @@ import json
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -172,7 +173,7 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
                            type="NotFoundError", code="model_not_found")
         if not client.alive:
             raise APIError(503, "the engine is not running", type="server_error")
-        rid = f"chatcmpl-{time.time_ns():x}{id(request) & 0xFFFF:04x}"
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             handle = client.reserve(rid)
         except QueueFull as exc:

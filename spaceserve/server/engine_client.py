@@ -25,6 +25,7 @@ from spaceserve.runtime.engine import Engine
 from spaceserve.runtime.request import RequestOutput, SamplingParams
 
 from .metrics import ServerMetrics
+from .protocol import APIError
 
 KNOWN_MODES = ("temporal", "spatial", "spatial-static", "shared")
 
@@ -76,8 +77,11 @@ class RequestHandle:
             with self._lock:
                 if self.closed:
                     return prompt
-                self.client.engine.add_request(prompt, sp, request_id=self.request_id,
-                                               sink=self._sink, stream=stream)
+                try:
+                    self.client.engine.add_request(prompt, sp, request_id=self.request_id,
+                                                   sink=self._sink, stream=stream)
+                except ValueError as exc:  # a caller mistake the engine refused
+                    raise APIError(400, str(exc)) from None
                 self.added = True
             self.client.wake()
             return prompt
