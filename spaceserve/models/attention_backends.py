@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -144,9 +145,10 @@ class AttentionBackend:
         return None
 
     def replan(self, plan: Any, ctx: StepContext) -> Any:
-        """Refill `plan` in place for `ctx`'s (same-shaped) step, keeping its device buffers so
-        a CUDA graph that captured them replays the new step; returns the plan to use."""
-        return self.plan(ctx) if plan is None else plan
+        """The plan of `ctx`'s step, refilling `plan` (the previous step's) in place where the
+        backend can: its device buffers stay, so a CUDA graph that captured them replays the
+        new step. This default makes a new plan."""
+        return self.plan(ctx)
 
     def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                  ctx: StepContext, *, num_sms: int | None = None) -> None:
@@ -160,9 +162,11 @@ class AttentionBackend:
 TorchBackend = AttentionBackend
 
 
-def _upload(values: list[int], device: torch.device) -> Tensor:
-    t = torch.tensor(values, dtype=torch.int32)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+def _grow(capacity: int | None, need: int) -> int:
+    """A work-list capacity for `need`: exactly that at first, then at least doubling."""
+    if not capacity:
+        return need
+    return capacity if capacity >= need else max(need, 2 * capacity)
 
 
 class TritonBackend(AttentionBackend):
@@ -206,32 +210,43 @@ class TritonBackend(AttentionBackend):
         fn(k, v, k_cache, v_cache, ctx.slot_mapping, num_sms=num_sms)
 
     def plan(self, ctx):
-        if not self._paged:
-            return None
-        hq, hkv, d = self.lm_shape
-        nd, b = ctx.num_decode_seqs, ctx.num_seqs
-        plan: dict[str, Any] = {"num_decode": nd, "decode": None, "prefill": None}
-        if nd:
-            plan["decode"] = self._k["DecodePlan"](
-                nd, ctx.block_tables.shape[1], hq, hkv, d, ctx.block_size, device=ctx.device)
-        if nd < b:
-            plan["prefill"] = self._k["PrefillPlan"](
-                ctx.num_tokens - nd, b - nd, hq, hkv, d, device=ctx.device)
-        return self.replan(plan, ctx)
+        return self.replan(None, ctx)
 
     def replan(self, plan, ctx):
-        if plan is None or plan["num_decode"] != ctx.num_decode_seqs:
-            return self.plan(ctx)
-        nd, host = plan["num_decode"], ctx.host
-        if plan["decode"] is not None:
-            plan["decode"].plan(host.seq_lens[:nd])
-        if plan["prefill"] is not None:
-            cu = [c - host.cu_seqlens_q[nd] for c in host.cu_seqlens_q[nd:]]
-            plan["prefill"].plan(cu, host.seq_lens[nd:])
-            if plan.get("cu_rest") is not None and plan["cu_rest"].numel() == len(cu):
-                plan["cu_rest"].copy_(_upload(cu, ctx.device), non_blocking=True)
-            else:
-                plan["cu_rest"] = ctx.cu_seqlens_q if nd == 0 else _upload(cu, ctx.device)
+        """Refill `plan`'s DecodePlan / PrefillPlan for `ctx`. Each is kept while large enough
+        (a CUDA graph's plan, made for its own shapes, always is) and otherwise replaced by
+        one at least twice as large, so a planner reusing one plan stops allocating."""
+        if not self._paged:
+            return None
+        if plan is None:
+            plan = {"num_decode": 0, "decode": None, "prefill": None, "cu_rest": None,
+                    "decode_plan": None, "prefill_plan": None}
+        hq, hkv, d = self.lm_shape
+        nd, b, host = ctx.num_decode_seqs, ctx.num_seqs, ctx.host
+        lens = torch.from_numpy(np.asarray(host.seq_lens, dtype=np.int64))
+        plan["num_decode"], plan["decode"], plan["prefill"] = nd, None, None
+        if nd:
+            dp = plan["decode_plan"]
+            pages = -(-int(lens[:nd].max()) // ctx.block_size)
+            if dp is None or dp.max_batch < nd or dp.max_blocks_per_seq < pages:
+                dp = self._k["DecodePlan"](
+                    _grow(dp and dp.max_batch, nd),
+                    _grow(dp and dp.max_blocks_per_seq, max(pages, ctx.block_tables.shape[1])),
+                    hq, hkv, d, ctx.block_size, device=ctx.device)
+            dp.plan(lens[:nd])
+            plan["decode"] = plan["decode_plan"] = dp
+        if nd < b:
+            pp = plan["prefill_plan"]
+            tokens, seqs = ctx.num_tokens - nd, b - nd
+            if pp is None or pp.max_tokens < tokens or pp.max_seqs < seqs:
+                pp = self._k["PrefillPlan"](_grow(pp and pp.max_tokens, tokens),
+                                            _grow(pp and pp.max_seqs, seqs), hq, hkv, d,
+                                            device=ctx.device)
+            cu = np.asarray(host.cu_seqlens_q, dtype=np.int64)
+            start = int(cu[nd])
+            pp.plan(torch.from_numpy(cu[nd:] - start), lens[nd:])
+            plan["prefill"] = plan["prefill_plan"] = pp
+            plan["cu_rest"] = ctx.cu_seqlens_q if nd == 0 else ctx.cu_seqlens_q[nd:] - start
         return plan
 
     def paged_attention(self, q, k_cache, v_cache, ctx, *, scale=None, num_sms=None):

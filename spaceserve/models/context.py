@@ -19,6 +19,16 @@ order is correct. For CUDA-graph capture, ``pad_seqs_to`` pads the batch with on
 sequences (``seq_len`` 0, slot -1: nothing stored, output ignored) that also get logits rows,
 at the end, so shapes stay fixed.
 
+Planning
+--------
+`ContextPlanner` is the one planner: it owns preallocated buffers and per-row sequence state
+(block table row, rope delta, prompt M-RoPE positions), builds a step with a few vectorised
+numpy operations into a pinned staging buffer, and moves it to the device in two non-blocking
+copies. Where a buffer lies depends only on the step's shape, so a CUDA graph captured on one
+of its contexts replays every later context of that shape with no copy at all; the attention
+backend's plan is refilled in place rather than rebuilt. `plan_step` is the functional form
+(lists in, a context with buffers of its own out) over the same code.
+
 Layers receive the context explicitly (not through a global), so the encoder and decoder stages
 can run in different threads at the same time.
 """
@@ -29,24 +39,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from .mrope import text_positions
+Tensor = torch.Tensor
+_BUFFERS = ("positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables",
+            "logits_indices")
 
 
 @dataclass
 class HostMeta:
-    """Host copies of the step metadata (planning, checks and the torch backend read these)."""
+    """Host copies of the step metadata, as numpy arrays (``positions`` and ``slot_mapping``
+    as CPU tensors); the torch backend and the attention plans read these. A planner's copies
+    are views of its buffers, valid until its next plan."""
 
-    num_cached_tokens: list[int]
-    num_new_tokens: list[int]
-    seq_lens: list[int]
-    cu_seqlens_q: list[int]
-    block_tables: list[list[int]]
-    logits_indices: list[int]
-    logits_seqs: list[int]
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
+    num_cached_tokens: np.ndarray  # [B] int64
+    num_new_tokens: np.ndarray  # [B] int64
+    seq_lens: np.ndarray  # [B] int32
+    cu_seqlens_q: np.ndarray  # [B + 1] int32
+    block_tables: np.ndarray  # [B, width] int32
+    logits_indices: np.ndarray  # [R] int64
+    logits_seqs: np.ndarray  # [R] int64
+    positions: torch.Tensor  # [3, T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    input_ids: np.ndarray | None = None  # [T] int64 when the step was given its token ids
 
 
 @dataclass
@@ -64,11 +80,13 @@ class StepContext:
     slot_mapping: torch.Tensor  # [T] int64, -1 = do not store
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32, cached + new (0 = padding)
-    block_tables: torch.Tensor  # [B, max_blocks] int32
+    block_tables: torch.Tensor  # [B, width] int32
     logits_indices: torch.Tensor  # [R] int64, flattened token index of each logits row
     host: HostMeta
     plan: Any = None
     extras: dict[str, Any] = field(default_factory=dict)
+    input_ids: torch.Tensor | None = None  # [T] int64 (padding tokens 0) when planned with ids
+    logits_seqs: torch.Tensor | None = None  # [R] int64, sequence of each logits row
 
     @property
     def is_decode_only(self) -> bool:
@@ -78,11 +96,19 @@ class StepContext:
     def device(self) -> torch.device:
         return self.positions.device
 
+    def shares_buffers(self, other: StepContext) -> bool:
+        """Whether `other`'s metadata tensors are this context's (same memory and shapes), as
+        for two same-shaped steps of one planner: nothing to copy between them."""
+        for name in _BUFFERS:
+            a, b = getattr(self, name), getattr(other, name)
+            if a.data_ptr() != b.data_ptr() or a.shape != b.shape or a.stride() != b.stride():
+                return False
+        return True
+
     def copy_from(self, other: StepContext) -> None:
         """Copy `other`'s metadata into this context's tensors in place (same shapes), so a
-        CUDA graph captured with this context replays `other`'s step; the plan is dropped."""
-        for name in ("positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables",
-                     "logits_indices"):
+        CUDA graph captured with this context replays `other`'s step; the plan is kept."""
+        for name in _BUFFERS:
             dst, src = getattr(self, name), getattr(other, name)
             if dst.shape != src.shape:
                 raise ValueError(f"{name}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
@@ -90,6 +116,295 @@ class StepContext:
         for name in ("num_seqs", "num_tokens", "num_real_seqs", "num_decode_seqs", "block_size",
                      "max_seqlen_q", "max_seqlen_k", "host"):
             setattr(self, name, getattr(other, name))
+
+
+def _int_array(name: str, values: Any, n: int | None = None) -> np.ndarray:
+    """A fresh 1-D int64 array of host values; ValueError naming `name` on a wrong length."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    out = np.array(values, dtype=np.int64, ndmin=1)
+    if out.ndim != 1 or (n is not None and out.size != n):
+        raise ValueError(f"{name} has {out.size} entries for {n} sequences")
+    return out
+
+
+class ContextPlanner:
+    """Plans LM steps into preallocated buffers (see the module docstring's Planning).
+
+    Capacities: `max_num_seqs` sequences (padding included), `max_num_tokens` tokens, block
+    tables `max_blocks_per_seq` wide. A step names, per sequence, a *row* of the planner's
+    state: ``table[row]`` (block ids, written by the caller as blocks are allocated; ids past a
+    sequence's length may be stale but must be valid, so the torch backend can gather them),
+    and the rope delta and prompt M-RoPE positions `set_row` records. `backend` (an attention
+    backend) gets its plan refilled per step unless ``plan_attention=False``.
+
+    A context's tensors are views of the planner's device buffer, valid until the next `plan`,
+    whose copy is ordered after the work of the stream that planned last. When `staged`
+    (default: on a GPU) the host side alternates between `staging` (pinned) buffers, each
+    rewritten only after the copy that last read it has completed. Stages that run steps at
+    the same time on different streams need a planner each; ``rows=`` another planner shares
+    its row state (tables, rope state) so either can plan any sequence.
+    """
+
+    def __init__(self, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int,
+                 block_size: int, *, device: torch.device | str | None = None,
+                 backend: Any = None, staging: int = 2, staged: bool | None = None,
+                 rows: ContextPlanner | None = None) -> None:
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_tokens", max_num_tokens),
+                        ("max_blocks_per_seq", max_blocks_per_seq), ("block_size", block_size),
+                        ("staging", staging)):
+            if v < 1:
+                raise ValueError(f"{name}={v} must be >= 1")
+        self.max_num_seqs, self.block_size = max_num_seqs, block_size
+        self.max_num_tokens = max(max_num_tokens, max_num_seqs)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = torch.device(device if device is not None else "cpu")
+        self.backend = backend
+        s, t, w = max_num_seqs, self.max_num_tokens, max_blocks_per_seq
+        if rows is not None:
+            if (rows.max_num_seqs, rows.max_blocks_per_seq) != (s, w):
+                raise ValueError("rows: a planner with other max_num_seqs / max_blocks_per_seq")
+            self.table, self.rope_delta = rows.table, rows.rope_delta
+            self.prompt_len, self.prompt_positions = rows.prompt_len, rows.prompt_positions
+        else:
+            self.table = np.zeros((s, w), dtype=np.int32)
+            self.rope_delta = np.zeros(s, dtype=np.int64)
+            self.prompt_len = np.zeros(s, dtype=np.int64)
+            self.prompt_positions: list[np.ndarray | None] = [None] * s
+        self._arange = np.arange(t + 2, dtype=np.int64)
+        self._base_bt = 5 * t + 3 * s + 1  # int64 words before the block-table region
+        words = self._base_bt + (s * w + 1) // 2
+        cuda = self.device.type == "cuda"
+        self._staged = cuda if staged is None else bool(staged)
+        self._dev = torch.zeros(words, dtype=torch.int64, device=self.device)
+        self._host = [self._dev]
+        self._events: list[Any] = []
+        if self._staged:
+            self._host = [torch.zeros(words, dtype=torch.int64, pin_memory=cuda)
+                          for _ in range(staging)]
+            self._events = [torch.cuda.Event() for _ in range(staging)] if cuda else []
+        self._turn = self._serial = 0
+        self._stream: Any = None
+        self._views: dict[tuple[int, ...], tuple[Any, ...]] = {}
+        self.attention_plan: Any = None
+
+    def set_row(self, row: int, block_ids: Sequence[int] | None = None, *, rope_delta: int = 0,
+                mrope_positions: Tensor | np.ndarray | None = None) -> None:
+        """Give `row` to a sequence: its first block ids (when given), its rope delta, and its
+        prompt's ``[3, L]`` M-RoPE positions (None: positions are index + delta)."""
+        if not 0 <= row < self.max_num_seqs:
+            raise ValueError(f"row={row} is outside 0..{self.max_num_seqs - 1}")
+        if block_ids is not None:
+            n = len(block_ids)
+            if n > self.max_blocks_per_seq:
+                raise ValueError(f"block_ids has {n} blocks > max_blocks_per_seq="
+                                 f"{self.max_blocks_per_seq}")
+            self.table[row, :n] = block_ids
+        self.rope_delta[row] = rope_delta
+        if mrope_positions is None:
+            self.prompt_positions[row], self.prompt_len[row] = None, 0
+            return
+        p = mrope_positions
+        arr = p.detach().cpu().numpy() if isinstance(p, torch.Tensor) else np.asarray(p)
+        if arr.ndim != 2 or arr.shape[0] != 3:
+            raise ValueError(f"mrope_positions must be [3, L], got {tuple(arr.shape)}")
+        self.prompt_positions[row] = arr.astype(np.int64, copy=False)
+        self.prompt_len[row] = arr.shape[1]
+
+    def _layout(self, turn: int, t: int, r: int, b: int, width: int) -> tuple[Any, ...]:
+        """(host numpy views, host position/slot tensors, device views) of one step shape."""
+        key = (turn, t, r, b, width)
+        views = self._views.get(key)
+        if views is not None:
+            return views
+        if len(self._views) > 512:
+            self._views.clear()
+        o32 = 2 * (5 * t + 2 * r)
+        bt0 = 2 * self._base_bt
+
+        def cut(buf: Any, as32: Any) -> tuple[Any, ...]:
+            return (buf[:t], buf[t:4 * t].reshape(3, t), buf[4 * t:5 * t],
+                    buf[5 * t:5 * t + r], buf[5 * t + r:5 * t + 2 * r],
+                    as32[o32:o32 + b + 1], as32[o32 + b + 1:o32 + 2 * b + 1],
+                    as32[bt0:bt0 + b * width].reshape(b, width))
+
+        host = self._host[turn]
+        hnp = host.numpy()
+        hv = cut(hnp, hnp.view(np.int32))
+        dv = cut(self._dev, self._dev.view(torch.int32))
+        hpos, hslot = (dv[1], dv[2]) if not self._staged else (torch.from_numpy(hv[1]),
+                                                              torch.from_numpy(hv[2]))
+        views = (hv, hpos, hslot, dv, 5 * t + 2 * r + b + 1, (b * width + 1) // 2)
+        self._views[key] = views
+        return views
+
+    def plan(self, rows: Sequence[int] | np.ndarray, num_cached_tokens: Sequence[int] | np.ndarray,
+             num_new_tokens: Sequence[int] | np.ndarray, *,
+             need_logits: Sequence[bool] | None = None,
+             input_ids: Sequence[int] | np.ndarray | None = None,
+             pad_seqs_to: int | None = None, width: int | None = None,
+             copy_width: int | None = None, plan_attention: bool = True) -> StepContext:
+        """The context of one step over the sequences in `rows` (layout: module docstring).
+
+        `input_ids` (the step's flattened token ids) go into ``ctx.input_ids``. `width` is the
+        block tables' width (default: what the longest sequence needs; a CUDA graph's fixed
+        width otherwise); `copy_width` how many leading columns of each row are refreshed from
+        ``table`` (default: the needed ones). Raises ValueError on inconsistent inputs.
+        """
+        rows = _int_array("rows", rows)
+        b = rows.size
+        cached = _int_array("num_cached_tokens", num_cached_tokens, b)
+        new = _int_array("num_new_tokens", num_new_tokens, b)
+        pad = 0 if pad_seqs_to is None else int(pad_seqs_to) - b
+        if pad < 0:
+            raise ValueError(f"pad_seqs_to={pad_seqs_to} is smaller than the batch ({b})")
+        nseq = b + pad
+        if nseq == 0:
+            raise ValueError("num_cached_tokens: a step needs at least one sequence")
+        if nseq > self.max_num_seqs:
+            raise ValueError(f"rows: {nseq} sequences exceed max_num_seqs={self.max_num_seqs}")
+        if b:
+            if rows.min() < 0 or rows.max() >= self.max_num_seqs:
+                raise ValueError(f"rows must lie in 0..{self.max_num_seqs - 1}")
+            if cached.min() < 0:
+                i = int(np.argmax(cached < 0))
+                raise ValueError(f"num_cached_tokens[{i}]={cached[i]} is negative")
+            if new.min() < 1:
+                i = int(np.argmax(new < 1))
+                raise ValueError(f"num_new_tokens[{i}]={new[i]} must be >= 1")
+        lens = cached + new
+        t_real = int(new.sum())
+        ntok = t_real + pad
+        if pad and t_real != b:
+            raise ValueError("pad_seqs_to pads decode-only steps; num_new_tokens must all be 1")
+        if ntok > self.max_num_tokens:
+            raise ValueError(f"num_new_tokens: {ntok} tokens exceed max_num_tokens="
+                             f"{self.max_num_tokens}")
+        bs = self.block_size
+        need_w = int(-(-lens.max() // bs)) if b else 0
+        width = max(need_w, 1) if width is None else int(width)
+        if not need_w <= width <= self.max_blocks_per_seq:
+            raise ValueError(f"width={width} must cover the {need_w} blocks needed and be <= "
+                             f"max_blocks_per_seq={self.max_blocks_per_seq}")
+        if need_logits is None:
+            sel, nlog = None, b
+        else:
+            want = np.array(need_logits, dtype=bool, ndmin=1)
+            if want.size != b:
+                raise ValueError(f"need_logits has {want.size} entries for {b} sequences")
+            sel = np.flatnonzero(want)
+            nlog = sel.size
+        if input_ids is not None and len(input_ids) != t_real:
+            raise ValueError(f"input_ids has {len(input_ids)} tokens, the step {t_real}")
+
+        turn = self._turn
+        self._turn = (turn + 1) % len(self._host)
+        if self._events:
+            self._events[turn].synchronize()  # the copy that last read this staging buffer
+            stream = torch.cuda.current_stream(self.device)
+            if self._stream is not None and stream != self._stream:
+                stream.wait_stream(self._stream)  # the last step's kernels read the buffer
+            self._stream = stream
+        hv, hpos, hslot, dv, words, bt_words = self._layout(turn, ntok, nlog + pad, nseq, width)
+        ids, pos, slot, lidx, lseq, cu, seq_lens, bt = hv
+        ar = self._arange
+        cu64 = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(new, out=cu64[1:])
+        cu[:b + 1] = cu64
+        cu[b + 1:] = ar[t_real + 1:ntok + 1]
+        if t_real == b:  # one token per sequence
+            p, trow = cached, rows
+        else:
+            p = ar[:t_real] + np.repeat(cached - cu64[:b], new)
+            trow = np.repeat(rows, new)
+        if input_ids is not None:
+            ids[:t_real] = input_ids
+        ids[t_real:] = 0
+        pos[:, :t_real] = p + self.rope_delta[trow]
+        pos[:, t_real:] = 0
+        plen = self.prompt_len[rows]
+        for i in np.flatnonzero(cached < plen).tolist():  # chunks inside an M-RoPE prompt
+            c, st = int(cached[i]), int(cu64[i])
+            k = min(int(new[i]), int(plen[i]) - c)
+            pos[:, st:st + k] = self.prompt_positions[int(rows[i])][:, c:c + k]
+        slot[:t_real] = self.table[trow, p // bs].astype(np.int64) * bs + p % bs
+        slot[t_real:] = -1
+        seq_lens[:b] = lens
+        seq_lens[b:] = 0
+        if sel is None:
+            lidx[:b] = cu64[1:] - 1
+            lseq[:b] = ar[:b]
+        else:
+            lidx[:nlog] = cu64[1:][sel] - 1
+            lseq[:nlog] = sel
+        lidx[nlog:] = ar[t_real:ntok]
+        lseq[nlog:] = ar[b:nseq]
+        cw = need_w if copy_width is None else min(int(copy_width), width)
+        if cw:
+            bt[:b, :cw] = self.table[rows, :cw]
+            bt[b:, :cw] = 0
+        if self._staged:
+            host, base = self._host[turn], self._base_bt
+            self._dev[:words].copy_(host[:words], non_blocking=True)
+            self._dev[base:base + bt_words].copy_(host[base:base + bt_words], non_blocking=True)
+            if self._events:
+                self._events[turn].record()
+        meta = HostMeta(
+            num_cached_tokens=np.concatenate([cached, np.zeros(pad, np.int64)]) if pad else cached,
+            num_new_tokens=np.concatenate([new, np.ones(pad, np.int64)]) if pad else new,
+            seq_lens=seq_lens, cu_seqlens_q=cu, block_tables=bt, logits_indices=lidx,
+            logits_seqs=lseq, positions=hpos, slot_mapping=hslot,
+            input_ids=ids if input_ids is not None or not t_real else None)
+        ctx = StepContext(
+            num_seqs=nseq, num_tokens=ntok, num_real_seqs=b,
+            num_decode_seqs=nseq if t_real == b else int(np.argmax(new != 1)),
+            block_size=bs, max_seqlen_q=int(new.max()) if b else 1,
+            max_seqlen_k=int(lens.max()) if b else 0,
+            positions=dv[1], slot_mapping=dv[2], cu_seqlens_q=dv[5], seq_lens=dv[6],
+            block_tables=dv[7], logits_indices=dv[3], host=meta,
+            input_ids=dv[0] if meta.input_ids is not None else None, logits_seqs=dv[4])
+        self._serial += 1
+        ctx.extras["planned"] = (self, self._serial)
+        if self.backend is not None and plan_attention:
+            self.attention_plan = ctx.plan = self.backend.replan(self.attention_plan, ctx)
+        return ctx
+
+    def is_current(self, ctx: StepContext) -> bool:
+        """Whether `ctx` is this planner's latest step (its buffers still hold that step)."""
+        return ctx.extras.get("planned") == (self, self._serial)
+
+    def load_rows(self, num_cached_tokens: Sequence[int], num_new_tokens: Sequence[int],
+                  block_tables: Sequence[Sequence[int]], *, width: int,
+                  rope_deltas: Sequence[int] | None = None,
+                  mrope_positions: Sequence[Any] | None = None) -> None:
+        """Put explicit per-sequence tables (and rope state) into rows ``0..B-1``, checking
+        that each covers its cached + new tokens with non-negative block ids."""
+        b = len(num_cached_tokens)
+        tables = _as_list("block_tables", block_tables, b, [])
+        deltas = _int_array("rope_deltas", rope_deltas if rope_deltas is not None else [0] * b, b)
+        mpos = _as_list("mrope_positions", mrope_positions, b, None)
+        if b > self.max_num_seqs:
+            raise ValueError(f"{b} sequences exceed max_num_seqs={self.max_num_seqs}")
+        cached = np.maximum(_int_array("num_cached_tokens", num_cached_tokens), 0)
+        new = np.maximum(_int_array("num_new_tokens", num_new_tokens, b), 0)
+        pages = -(-(cached + new) // self.block_size)
+        for i, t in enumerate(tables):
+            n = len(t)
+            if n < pages[i]:
+                raise ValueError(f"block_tables[{i}] has {n} blocks, {pages[i]} needed for "
+                                 f"{cached[i] + new[i]} tokens of block size {self.block_size}")
+            if n:
+                self.table[i, :min(n, width)] = t[:width]
+        used = self.table[:b, :width] < 0
+        used &= np.arange(width)[None, :] < pages[:, None]
+        if used.any():
+            raise ValueError(f"block_tables[{int(np.argmax(used.any(1)))}] holds a negative "
+                             "block id")
+        for i in range(b):
+            try:
+                self.set_row(i, rope_delta=int(deltas[i]), mrope_positions=mpos[i])
+            except ValueError as err:
+                raise ValueError(f"mrope_positions[{i}]: {err}") from None
 
 
 def _as_list(name: str, values: Sequence[Any] | None, n: int, default: Any) -> list[Any]:
@@ -114,134 +429,40 @@ def plan_step(
     pad_seqs_to: int | None = None,
     max_blocks_per_seq: int | None = None,
     backend: Any = None,
+    input_ids: Sequence[int] | None = None,
 ) -> StepContext:
-    """Build the `StepContext` of one step on the host (see the module docstring for layout).
+    """Build the `StepContext` of one step (see the module docstring for layout), in buffers of
+    its own (a `ContextPlanner` sized for this step alone).
 
     Per sequence: `num_cached_tokens` already in the cache, `num_new_tokens` in this step,
     `block_tables` (KV block ids covering cached + new tokens). Positions: a prompt token at
     cache index ``p`` takes column ``p`` of `mrope_positions[i]` (the prompt's ``[3, L]``
     M-RoPE positions from `mrope_positions()`) when given and ``p < L``; any other token takes
     ``p + rope_deltas[i]`` on all three rows. `need_logits` defaults to all true. When
-    `backend` is given its host-side plan is stored in ``ctx.plan``. No sequences with
-    `pad_seqs_to` gives an all-padding step (to warm up and capture CUDA graphs). Raises
-    ValueError on inconsistent inputs.
+    `backend` is given its host-side plan is stored in ``ctx.plan``; `input_ids` fill
+    ``ctx.input_ids``. No sequences with `pad_seqs_to` gives an all-padding step (to warm up
+    and capture CUDA graphs). Raises ValueError on inconsistent inputs.
     """
     b = len(num_cached_tokens)
     if b == 0 and not pad_seqs_to:
         raise ValueError("num_cached_tokens: a step needs at least one sequence")
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be >= 1")
-    cached = [int(c) for c in num_cached_tokens]
-    new = [int(n) for n in _as_list("num_new_tokens", num_new_tokens, b, 0)]
-    tables = [[int(x) for x in t] for t in _as_list("block_tables", block_tables, b, [])]
-    mpos = _as_list("mrope_positions", mrope_positions, b, None)
-    deltas = [int(d) for d in _as_list("rope_deltas", rope_deltas, b, 0)]
-    want = [bool(w) for w in _as_list("need_logits", need_logits, b, True)]
-    for i in range(b):
-        if cached[i] < 0:
-            raise ValueError(f"num_cached_tokens[{i}]={cached[i]} is negative")
-        if new[i] < 1:
-            raise ValueError(f"num_new_tokens[{i}]={new[i]} must be >= 1")
-        need = -(-(cached[i] + new[i]) // block_size)
-        if len(tables[i]) < need:
-            raise ValueError(
-                f"block_tables[{i}] has {len(tables[i])} blocks, {need} needed for "
-                f"{cached[i] + new[i]} tokens of block size {block_size}"
-            )
-        if any(x < 0 for x in tables[i][:need]):
-            raise ValueError(f"block_tables[{i}] holds a negative block id")
-        if mpos[i] is not None and (mpos[i].dim() != 2 or mpos[i].shape[0] != 3):
-            raise ValueError(f"mrope_positions[{i}] must be [3, L], got {tuple(mpos[i].shape)}")
-
-    pad = 0
-    if pad_seqs_to is not None:
-        if pad_seqs_to < b:
-            raise ValueError(f"pad_seqs_to={pad_seqs_to} is smaller than the batch ({b})")
-        if any(n != 1 for n in new):
-            raise ValueError("pad_seqs_to pads decode-only steps; num_new_tokens must all be 1")
-        pad = pad_seqs_to - b
-    width = max([len(t) for t in tables], default=1)
+    cached = _int_array("num_cached_tokens", num_cached_tokens)
+    new = _int_array("num_new_tokens", num_new_tokens, b)
+    tables = _as_list("block_tables", block_tables, b, [])
+    nseq = b if pad_seqs_to is None else int(pad_seqs_to)
+    width = max([len(t) for t in tables], default=1) or 1
     if max_blocks_per_seq is not None:
-        needed = max([-(-(c + n) // block_size) for c, n in zip(cached, new, strict=True)],
-                     default=0)
+        needed = int((-(-(cached + new) // block_size)).max()) if b else 0
         if max_blocks_per_seq < needed:
             raise ValueError(f"max_blocks_per_seq={max_blocks_per_seq} is too small")
         width = max_blocks_per_seq
-
-    pos_parts: list[torch.Tensor] = []
-    slot_parts: list[torch.Tensor] = []
-    cu = [0]
-    logits_idx: list[int] = []
-    logits_seqs: list[int] = []
-    for i in range(b):
-        start, n = cached[i], new[i]
-        idx = torch.arange(start, start + n, dtype=torch.long)
-        table = torch.tensor(tables[i], dtype=torch.long)
-        slot_parts.append(table[idx // block_size] * block_size + idx % block_size)
-        p = mpos[i]
-        if p is not None and start < p.shape[1]:
-            stop = min(start + n, p.shape[1])
-            piece = [p[:, start:stop].to(torch.long)]
-            if stop < start + n:
-                piece.append(text_positions(stop, start + n - stop, deltas[i]))
-            pos_parts.append(torch.cat(piece, dim=1))
-        else:
-            pos_parts.append(text_positions(start, n, deltas[i]))
-        cu.append(cu[-1] + n)
-        if want[i]:
-            logits_idx.append(cu[-1] - 1)
-            logits_seqs.append(i)
-    for j in range(pad):
-        pos_parts.append(torch.zeros(3, 1, dtype=torch.long))
-        slot_parts.append(torch.full((1,), -1, dtype=torch.long))
-        cu.append(cu[-1] + 1)
-        logits_idx.append(cu[-1] - 1)
-        logits_seqs.append(b + j)
-    seq_lens = [c + n for c, n in zip(cached, new, strict=True)] + [0] * pad
-    table_rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
-    table_rows += [[0] * width for _ in range(pad)]
-    news = new + [1] * pad
-
-    num_decode = 0
-    while num_decode < len(news) and news[num_decode] == 1:
-        num_decode += 1
-
-    positions = torch.cat(pos_parts, dim=1).contiguous()
-    slots = torch.cat(slot_parts).contiguous()
-    host = HostMeta(
-        num_cached_tokens=cached + [0] * pad,
-        num_new_tokens=news,
-        seq_lens=seq_lens,
-        cu_seqlens_q=cu,
-        block_tables=table_rows,
-        logits_indices=logits_idx,
-        logits_seqs=logits_seqs,
-        positions=positions,
-        slot_mapping=slots,
-    )
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-
-    def put(t: torch.Tensor) -> torch.Tensor:
-        if dev.type == "cpu":
-            return t
-        return t.pin_memory().to(dev, non_blocking=True)
-
-    ctx = StepContext(
-        num_seqs=b + pad,
-        num_tokens=cu[-1],
-        num_real_seqs=b,
-        num_decode_seqs=num_decode,
-        block_size=block_size,
-        max_seqlen_q=max(news),
-        max_seqlen_k=max(seq_lens),
-        positions=put(positions),
-        slot_mapping=put(slots),
-        cu_seqlens_q=put(torch.tensor(cu, dtype=torch.int32)),
-        seq_lens=put(torch.tensor(seq_lens, dtype=torch.int32)),
-        block_tables=put(torch.tensor(table_rows, dtype=torch.int32).reshape(b + pad, width)),
-        logits_indices=put(torch.tensor(logits_idx, dtype=torch.long)),
-        host=host,
-    )
-    if backend is not None:
-        ctx.plan = backend.plan(ctx)
-    return ctx
+    ntok = int(new.sum()) + max(nseq - b, 0)
+    planner = ContextPlanner(max(nseq, b, 1), max(ntok, 1), width, block_size, device=device,
+                             backend=backend, staging=1)
+    planner.load_rows(cached, new, tables, width=width, rope_deltas=rope_deltas,
+                      mrope_positions=mrope_positions)
+    return planner.plan(planner._arange[:b], cached, new, need_logits=need_logits,
+                        input_ids=input_ids, pad_seqs_to=pad_seqs_to, width=width,
+                        copy_width=width)

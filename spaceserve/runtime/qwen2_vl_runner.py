@@ -65,6 +65,7 @@ class Qwen2VLRunner:
         self.kv: Any = None
         self.limits: StepLimits | None = None
         self.planner: StepPlanner | None = None
+        self._encoder_planner: StepPlanner | None = None  # prefills on the encoder's stream
         # SM budgets of the two stages (None = the whole device); a spatial encoder stage sets
         # them, then captures graphs for the new decoder budget.
         self.encoder_num_sms: int | None = None
@@ -113,6 +114,7 @@ class Qwen2VLRunner:
         self.kv = self.model.allocate_kv_cache(num_blocks, limits.block_size)
         self.planner = StepPlanner(limits, self.device, backend=self.model.backend,
                                    rope=lambda req: req.model_state)
+        self._encoder_planner = None
 
     def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
         """Capture decode graphs for the current decoder budget (CUDA only)."""
@@ -195,7 +197,14 @@ class Qwen2VLRunner:
             fits = [b for b, sms in self.graphs if sms == budget and b >= nb]
             if fits:
                 graph = self.graphs[min(fits), budget]
-        plan = self.planner.plan(batch, pad_to=graph.batch_size if graph is not None else None)
+        planner = self.planner
+        if stage == "encoder":  # may run beside a decoder step: buffers of its own
+            if self._encoder_planner is None:
+                self._encoder_planner = StepPlanner(
+                    self.limits, self.device, backend=self.model.backend,
+                    rope=self.planner.rope, share_rows_with=self.planner)
+            planner = self._encoder_planner
+        plan = planner.plan(batch, pad_to=graph.batch_size if graph is not None else None)
         ctx = plan.context
         if graph is not None:  # the graph captured the planner's buffers: nothing to copy
             return graph.replay(ctx.input_ids, ctx)

@@ -178,13 +178,15 @@ class StepPlanner:
     per token or per block. `rope` maps a request to (its prompt's ``[3, L]`` M-RoPE positions
     or None, its rope delta) and is asked when the request takes its slot; without it
     positions are token indices. `backend` (an attention backend) gets its plan refilled for
-    every step not padded for a graph. Buffers are reused next step, which is safe because the
-    engine reads the sampled tokens (a synchronisation) before planning again.
+    every step not padded for a graph. A stage running steps beside another one's (on another
+    stream) takes a planner of its own with ``share_rows_with=`` the other's, so both see every
+    request's slot state.
     """
 
     def __init__(self, limits: StepLimits, device: torch.device | str,
                  graph_batch_sizes: Sequence[int] = (), *, backend: Any = None,
-                 rope: Callable[[Request], tuple[Any, int]] | None = None) -> None:
+                 rope: Callable[[Request], tuple[Any, int]] | None = None,
+                 share_rows_with: StepPlanner | None = None) -> None:
         from spaceserve.models.context import ContextPlanner
 
         self.limits = limits
@@ -193,7 +195,8 @@ class StepPlanner:
         self.rope = rope
         self.core = ContextPlanner(limits.max_num_seqs, limits.max_tokens,
                                    limits.max_blocks_per_seq, limits.block_size,
-                                   device=self.device, backend=backend)
+                                   device=self.device, backend=backend,
+                                   rows=share_rows_with.core if share_rows_with else None)
         self.table = self.core.table  # persistent block table per slot
 
     def plan(self, batch: ScheduledBatch, *, pad_to: int | None = None) -> StepPlan:
