@@ -281,7 +281,8 @@ class ContextPlanner:
             raise ValueError(f"num_new_tokens: {ntok} tokens exceed max_num_tokens="
                              f"{self.max_num_tokens}")
         bs = self.block_size
-        need_w = int(-(-lens.max() // bs)) if b else 0
+        max_len = int(lens.max()) if b else 0
+        need_w = -(-max_len // bs)
         width = max(need_w, 1) if width is None else int(width)
         if not need_w <= width <= self.max_blocks_per_seq:
             raise ValueError(f"width={width} must cover the {need_w} blocks needed and be <= "
@@ -358,8 +359,8 @@ class ContextPlanner:
         ctx = StepContext(
             num_seqs=nseq, num_tokens=ntok, num_real_seqs=b,
             num_decode_seqs=nseq if t_real == b else int(np.argmax(new != 1)),
-            block_size=bs, max_seqlen_q=int(new.max()) if b else 1,
-            max_seqlen_k=int(lens.max()) if b else 0,
+            block_size=bs, max_seqlen_q=1 if t_real == b else int(new.max()),
+            max_seqlen_k=max_len,
             positions=dv[1], slot_mapping=dv[2], cu_seqlens_q=dv[5], seq_lens=dv[6],
             block_tables=dv[7], logits_indices=dv[3], host=meta,
             input_ids=dv[0] if meta.input_ids is not None else None, logits_seqs=dv[4])
