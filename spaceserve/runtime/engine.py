@@ -51,7 +51,10 @@ class EngineConfig:
     `encoder_splits` the splits partitions are made for in ``spatial`` (None: about a quarter,
     half and three quarters); `curves` a resource-utility curves JSON for SIS and TWSRFT (None:
     the analytic model); `prefill_on` "auto" (SIS in ``spatial``, else the compute partition),
-    "compute" or "decode"; `encoder_driver` "cooperative" or "thread"; `green_contexts` False
+    "compute" or "decode"; `encoder_driver` "cooperative" or "thread" (the cooperative one
+    launches encoder layers for `encoder_launch_budget_s` of host time per step, while the
+    decode step runs, at least one layer per step; `encoder_window_s` is TWSRFT's grant
+    window); `green_contexts` False
     forces kernel budgets alone; `programs_per_sm` applies inside green partitions only.
     """
 
@@ -74,6 +77,7 @@ class EngineConfig:
     prefill_on: str = "auto"
     encoder_driver: str = "cooperative"
     encoder_window_s: float = 0.02
+    encoder_launch_budget_s: float = 0.003
     green_contexts: bool = True
     programs_per_sm: int = 1
 
@@ -99,6 +103,9 @@ class EngineConfig:
             raise ValueError(f"curves={self.curves!r} must be a path (str) or None")
         if not self.encoder_window_s > 0:
             raise ValueError(f"encoder_window_s={self.encoder_window_s} must be > 0")
+        if not self.encoder_launch_budget_s >= 0:
+            raise ValueError(f"encoder_launch_budget_s={self.encoder_launch_budget_s} must be "
+                             ">= 0")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_images_per_prompt", "max_encoder_tokens_per_step",
                      "max_held_embeddings", "num_kv_blocks", "max_model_len"):

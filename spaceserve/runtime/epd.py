@@ -298,6 +298,7 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
         torch.cuda.synchronize(device)  # weights, caches and graphs are ready on every stream
     stage = SpatialEncoderStage(runner, pset, curves, driver=config.encoder_driver,
                                 window_s=config.encoder_window_s,
+                                launch_budget_s=config.encoder_launch_budget_s,
                                 max_held=config.max_held_embeddings, clock=clock)
     sis = None
     if mode == "spatial":

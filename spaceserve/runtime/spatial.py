@@ -15,25 +15,35 @@ only once its event has completed - `event.query()`, never a wait - and they are
 another tensor while a prefill still reads them. They stay with the request (a request preempted
 by recompute needs them again) until `release`, when the request ends.
 
-Drivers (who issues the encoder's launches):
+Drivers (who issues the encoder's launches; either way a grant is launched layer by layer):
 - ``cooperative`` (default): the engine thread, inside its step, right after it launched the
-  decode step and before it waits for that step's sampled tokens. On a GPU the launches are
-  asynchronous, so the encoder's host launch time overlaps the decode step's device time and
-  adds nothing to the next decode launch as long as it is shorter than a decode step; a grant is
-  a few layers, i.e. tens of launches. Nothing competes for the GIL.
-- ``thread``: a worker thread launches grants and waits on their events. Its launch bursts
-  overlap decode's device time too, but when the engine thread needs the GIL during a burst it
-  waits for the burst to end or for the interpreter's switch interval (5 ms by default, about a
-  decode step), so some decode launches come late.
+  decode step and before it waits for that step's sampled tokens, for at most
+  `launch_budget_s` of host time per step (at least one layer). On a GPU launches are
+  asynchronous, so the encoder's launch time overlaps the decode step's device time and the
+  next decode launch is on time as long as the budget is below a decode step; the encoder's
+  launch rate is then bounded by that budget per decode step. Nothing competes for the GIL.
+- ``thread``: a worker thread launches whole grants and waits on their events, yielding the
+  GIL between layers. Its launch bursts overlap decode's device time too, but when the engine
+  thread needs the GIL mid-layer it waits for the worker to yield.
 `bench/bench_colocation.py` (``driver_experiment``) measures both on CPU with a model whose
-"device" is a virtual clock: what it measures is the host side only (when decode launches are
-issued), not GPU execution. On CPU every launch is synchronous, so there both drivers simply
-interleave encoder and decode work.
+"device" is a virtual clock with one queue per partition: launches cost busy host time (holding
+the GIL), reading a step's tokens sleeps until its device time has passed. It measures the host
+side only - when decode steps are issued - not GPU execution. With 12 launches of 20 us per
+vision layer (4 ms of device time each), a 6 ms decode step (0.5 ms of host work) at batch 32
+and a 32-layer image every 120 ms, the gap between decode steps was p50 6.65 ms in every case
+and p99 6.7-7.1 ms without images, 7.0-7.1 ms cooperative, 7.1-7.4 ms thread. With 100 us
+launches (1.2 ms of host time per layer; 2 ms layers, 8 ms decode, an image every 60 ms):
+p50 / p99 8.7 / 8.8-9.0 ms without images, 8.7 / 9.1-9.3 cooperative, 9.0 / 10.3-10.9
+thread - the worker's launch bursts hold the GIL when the engine thread wants it - but the
+thread launched every layer (1536) while the cooperative driver, held to its 3 ms per step,
+launched about 1025 and fell behind. Hence: cooperative by default (decode on time), thread
+(or a larger `launch_budget_s`) when encoder throughput matters more than decode jitter. On
+CPU proper every launch is synchronous, so both drivers simply interleave the two stages.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -44,7 +54,7 @@ from typing import Any
 import torch
 
 from .curves import CurveSet
-from .partition import Partition, PartitionSet
+from .partition import PartitionSet
 from .request import Request
 from .runner import ModelRunner
 from .sis import PendingEncode
@@ -79,6 +89,15 @@ class _Flight:
     failed: list[tuple[_Encoding, str]] = field(default_factory=list)
 
 
+@dataclass
+class _Grant:
+    """A TWSRFT grant being launched: its live requests and how many layers were issued."""
+
+    grant: Any
+    live: list[_Encoding]
+    done: int = 0
+
+
 def _complete(event: Any) -> bool:
     return event is None or bool(event.query())
 
@@ -89,26 +108,27 @@ class SpatialEncoderStage:
     `curves` give TWSRFT its cost model (scaled from the curves' encoder depth to the runner's);
     `event_factory` replaces CUDA events (tests and the host-side experiment model an
     asynchronous device with it). `max_held` bounds the requests holding or computing
-    embeddings; `max_inflight` the grants launched but not complete.
+    embeddings; `max_inflight` the launches (each a few layers and one event) not complete.
     """
 
     def __init__(self, runner: ModelRunner, partitions: PartitionSet, curves: CurveSet, *,
                  driver: str = "cooperative", window_s: float = 0.02, max_wait_s: float = 0.5,
                  policy: str = "twsrft", max_held: int = 64,
-                 max_inflight: int = 2, grants_per_step: int = 1,
+                 max_inflight: int = 2, launch_budget_s: float = 0.003,
                  clock: Callable[[], float] = time.monotonic,
                  event_factory: Callable[[], Any] | None = None) -> None:
         if driver not in DRIVERS:
             raise ValueError(f"driver={driver!r} is not one of {', '.join(DRIVERS)}")
-        for name, value in (("max_held", max_held), ("max_inflight", max_inflight),
-                            ("grants_per_step", grants_per_step)):
+        if not launch_budget_s >= 0:
+            raise ValueError(f"launch_budget_s={launch_budget_s} must be >= 0")
+        for name, value in (("max_held", max_held), ("max_inflight", max_inflight)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         self.runner = runner
         self.partitions = partitions
         self.driver = driver
         self.max_held, self.max_inflight = max_held, max_inflight
-        self.grants_per_step = grants_per_step
+        self.launch_budget_s = launch_budget_s
         self.preemptible = all(hasattr(runner, m) for m in (
             "encoder_layers", "start_encode", "advance_encode", "finish_encode"))
         self.num_layers = int(runner.encoder_layers) if self.preemptible else 1
@@ -124,12 +144,12 @@ class SpatialEncoderStage:
                                      max_wait_s=max_wait_s, token_budget=1,
                                      clock=clock)
         self.event_factory = event_factory
-        self._keys = itertools.count()
         self._encodings: dict[int, _Encoding] = {}  # request seq_no -> encoding, until release
         self._backlog: deque[_Encoding] = deque()  # waiting for a max_held slot
         self._active = 0  # encodings set up (or being set up) and not finished
         self._held: set[int] = set()
         self._flights: deque[_Flight] = deque()
+        self._open: _Grant | None = None  # the grant whose layers are being launched
         self._failures: list[tuple[Request, str]] = []
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -191,13 +211,17 @@ class SpatialEncoderStage:
 
     # -- the encoder's launches ------------------------------------------------------------
     def launch(self) -> int:
-        """Cooperative driver: launch up to `grants_per_step` grants (at most `max_inflight`
-        incomplete); returns how many. The thread driver launches by itself (returns 0)."""
+        """Cooperative driver: launch encoder layers for about `launch_budget_s` of host time
+        (at least one layer; at most `max_inflight` launches incomplete on the device);
+        returns how many launches (one event each). The thread driver returns 0."""
         if self.driver != "cooperative":
             return 0
+        deadline = time.perf_counter() + self.launch_budget_s
         n = 0
-        while n < self.grants_per_step and self._can_launch() and self._launch_one():
+        while self._can_launch() and self._launch_layers(deadline):
             n += 1
+            if time.perf_counter() >= deadline:
+                break
         return n
 
     def _can_launch(self) -> bool:
@@ -206,58 +230,79 @@ class SpatialEncoderStage:
         return on_compute and not self._paused and self.incomplete() < self.max_inflight
 
     def incomplete(self) -> int:
-        """Grants launched whose work has not finished on the device."""
+        """Launches whose work has not finished on the device."""
         with self._lock:
             return sum(1 for f in self._flights if not _complete(f.event))
 
-    def _launch_one(self) -> bool:
-        with self._lock:
-            while True:
-                grant = self.sched.next_grant()
-                if grant is None:
-                    return False
-                members = [self._encodings.get(k) for k in grant.request_ids]
-                live = [e for e in members if e is not None and e.state == "active"]
-                if live:
-                    break
+    def _open_grant(self) -> _Grant | None:
+        """The grant being launched, or TWSRFT's next one with a live request (lock held)."""
+        while self._open is None:
+            grant = self.sched.next_grant()
+            if grant is None:
+                return None
+            live = [e for k in grant.request_ids
+                    if (e := self._encodings.get(k)) is not None and e.state == "active"]
+            if live:
+                self._open = _Grant(grant, live)
+            else:
                 self.sched.report(grant.job_id, grant.layers)  # only aborted requests left
+        return self._open
+
+    def _launch_layers(self, deadline: float) -> bool:
+        """Launch layers of the open grant, one at a time, until it ends or `deadline` passes
+        (at least one); record one event after them. False when there is nothing to launch."""
+        with self._lock:
+            g = self._open_grant()
+            if g is None:
+                return False
             part = self.partitions.current
             self._launching = True
+        flight = _Flight(None)
         try:
-            flight = self._run(grant.layers, live, part)
+            with part.encoder_scope():
+                while True:
+                    g.live = [e for e in g.live if e.state == "active"]
+                    for enc in list(g.live):
+                        self._run_layer(enc, part.encoder_sms, flight, g)
+                    g.done += 1
+                    if g.done >= g.grant.layers or not g.live or \
+                            time.perf_counter() >= deadline:
+                        break
+                    if self._thread is not None:
+                        time.sleep(0)  # let the engine thread take the GIL between layers
+                flight.event = self._record_event()
         finally:
             with self._lock:
-                self.sched.report(grant.job_id, grant.layers)
                 self._flights.append(flight)
                 self._launching = False
-                self.num_grants += 1
+                if g.done >= g.grant.layers or not g.live:
+                    self.sched.report(g.grant.job_id, g.grant.layers)
+                    self._open = None
+                    self.num_grants += 1
                 self._cond.notify_all()
         return True
 
-    def _run(self, layers: int, members: list[_Encoding], part: Partition) -> _Flight:
-        flight = _Flight(None)
-        budget = part.encoder_sms
-        with part.encoder_scope():
-            for enc in members:
-                try:
-                    if self.preemptible:
-                        ran = self.runner.advance_encode(enc.job, layers, num_sms=budget)
-                        enc.layers_done += ran
-                        self.num_layers_run += ran
-                        if enc.layers_done >= self.num_layers:
-                            enc.embeds = self.runner.finish_encode(enc.job, num_sms=budget)
-                            enc.job = None
-                            flight.done.append(enc)
-                    else:
-                        enc.embeds = self.runner.encode([enc.req.mm])[0]
-                        enc.layers_done = 1
-                        flight.done.append(enc)
-                except Exception as exc:  # reported on the request; the others go on
-                    enc.job = enc.embeds = None
-                    flight.failed.append(
-                        (enc, f"image encoding failed: {type(exc).__name__}: {exc}"))
-            flight.event = self._record_event()
-        return flight
+    def _run_layer(self, enc: _Encoding, budget: int, flight: _Flight, g: _Grant) -> None:
+        """One layer of one request's job (and its merger after the last layer)."""
+        try:
+            if self.preemptible:
+                ran = self.runner.advance_encode(enc.job, 1, num_sms=budget)
+                enc.layers_done += ran
+                self.num_layers_run += ran
+                if enc.layers_done >= self.num_layers:
+                    enc.embeds = self.runner.finish_encode(enc.job, num_sms=budget)
+                    enc.job = None
+                    flight.done.append(enc)
+                    g.live.remove(enc)
+            else:
+                enc.embeds = self.runner.encode([enc.req.mm])[0]
+                enc.layers_done = 1
+                flight.done.append(enc)
+                g.live.remove(enc)
+        except Exception as exc:  # reported on the request; the others go on
+            enc.job = enc.embeds = None
+            flight.failed.append((enc, f"image encoding failed: {type(exc).__name__}: {exc}"))
+            g.live.remove(enc)
 
     def _record_event(self) -> Any:
         if self.event_factory is not None:
@@ -415,7 +460,7 @@ class SpatialEncoderStage:
                     self._cond.wait(0.002)
                 if self._stop:
                     return
-            if not self._launch_one():
+            if not self._launch_layers(math.inf):
                 continue
             with self._lock:
                 pending = [f.event for f in self._flights if not _complete(f.event)]

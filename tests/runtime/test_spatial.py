@@ -109,7 +109,8 @@ def test_preemption_and_compute_prefill_keep_the_tokens() -> None:
 def test_small_image_behind_a_huge_one_is_encoded_first() -> None:
     runner = NullModelRunner(encoder_layers=32, max_model_len=1024)
     eng = engine("spatial-static", runner, clock=FixedClock(), num_kv_blocks=160,
-                 max_num_batched_tokens=512, encoder_window_s=1e-9)  # one layer per grant
+                 max_num_batched_tokens=512, encoder_window_s=1e-9,  # one layer per grant
+                 encoder_launch_budget_s=0.0)  # one layer per step
     gen = torch.Generator().manual_seed(1)
     once = SamplingParams(max_tokens=1, temperature=0.0)
     huge = eng.add_request(image_prompt(gen, 3, (1, 32, 32)), once)
@@ -125,7 +126,7 @@ def test_small_image_behind_a_huge_one_is_encoded_first() -> None:
 def test_decode_steps_continue_while_encoder_jobs_pend() -> None:
     runner = NullModelRunner(encoder_layers=16, max_model_len=1024)
     eng = engine("spatial", runner, clock=FixedClock(), num_kv_blocks=160,
-                 max_num_batched_tokens=512, encoder_window_s=1e-9)
+                 max_num_batched_tokens=512, encoder_launch_budget_s=0.0)  # a layer per step
     gen = torch.Generator().manual_seed(2)
     text = eng.add_request(text_prompt(gen, 5), SamplingParams(max_tokens=40, ignore_eos=True))
     eng.step()
@@ -269,6 +270,7 @@ def test_fallback_logged_once_and_engines_still_work(caplog) -> None:
     (dict(encoder_driver="async"), "encoder_driver"), (dict(encoder_sms=0), "encoder_sms"),
     (dict(encoder_splits=()), "encoder_splits"), (dict(programs_per_sm=0), "programs_per_sm"),
     (dict(curves=3), "curves"), (dict(encoder_window_s=0.0), "encoder_window_s"),
+    (dict(encoder_launch_budget_s=-1.0), "encoder_launch_budget_s"),
 ])
 def test_bad_settings_raise_naming_them(cfg, name) -> None:
     with pytest.raises(ValueError, match=name) as err:

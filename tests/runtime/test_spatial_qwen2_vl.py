@@ -16,7 +16,8 @@ from spaceserve.runtime.sis import Split
 IMAGE, VIDEO, VSTART, VEND, EOS, BOS = 120, 121, 122, 123, 2, 1
 STEPS = 5
 GREEDY = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-FAST = dict(device="cpu", block_size=4, encoder_window_s=1e-9)  # one vision layer per grant
+FAST = dict(device="cpu", block_size=4, encoder_window_s=1e-9,  # a vision layer per grant
+            encoder_launch_budget_s=0.0)  # and per step: deterministic on any machine
 
 
 @pytest.fixture(autouse=True, scope="module")

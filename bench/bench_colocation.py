@@ -1,0 +1,425 @@
+"""The "colocation" section: decode beside a stream of images, per engine mode, against the sim.
+
+On the GPU (`run`): random-weight Qwen2-VL-7B shapes in bf16 - the LLM cut to `LLM_LAYERS`
+layers so four engines fit the time budget (each row says so). Per mode (temporal, shared,
+spatial-static, spatial): 32 background requests decode alone (TPOT), then 1024x1024 and
+1920x1080 image requests arrive (Poisson) beside small text "probe" requests: background TPOT
+under load, probe p99 ITL, image and probe TTFT. The discrete-event simulator
+(`spaceserve.runtime.sim`) runs the same arrivals on the curves the engine uses and its
+prediction and error are in the rows. Under green contexts the SM probe shows whether the
+encoder's and the decoder's programs shared an SM. Table + plot (colocation.png).
+
+On CPU (`driver_experiment`): which encoder driver keeps decode launches on time, measured on
+the host side only - a model whose "device" is a virtual clock with one queue per partition,
+whose launches cost busy host time (holding the GIL, like Python launch overhead) and whose
+syncs sleep (releasing it). It measures when decode steps are issued, not GPU execution.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import format_table, write_json
+
+SECTION = "colocation"
+MODES = ("temporal", "shared", "spatial-static", "spatial")
+LLM_LAYERS = 8  # of Qwen2-VL-7B's 28: four engines and their graphs must fit ~120 s
+BACKGROUND, BG_PROMPT, BG_OUTPUT = 32, 256, 512
+IMAGE_MIX = {"1024x1024": 0.5, "1920x1080": 0.5}
+IMAGE_SIZES = {"1024x1024": (1024, 1024), "1920x1080": (1080, 1920)}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
+
+
+def _ms(xs: list[float], q: float | None = None) -> float:
+    if not xs:
+        return math.nan
+    return 1e3 * (statistics.fmean(xs) if q is None else percentile(xs, q))
+
+
+def _gaps(times: tuple[float, ...], lo: float, hi: float) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:], strict=False) if a >= lo and b <= hi]
+
+
+class Prompts:
+    """Prompt dicts for the engine's model: an image of a given grid, or plain text."""
+
+    def __init__(self, info: Any, grids: dict[str, tuple[int, int, int]], seed: int = 0):
+        self.info, self.grids = info, grids
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab = min(int(info.vocab_size), 30000)
+
+    def text(self, n: int) -> dict:
+        lo = 10 if self.vocab > 20 else 4
+        return {"prompt_token_ids": torch.randint(lo, self.vocab, (n,), generator=self.gen)
+                .tolist()}
+
+    def image(self, resolution: str, n_text: int) -> dict:
+        t, h, w = self.grids[resolution]
+        merge = self.info.spatial_merge_size
+        ids = self.text(n_text)["prompt_token_ids"]
+        ids += [self.info.image_token_id] * (t * h * w // merge ** 2)
+        pv = torch.randn(t * h * w, self.info.patch_dim, generator=self.gen)
+        return {"prompt_token_ids": ids, "pixel_values": pv,
+                "image_grid_thw": torch.tensor([[t, h, w]])}
+
+
+def drive(engine: Any, arrivals: list[Any], prompts: Prompts, *, alone_s: float,
+          load_s: float, background: int = BACKGROUND, bg_prompt: int = BG_PROMPT,
+          bg_output: int = BG_OUTPUT, drain_s: float = 10.0) -> dict[str, Any]:
+    """Background decode alone for `alone_s`, then `arrivals` (sim `Request`s: kind, arrival,
+    text/output tokens, resolution) over `load_s`; returns measured metrics (ms)."""
+    from spaceserve import SamplingParams
+
+    finals: dict[str, Any] = {}
+    kinds: dict[str, str] = {}
+
+    def sink(out: Any) -> None:
+        if out.finished:
+            finals[out.request_id] = out
+
+    def add(kind: str, prompt: dict, max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        kinds[engine.add_request(prompt, params, sink=sink)] = kind
+
+    def background_up() -> None:
+        alive = sum(1 for r, k in kinds.items() if k == "background" and r not in finals)
+        for _ in range(background - alive):
+            add("background", prompts.text(bg_prompt), bg_output)
+
+    background_up()
+    start = time.perf_counter()
+    while time.perf_counter() - start < alone_s:
+        engine.step()
+        background_up()
+    t_load = time.perf_counter()
+    i = 0
+    while True:
+        elapsed = time.perf_counter() - t_load
+        while i < len(arrivals) and arrivals[i].arrival <= elapsed:
+            r = arrivals[i]
+            prompt = prompts.image(r.resolution, r.text_tokens) if r.kind == "image" \
+                else prompts.text(r.text_tokens)
+            add(r.kind, prompt, r.output_tokens)
+            i += 1
+        open_ = [r for r, k in kinds.items() if k != "background" and r not in finals]
+        if (elapsed >= load_s and i == len(arrivals) and not open_) or \
+                elapsed > load_s + drain_s:
+            break
+        engine.step()
+        background_up()
+    t_end = time.perf_counter()
+    for rid, kind in kinds.items():
+        if kind == "background" and rid not in finals:
+            engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    bg = [o for r, o in finals.items() if kinds[r] == "background"]
+    by = {k: [o for r, o in finals.items() if kinds[r] == k and o.finish_reason == "length"]
+          for k in ("image", "text")}
+    gaps_alone = [g for o in bg for g in _gaps(o.metrics.token_times, start + 0.2 * alone_s,
+                                                   t_load)]
+    gaps_load = [g for o in bg for g in _gaps(o.metrics.token_times, t_load, t_end)]
+    probe_itl = [g for o in by["text"] for g in _gaps(o.metrics.token_times, 0, math.inf)]
+    ttft = {k: [o.metrics.first_token_time - o.metrics.arrival_time for o in v]
+            for k, v in by.items()}
+    return {"tpot_alone_ms": _ms(gaps_alone), "tpot_load_ms": _ms(gaps_load),
+            "tpot_load_p99_ms": _ms(gaps_load, 99), "probe_itl_p99_ms": _ms(probe_itl, 99),
+            "image_ttft_ms": _ms(ttft["image"]), "image_ttft_p99_ms": _ms(ttft["image"], 99),
+            "probe_ttft_ms": _ms(ttft["text"]), "images_done": len(by["image"]),
+            "probes_done": len(by["text"]),
+            "requests": sum(1 for k in kinds.values() if k != "background"),
+            "load_s": t_end - t_load}
+
+
+def sim_prediction(curves: Any, mode: str, workload: Any, static_sms: int | None
+                   ) -> dict[str, float]:
+    """The simulator's TPOT / p99 ITL / TTFT (ms) for the same workload and mode."""
+    from spaceserve.runtime.sim import SimConfig, simulate
+
+    cfg = SimConfig(mode=mode, static_encoder_sms=static_sms or curves.num_sms // 2,
+                    background=BACKGROUND, background_context=BG_PROMPT,
+                    background_output=BG_OUTPUT)
+    s = simulate(curves, cfg, workload).summary()
+    return {"sim_tpot_load_ms": s["background"]["tpot"]["mean_ms"],
+            "sim_probe_itl_p99_ms": s["text"]["itl"]["p99_ms"],
+            "sim_image_ttft_ms": s["image"]["ttft"]["mean_ms"]}
+
+
+def with_errors(row: dict[str, Any]) -> dict[str, Any]:
+    """Relative error of each simulator prediction against its measurement."""
+    for key in ("tpot_load_ms", "probe_itl_p99_ms", "image_ttft_ms"):
+        got, want = row.get(key), row.get(f"sim_{key}")
+        if isinstance(got, float) and isinstance(want, float) and want > 0 and got == got:
+            row[f"sim_err_{key.removesuffix('_ms')}"] = (want - got) / got
+    return row
+
+
+def probe_partitions(engine: Any) -> dict[str, Any]:
+    """Concurrent SM probes on the current partition's two streams (GPU only)."""
+    from spaceserve.kernels.smprobe import probe_available, probe_report, probe_sms
+
+    pset = engine.spatial.partitions
+    why = probe_available(pset.device)
+    if why is not None:
+        return {"probe": f"skipped: {why}"}
+    part = pset.current
+    outs = {}
+    with part.encoder_scope():
+        outs["encoder"] = probe_sms(part.encoder_sms, spin=1 << 16, device=pset.device)
+    with part.decoder_scope():
+        outs["decoder"] = probe_sms(part.decoder_sms, spin=1 << 16, device=pset.device)
+    torch.cuda.synchronize()
+    rep = probe_report(outs, {"encoder": part.encoder_sms, "decoder": part.decoder_sms})
+    return {"probe": rep.summary(), "probe_disjoint": rep.disjoint, "green": pset.green}
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Grouped bars per mode: measured vs simulated TPOT, probe p99 ITL and image TTFT."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    runs = [r for r in rows if "tpot_load_ms" in r]
+    if not runs:
+        return None
+    panels = (("tpot_alone_ms", "TPOT alone"), ("tpot_load_ms", "TPOT with images"),
+              ("probe_itl_p99_ms", "probe p99 ITL"), ("image_ttft_ms", "image TTFT"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
+    x = range(len(runs))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        ax.bar([i - 0.2 for i in x], [r.get(key, math.nan) for r in runs], 0.4, label="measured")
+        sim = [r.get(f"sim_{key}", math.nan) for r in runs]
+        if any(v == v for v in sim):
+            ax.bar([i + 0.2 for i in x], sim, 0.4, label="simulated")
+        ax.set_xticks(list(x), [r["mode"] for r in runs], rotation=20, fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel("ms")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_modes(make_engine: Any, prompts_for: Any, workload: Any, curves: Any, *,
+              modes: tuple[str, ...] = MODES, alone_s: float = 2.0,
+              deadline: float = math.inf, note: str = "") -> list[dict[str, Any]]:
+    """One engine per mode on the same arrivals; rows with measurements and predictions."""
+    from spaceserve.runtime.sim import generate
+
+    arrivals = generate(workload)
+    rows: list[dict[str, Any]] = []
+    for mode in modes:
+        row: dict[str, Any] = {"section": SECTION, "mode": mode}
+        if note:
+            row["note"] = note
+        if time.perf_counter() > deadline:
+            rows.append(row | {"skipped": "time budget spent"})
+            continue
+        try:
+            engine = make_engine(mode)
+            if engine.spatial is not None:
+                part = engine.spatial.partitions.current
+                row |= {"encoder_sms": part.encoder_sms, "decoder_sms": part.decoder_sms}
+                if mode == "spatial-static":
+                    row |= probe_partitions(engine)
+            row |= drive(engine, arrivals, prompts_for(engine), alone_s=alone_s,
+                         load_s=workload.duration_s)
+            if engine.spatial is not None and engine.spatial.sis is not None:
+                row["splits_used"] = sorted({e for _, e in engine.spatial.switches})
+            engine.close()
+            del engine
+        except Exception as exc:  # one mode failing must not lose the others
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        try:
+            row |= sim_prediction(curves, mode, workload, row.get("encoder_sms"))
+        except Exception as exc:
+            row["sim_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        rows.append(with_errors(row))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
+    """GPU harness entry point (bf16 Qwen2-VL-7B shapes, LLM cut to `LLM_LAYERS` layers)."""
+    if not torch.cuda.is_available():
+        return [{"section": SECTION, "skipped": "needs a CUDA device"}]
+    from bench.bench_models import image_grid
+    from spaceserve import Engine, EngineConfig
+    from spaceserve.models import from_state_dict, random_state_dict
+    from spaceserve.runtime.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.epd import load_curves
+    from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
+    from spaceserve.runtime.sim import Workload
+
+    deadline = time.perf_counter() + time_budget_s - 20.0  # a mode takes about this long
+    config = qwen2_vl_7b_config()
+    config.text_config.num_hidden_layers = LLM_LAYERS
+    dev = torch.device("cuda")
+    state = random_state_dict(config, dtype=torch.bfloat16, device=dev)
+    models = {b: from_state_dict(config, state, attention_backend=b, dtype=torch.bfloat16,
+                                 device=dev) for b in ("triton", "torch")}
+    del state
+    grids = {r: tuple(image_grid(h, w, config)) for r, (h, w) in IMAGE_SIZES.items()}
+    workload = Workload(image_rate=1.5, duration_s=6.0, image_mix=IMAGE_MIX, text_rate=4.0,
+                        text_tokens=16, output_tokens=16, seed=0)
+    curves = load_curves(None, Qwen2VLRunner(models["triton"], eos_token_ids=()))
+
+    def make_engine(mode: str) -> Any:
+        model = models["torch" if mode == "shared" else "triton"]
+        cfg = EngineConfig(mode=mode, num_kv_blocks=4096, block_size=16, max_num_seqs=48,
+                           max_num_batched_tokens=4096, max_encoder_tokens_per_step=2816,
+                           graph_batch_sizes=(32, 40, 48))
+        return Engine(Qwen2VLRunner(model, eos_token_ids=()), cfg)
+
+    note = f"LLM cut to {LLM_LAYERS} of 28 layers to fit the time budget; vision tower full"
+    rows = run_modes(make_engine, lambda eng: Prompts(eng.runner.info, grids), workload,
+                     curves, deadline=deadline, note=note)
+    for r in rows:
+        if "tpot_load_ms" in r:
+            r["headline"] = (f"{r['mode']}: TPOT {r['tpot_alone_ms']:.1f} alone -> "
+                             f"{r['tpot_load_ms']:.1f} ms with images (sim "
+                             f"{r.get('sim_tpot_load_ms', math.nan):.1f}); probe p99 ITL "
+                             f"{r['probe_itl_p99_ms']:.1f} ms; image TTFT "
+                             f"{r['image_ttft_ms']:.0f} ms" + (f"; SM probe {r['probe']}"
+                                                              if "probe" in r else ""))
+    out = Path(results_dir)
+    write_json(out / f"{SECTION}_rows.json", rows)
+    plot(rows, out / f"{SECTION}.png")
+    print(format_table(rows, ["mode", "encoder_sms", "tpot_alone_ms", "tpot_load_ms",
+                              "sim_tpot_load_ms", "probe_itl_p99_ms", "sim_probe_itl_p99_ms",
+                              "image_ttft_ms", "sim_image_ttft_ms", "images_done"]))
+    return rows
+
+
+# -- the encoder driver, host side (CPU) -----------------------------------------------------------
+def _busy(seconds: float) -> None:
+    """Host work that holds the GIL (Python launch overhead)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class _VirtualEvent:
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.at
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.at - time.perf_counter()))
+
+
+def driver_experiment(*, seconds: float = 2.0, launch_s: float = 20e-6, layer_launches: int = 12,
+                      layer_s: float = 4e-3, decode_launch_s: float = 0.5e-3,
+                      decode_s: float = 6e-3, image_every_s: float = 0.12,
+                      drivers: tuple[str, ...] = ("none", "cooperative", "thread", "temporal")
+                      ) -> list[dict[str, Any]]:
+    """Decode inter-token gaps (host side) beside a stream of 32-layer images, per driver.
+
+    A virtual device keeps one queue per partition: an encoder layer costs `layer_launches` x
+    `launch_s` of busy host time and `layer_s` on the encoder queue; a decode step costs
+    `decode_launch_s` of host time and `decode_s` on the decoder queue, and reading its tokens
+    sleeps until then. "none" runs no images; "temporal" puts encoder layers on the decoder's
+    queue (one GPU, time-multiplexed).
+    """
+    from spaceserve import Engine, EngineConfig, SamplingParams
+    from spaceserve.runtime.runner import NullModelRunner
+
+    class Device:
+        def __init__(self) -> None:
+            self.free = {"encoder": 0.0, "decoder": 0.0}
+
+        def submit(self, lane: str, s: float) -> float:
+            self.free[lane] = max(time.perf_counter(), self.free[lane]) + s
+            return self.free[lane]
+
+    class Runner(NullModelRunner):
+        def __init__(self, device: Device, temporal: bool) -> None:
+            super().__init__(check=False, encoder_layers=32, max_model_len=1 << 16)
+            self.dev, self.lane = device, "decoder" if temporal else "encoder"
+
+        def advance_encode(self, job: Any, layers: int, *, num_sms: int | None = None) -> int:
+            for _ in range(layers):
+                _busy(launch_s * layer_launches)
+                self.dev.submit(self.lane, layer_s)
+            return super().advance_encode(job, layers)
+
+        def encode(self, mms: Any) -> list[torch.Tensor]:
+            if self.lane == "decoder":  # temporal: the whole pass on the one queue, then wait
+                for _ in range(self.encoder_layers):
+                    _busy(launch_s * layer_launches)
+                    self.dev.submit("decoder", layer_s)
+            return super().encode(mms)
+
+        def execute(self, batch: Any, *, stage: str = "decoder") -> torch.Tensor:
+            _busy(decode_launch_s)
+            self.dev.submit("decoder", decode_s)
+            return super().execute(batch)
+
+    class Ids:
+        def __init__(self, ids: torch.Tensor, at: float) -> None:
+            self.ids, self.at = ids, at
+
+        def tolist(self) -> list[int]:
+            time.sleep(max(0.0, self.at - time.perf_counter()))
+            return self.ids.tolist()
+
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: intra-op threads only add noise
+    for driver in drivers:
+        dev = Device()
+        runner = Runner(dev, driver == "temporal")
+        mode = "temporal" if driver == "temporal" else "spatial-static"
+        cfg = EngineConfig(mode=mode, num_kv_blocks=4096, block_size=16, max_num_seqs=40,
+                           max_num_batched_tokens=4096, prefill_on="decode",
+                           encoder_driver="thread" if driver == "thread" else "cooperative")
+        eng = Engine(runner, cfg)
+        sampler = eng.sampler
+        eng.sampler = lambda logits, reqs, s=sampler, d=dev: Ids(s(logits, reqs), d.free[
+            "decoder"])
+        if eng.spatial is not None:
+            eng.encoder.event_factory = lambda d=dev: _VirtualEvent(d.free["encoder"])
+        prompts = Prompts(runner.info, {"img": (1, 16, 16)})
+        params = SamplingParams(max_tokens=1 << 14, temperature=0.0, ignore_eos=True)
+        bg = [eng.add_request(prompts.text(32), params) for _ in range(BACKGROUND)]
+        times: list[float] = []
+        start = next_image = time.perf_counter()
+        while (now := time.perf_counter()) - start < seconds:
+            if driver != "none" and now >= next_image:
+                eng.add_request(prompts.image("img", 4), SamplingParams(max_tokens=2))
+                next_image += image_every_s
+            eng.step()
+            times.append(time.perf_counter())
+        for rid in bg:
+            eng.abort(rid)
+        eng.close()
+        tail = times[len(times) // 5:]
+        gaps = [b - a for a, b in zip(tail, tail[1:], strict=False)]
+        rows.append({"section": SECTION, "driver": driver, "steps": len(times),
+                     "gap_p50_ms": _ms(gaps, 50), "gap_p99_ms": _ms(gaps, 99),
+                     "gap_max_ms": 1e3 * max(gaps, default=math.nan),
+                     "encoder_layers": runner.num_encoder_layers_run})
+    torch.set_num_threads(threads)
+    return rows

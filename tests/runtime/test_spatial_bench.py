@@ -1,0 +1,90 @@
+"""The co-location benchmark's CPU-side logic: the per-mode driver and metrics on the null model,
+the simulator's prediction and its error, the plot, the host-side driver experiment, and the
+entry point the GPU harness calls (the GPU run itself needs the lent GPU)."""
+
+import math
+
+import pytest
+import torch
+
+from bench import bench_colocation as bc
+from spaceserve import Engine, EngineConfig
+from spaceserve.kernels import device_num_sms
+from spaceserve.runtime.epd import load_curves
+from spaceserve.runtime.runner import NullModelRunner
+from spaceserve.runtime.sim import Workload, generate
+
+GRIDS = {"1024x1024": (1, 8, 8), "1920x1080": (1, 8, 12)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_run_modes_measures_every_mode_and_the_simulator(tmp_path) -> None:
+    workload = Workload(image_rate=25.0, duration_s=0.25, image_mix=bc.IMAGE_MIX,
+                        text_rate=25.0, text_tokens=4, output_tokens=4, seed=1)
+    arrivals = generate(workload)
+    n_img = sum(r.kind == "image" for r in arrivals)
+    assert n_img and len(arrivals) > n_img
+
+    def make(mode):
+        return Engine(NullModelRunner(check=False, max_model_len=4096),
+                      EngineConfig(mode=mode, num_kv_blocks=2048, block_size=16,
+                                   max_num_seqs=48, max_num_batched_tokens=1024))
+
+    rows = bc.run_modes(make, lambda eng: bc.Prompts(eng.runner.info, GRIDS), workload,
+                        load_curves(None, None), alone_s=0.1, note="null model")
+    assert [r["mode"] for r in rows] == list(bc.MODES)
+    for r in rows:
+        assert "error" not in r, r.get("error")
+        assert r["images_done"] == n_img and r["probes_done"] == len(arrivals) - n_img
+        for key in ("tpot_alone_ms", "tpot_load_ms", "probe_itl_p99_ms", "image_ttft_ms",
+                    "sim_tpot_load_ms", "sim_image_ttft_ms"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["mode"], key)
+        assert r["sim_err_tpot_load"] == pytest.approx(
+            (r["sim_tpot_load_ms"] - r["tpot_load_ms"]) / r["tpot_load_ms"])
+    by = {r["mode"]: r for r in rows}
+    assert "inline" in by["spatial-static"]["probe"]  # the SM probe skips on CPU
+    static = by["spatial-static"]
+    assert static["decoder_sms"] == device_num_sms("cpu") - static["encoder_sms"] > 0
+    assert 0 in by["spatial"]["splits_used"] and len(by["spatial"]["splits_used"]) > 1
+    path = bc.plot(rows, tmp_path / "colocation.png")
+    if path is not None:
+        assert path.stat().st_size > 1000
+
+
+def test_run_modes_records_failures_and_spent_budgets() -> None:
+    workload = Workload(image_rate=1.0, duration_s=0.05, image_mix=bc.IMAGE_MIX)
+
+    def broken(mode):
+        raise RuntimeError("no engine here")
+
+    rows = bc.run_modes(broken, None, workload, load_curves(None, None),
+                        modes=("temporal",))
+    assert "no engine here" in rows[0]["error"] and "sim_tpot_load_ms" in rows[0]
+    rows = bc.run_modes(broken, None, workload, load_curves(None, None),
+                        modes=("shared",), deadline=0.0)
+    assert rows[0]["skipped"] == "time budget spent"
+
+
+def test_driver_experiment_runs_each_driver() -> None:
+    rows = bc.driver_experiment(seconds=0.3, image_every_s=0.05,
+                                drivers=("none", "cooperative", "thread"))
+    by = {r["driver"]: r for r in rows}
+    assert by["none"]["encoder_layers"] == 0
+    assert by["cooperative"]["encoder_layers"] > 0 and by["thread"]["encoder_layers"] > 0
+    for r in rows:
+        assert r["steps"] > 10 and r["gap_p50_ms"] >= 6.0  # never faster than the device
+
+
+def test_gpu_entry_point_skips_on_cpu_and_resolves_as_a_section(tmp_path) -> None:
+    from bench.gpu.harness import Section
+
+    if not torch.cuda.is_available():
+        assert bc.run(tmp_path, 10.0)[0]["skipped"] == "needs a CUDA device"
+    assert Section(120, "bench.bench_colocation:run").missing() is None
