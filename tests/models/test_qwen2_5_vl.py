@@ -236,8 +236,10 @@ def test_engine_generate_matches_transformers(checkpoint, pixels, mode):
         with torch.no_grad():
             out = hf.generate(**kw, max_new_tokens=MAX_TOKENS, do_sample=False)
         expected.append(out[0, len(ids):].tolist())
+    # co-located modes: one vision block per TWSRFT grant, so jobs are preempted between blocks
     engine = Engine.from_pretrained(path, mode=mode, attention_backend="torch", device="cpu",
-                                    num_kv_blocks=48, block_size=4, max_num_batched_tokens=16)
+                                    num_kv_blocks=48, block_size=4, max_num_batched_tokens=16,
+                                    encoder_window_s=1e-9)
     assert isinstance(engine.runner.model, Qwen25VL)
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                    ignore_eos=True))
