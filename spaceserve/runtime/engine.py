@@ -33,8 +33,6 @@ from .scheduler import Scheduler
 
 MODES = ("temporal", "shared", "spatial-static", "spatial")
 ATTENTION_BACKENDS = ("triton", "torch")
-PREFILL_PLACEMENTS = ("auto", "compute", "decode")
-ENCODER_DRIVERS = ("cooperative", "thread")
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
@@ -84,28 +82,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not available; modes: {', '.join(MODES)}")
-        for name, allowed in (("prefill_on", PREFILL_PLACEMENTS),
-                              ("encoder_driver", ENCODER_DRIVERS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
-                                 f"{', '.join(allowed)}")
-        for name in ("encoder_sms", "programs_per_sm"):
-            value = getattr(self, name)
-            if value is None and name == "encoder_sms":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if self.encoder_splits is not None and (not self.encoder_splits or any(
-                isinstance(e, bool) or not isinstance(e, int) or e < 1
-                for e in self.encoder_splits)):
-            raise ValueError(f"encoder_splits={self.encoder_splits!r} must be ints >= 1")
-        if self.curves is not None and not isinstance(self.curves, str):
-            raise ValueError(f"curves={self.curves!r} must be a path (str) or None")
-        if not self.encoder_window_s > 0:
-            raise ValueError(f"encoder_window_s={self.encoder_window_s} must be > 0")
-        if not self.encoder_launch_budget_s >= 0:
-            raise ValueError(f"encoder_launch_budget_s={self.encoder_launch_budget_s} must be "
-                             ">= 0")
+        from .epd import check_config
+
+        check_config(self)  # the co-located modes' settings
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_images_per_prompt", "max_encoder_tokens_per_step",
                      "max_held_embeddings", "num_kv_blocks", "max_model_len"):

@@ -39,12 +39,36 @@ from .partition import Partition, PartitionSet, default_splits
 from .request import Request, Status
 from .scheduler import ScheduledBatch, Scheduler
 from .sis import SisState, SpaceInferenceScheduler, Split
-from .spatial import SpatialEncoderStage
+from .spatial import DRIVERS, SpatialEncoderStage
 
 SPATIAL_MODES = ("shared", "spatial-static", "spatial")
 PLACEMENTS = ("auto", "compute", "decode")
 CONTEXT_BUCKET = 64  # SIS sees the mean decode context rounded to this
 _CURVES: dict[Any, CurveSet] = {}
+
+
+def check_config(cfg: Any) -> None:
+    """Validate an `EngineConfig`'s co-located-mode settings; ValueError names the field."""
+    for name, allowed in (("prefill_on", PLACEMENTS), ("encoder_driver", DRIVERS)):
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{name}={getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    for name in ("encoder_sms", "programs_per_sm"):
+        value = getattr(cfg, name)
+        if value is None and name == "encoder_sms":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    splits = cfg.encoder_splits
+    if splits is not None and (not splits or any(
+            isinstance(e, bool) or not isinstance(e, int) or e < 1 for e in splits)):
+        raise ValueError(f"encoder_splits={splits!r} must be ints >= 1")
+    if cfg.curves is not None and not isinstance(cfg.curves, str):
+        raise ValueError(f"curves={cfg.curves!r} must be a path (str) or None")
+    for name, zero_ok in (("encoder_window_s", False), ("encoder_launch_budget_s", True)):
+        value = getattr(cfg, name)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not (value >= 0 if zero_ok else value > 0):
+            raise ValueError(f"{name}={value!r} must be a number {'>=' if zero_ok else '>'} 0")
 
 
 def load_curves(path: str | None, runner: Any) -> CurveSet:

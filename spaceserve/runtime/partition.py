@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,26 @@ def _log_once(key: str, msg: str, *args: Any) -> None:
     if key not in _LOGGED:
         _LOGGED.add(key)
         log.warning(msg, *args)
+
+
+def _device_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """CUDA tensors reachable from an object (fields, containers; a few levels deep)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            yield obj
+        return
+    if depth >= 4 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    if isinstance(obj, dict):
+        values: Any = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        values = obj
+    elif hasattr(obj, "__dict__"):
+        values = vars(obj).values()
+    else:
+        values = [getattr(obj, n, None) for n in getattr(obj, "__slots__", ())]
+    for v in values:
+        yield from _device_tensors(v, depth + 1)
 
 
 def green_context_support(device: torch.device | str | None = None) -> str | None:
@@ -150,6 +170,7 @@ class PartitionSet:
         self.shared = shared
         self.reason: str | None = None
         self._raw: list[tuple[str, Any]] = []
+        self.upload_stream = self._new_stream()  # host-to-device copies of the encoder side
         self.full = self._plain(0, total, total)
         self.splits: dict[int, Partition] = {}
         if shared:
@@ -274,13 +295,43 @@ class PartitionSet:
         self.current = target
         return old
 
-    def decoder_streams(self) -> list[Any]:
-        """Every distinct decoder stream (a hand-off is recorded on each)."""
+    def _streams(self, attr: str) -> list[Any]:
         seen: list[Any] = []
         for p in self.partitions():
-            if p.decoder_stream is not None and p.decoder_stream not in seen:
-                seen.append(p.decoder_stream)
+            s = getattr(p, attr)
+            if s is not None and s not in seen:
+                seen.append(s)
         return seen
+
+    def decoder_streams(self) -> list[Any]:
+        """Every distinct decoder stream (a hand-off is recorded on each)."""
+        return self._streams("decoder_stream")
+
+    def encoder_streams(self) -> list[Any]:
+        """Every distinct encoder stream (an upload is waited for on each)."""
+        return self._streams("encoder_stream")
+
+    @contextlib.contextmanager
+    def staged(self) -> Iterator[Callable[[Any], Any]]:
+        """Run set-up work for the encoder on the upload stream (CUDA only). Inside, pass the
+        object holding what was made to the yielded function: on leaving, every encoder stream
+        waits for the upload's event and its CUDA tensors are marked used on each (so the
+        allocator keeps them until the encoder streams are done with them)."""
+        made: list[Any] = []
+
+        def done(obj: Any) -> Any:
+            made.append(obj)
+            return obj
+
+        with torch.cuda.stream(self.upload_stream):
+            yield done
+            ready = torch.cuda.Event()
+            ready.record()
+        tensors = [t for obj in made for t in _device_tensors(obj)]
+        for stream in self.encoder_streams():
+            stream.wait_event(ready)
+            for t in tensors:
+                t.record_stream(stream)
 
     @contextlib.contextmanager
     def capture_scope(self, part: Partition) -> Iterator[None]:

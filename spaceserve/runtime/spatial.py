@@ -1,44 +1,34 @@
 """The spatial encoder stage: images encoded on the encoder's own stream and SMs, TWSRFT-ordered.
 
-A request's images become one encoder job (`PreemptibleEncoder.start_encode`) when it is
-submitted: its pixels are pinned and uploaded with a non-blocking copy on the encoder stream.
-TWSRFT decides which job advances next and for how many layers (about one time window), so a
-small image arriving behind a huge one is not blocked by it. TWSRFT's batching of jobs at one
-depth is off (a one-patch token budget): each request is encoded alone, as the temporal stage
-does, so its embeddings never depend on which others arrived with it. Every launch goes on the
-current partition's encoder stream under its encoder budget; an event recorded after each grant
-says when its work is done.
+A request's images become one encoder job (`PreemptibleEncoder.start_encode`) at submission;
+its pixels are pinned and copied non-blocking on the encoder side's upload stream, which the
+encoder streams wait for by event (`_start` says why). TWSRFT picks which job advances next and
+for how many layers (about one time window), so a small image behind a huge one is not blocked
+by it; its batching of jobs is off (a one-patch token budget): each request is encoded alone, as
+the temporal stage does, so its embeddings never depend on which others arrived with it. Every
+launch goes on the current partition's encoder stream under its encoder budget, followed by an
+event. Hand-off: embeddings are attached to the request (admitting it to prefill) only once that
+event has completed - `event.query()`, never a wait - and are marked with ``record_stream`` on
+every decoder stream; they stay with the request (recompute needs them) until `release`.
 
-Hand-off: a finished job's embeddings are attached to the request (and so admitted to prefill)
-only once its event has completed - `event.query()`, never a wait - and they are marked with
-``record_stream`` on every decoder stream, so the caching allocator cannot hand their memory to
-another tensor while a prefill still reads them. They stay with the request (a request preempted
-by recompute needs them again) until `release`, when the request ends.
-
-Drivers (who issues the encoder's launches; either way a grant is launched layer by layer):
-- ``cooperative`` (default): the engine thread, inside its step, right after it launched the
-  decode step and before it waits for that step's sampled tokens, for at most
-  `launch_budget_s` of host time per step (at least one layer). On a GPU launches are
-  asynchronous, so the encoder's launch time overlaps the decode step's device time and the
-  next decode launch is on time as long as the budget is below a decode step; the encoder's
-  launch rate is then bounded by that budget per decode step. Nothing competes for the GIL.
-- ``thread``: a worker thread launches whole grants and waits on their events, yielding the
-  GIL between layers. Its launch bursts overlap decode's device time too, but when the engine
-  thread needs the GIL mid-layer it waits for the worker to yield.
-`bench/bench_colocation.py` (``driver_experiment``) measures both on CPU with a model whose
-"device" is a virtual clock with one queue per partition: launches cost busy host time (holding
-the GIL), reading a step's tokens sleeps until its device time has passed. It measures the host
-side only - when decode steps are issued - not GPU execution. With 12 launches of 20 us per
-vision layer (4 ms of device time each), a 6 ms decode step (0.5 ms of host work) at batch 32
-and a 32-layer image every 120 ms, the gap between decode steps was p50 6.65 ms in every case
-and p99 6.7-7.1 ms without images, 7.0-7.1 ms cooperative, 7.1-7.4 ms thread. With 100 us
-launches (1.2 ms of host time per layer; 2 ms layers, 8 ms decode, an image every 60 ms):
-p50 / p99 8.7 / 8.8-9.0 ms without images, 8.7 / 9.1-9.3 cooperative, 9.0 / 10.3-10.9
-thread - the worker's launch bursts hold the GIL when the engine thread wants it - but the
-thread launched every layer (1536) while the cooperative driver, held to its 3 ms per step,
-launched about 1025 and fell behind. Hence: cooperative by default (decode on time), thread
-(or a larger `launch_budget_s`) when encoder throughput matters more than decode jitter. On
-CPU proper every launch is synchronous, so both drivers simply interleave the two stages.
+Drivers (who issues the launches; a grant is launched layer by layer either way):
+- ``cooperative`` (default): the engine thread, right after launching a decode step and before
+  reading its tokens, for at most `launch_budget_s` of host time (at least one layer). Launches
+  are asynchronous on a GPU, so this overlaps the decode step's device time; nothing competes
+  for the GIL. The encoder's launch rate is bounded by that budget per decode step.
+- ``thread``: a worker launches whole grants and waits on their events, yielding the GIL
+  between layers; the engine thread still waits for it when it needs the GIL mid-layer.
+Measured on CPU, host side only (`bench/bench_colocation.py` ``driver_experiment``: a model
+whose device is a virtual clock with a queue per partition; launches burn host time holding the
+GIL, reading tokens sleeps until the step's device time passed): with 12 x 20 us launches per
+4 ms vision layer, 6 ms decode steps (0.5 ms host) at batch 32 and a 32-layer image every
+120 ms, decode step gaps were p50 6.65 ms everywhere, p99 6.7-7.1 ms without images, 7.0-7.1
+cooperative, 7.1-7.4 thread. With 12 x 100 us launches (2 ms layers, 8 ms decode, an image
+every 60 ms): p50 / p99 8.7 / 8.8-9.0 without images, 8.7 / 9.1-9.3 cooperative, 9.0 /
+10.3-10.9 thread (its bursts hold the GIL when decode wants it), but the thread launched all
+1536 layers and the cooperative driver, held to 3 ms per step, about 1025. Hence cooperative by
+default (decode launches on time); thread, or a larger budget, when encoder throughput matters
+more than decode jitter. On CPU proper launches are synchronous: both drivers just interleave.
 """
 
 from __future__ import annotations
@@ -270,7 +260,7 @@ class SpatialEncoderStage:
                         break
                     if self._thread is not None:
                         time.sleep(0)  # let the engine thread take the GIL between layers
-                flight.event = self._record_event()
+                flight.event = self.record_event()
         finally:
             with self._lock:
                 self._flights.append(flight)
@@ -304,7 +294,8 @@ class SpatialEncoderStage:
             flight.failed.append((enc, f"image encoding failed: {type(exc).__name__}: {exc}"))
             g.live.remove(enc)
 
-    def _record_event(self) -> Any:
+    def record_event(self) -> Any:
+        """An event on the current stream (recorded after each launch)."""
         if self.event_factory is not None:
             return self.event_factory()
         if self.partitions.cuda:
@@ -312,10 +303,6 @@ class SpatialEncoderStage:
             event.record()
             return event
         return None
-
-    def record_event(self) -> Any:
-        """An event on the current stream (what the stage records after a grant)."""
-        return self._record_event()
 
     # -- completion and hand-off --------------------------------------------------------------
     def poll(self) -> int:
@@ -381,12 +368,18 @@ class SpatialEncoderStage:
                 self._cond.notify_all()
 
     def _start(self, enc: _Encoding) -> Any:
-        pv = enc.req.mm.pixel_values
-        part = self.partitions.current
-        with part.encoder_scope():
-            if self.partitions.cuda and pv.device.type == "cpu":
-                pv = pv.pin_memory().to(self.partitions.device, non_blocking=True)
-            return self.runner.start_encode(enc.req.mm, pixel_values=pv)
+        """Set up a job; on CUDA on the upload stream (`PartitionSet.staged`): the pixels are
+        pinned and copied non-blocking, and the job's small blocking uploads (rotary tables,
+        attention plan) synchronise only that idle stream, never the encoder's queue."""
+        mm, pset = enc.req.mm, self.partitions
+        if not pset.cuda:
+            return self.runner.start_encode(mm)
+        with pset.staged() as done:
+            pv = mm.pixel_values
+            if pv.device.type == "cpu":
+                pv = pv.pin_memory().to(pset.device, non_blocking=True)
+            job = done(self.runner.start_encode(mm, pixel_values=pv))
+        return job
 
     # -- for SIS, partition switches and shutdown ----------------------------------------------
     def pending_work(self, curve_depth: int) -> list[PendingEncode]:
@@ -454,6 +447,8 @@ class SpatialEncoderStage:
 
     def _worker(self) -> None:
         """Thread driver: launch grants while there is work and room, then wait on events."""
+        if self.partitions.cuda and self.partitions.device.index is not None:
+            torch.cuda.set_device(self.partitions.device)
         while True:
             with self._cond:
                 while not self._stop and not (self._has_work() and self._can_launch()):

@@ -165,3 +165,23 @@ def test_modes_and_backends(tiny) -> None:
     shared = Engine.from_pretrained(tiny[0], mode="shared", device="cpu", num_kv_blocks=8)
     assert shared.runner.model.attention_backend == "torch"
     assert shared.spatial.partitions.shared
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["shared", "spatial-static", "spatial"])
+def test_cuda_modes_with_partitions_and_decode_graphs(tiny, prompts, expected, mode) -> None:
+    engine = Engine.from_pretrained(tiny[0], mode=mode, device="cuda", dtype=torch.float32,
+                                    block_size=16, max_num_seqs=8, gpu_memory_utilization=0.05,
+                                    graph_reserve_bytes=1 << 28, max_encoder_tokens_per_step=256,
+                                    encoder_splits=(32, 64), encoder_sms=32)
+    try:
+        assert engine.graph_batch_sizes == (1, 2, 4, 8)
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
+        assert staggered(engine, prompts[::-1], GREEDY) == expected[::-1]
+        engine.check_idle()
+        pset = engine.spatial.partitions
+        budgets = {sms for _, sms in engine.runner.graphs}
+        assert budgets == {p.decoder_sms for p in
+                           (pset.partitions() if mode == "spatial" else [pset.current])}
+    finally:
+        engine.close()
