@@ -44,6 +44,10 @@ from .spatial import DRIVERS, SpatialEncoderStage
 SPATIAL_MODES = ("shared", "spatial-static", "spatial")
 PLACEMENTS = ("auto", "compute", "decode")
 CONTEXT_BUCKET = 64  # SIS sees the mean decode context rounded to this
+# Compute-partition prefills in flight at once; beyond that a step's prefill chunks stay in the
+# decode batch. Two matches the runner planner's double-buffered pinned staging, whose reuse
+# waits for the copy that last read the buffer (queued behind encoder work on that stream).
+MAX_COMPUTE_PREFILLS = 2
 _CURVES: dict[Any, CurveSet] = {}
 
 
@@ -149,7 +153,8 @@ class SpatialRuntime:
         part = self.partitions.current
         batch = self._schedule(eng.scheduler)
         on_compute = self.placement == "compute" and (part.requested > 0 or
-                                                      self.partitions.shared)
+                                                      self.partitions.shared) \
+            and len(self._prefills) < MAX_COMPUTE_PREFILLS
         dec, pre = split_batch(batch) if on_compute else ((batch or None), None)
         if pre is not None:
             self._launch_prefill(eng, pre, part)

@@ -288,3 +288,25 @@ def test_bad_split_or_curves_file_raise(tmp_path) -> None:
     bad.write_text("{}")
     with pytest.raises(ValueError, match="curves"):
         engine("spatial", curves=str(bad))
+
+
+def test_compute_prefills_in_flight_are_capped() -> None:
+    eng = engine("spatial-static", prefill_on="compute")
+    flag = [False]
+    eng.encoder.event_factory = lambda: ManualEvent(flag)  # compute prefills never finish yet
+    gen = torch.Generator().manual_seed(10)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    prompts = [text_prompt(gen, 5 + i) for i in range(4)]
+    rids = []
+    for p in prompts:
+        rids.append(eng.add_request(p, params))
+        eng.step()
+    assert eng.spatial.num_inflight == 2 == eng.spatial.num_compute_prefills
+    assert len(eng._active[rids[3]].token_ids) > 5 + 3  # prefilled beside decode instead
+    flag[0] = True
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    for rid, p in zip(rids, prompts, strict=True):
+        assert (outs[rid].token_ids, outs[rid].finish_reason) == reference(eng, p, params)
+    eng.check_idle()
