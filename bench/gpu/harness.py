@@ -57,20 +57,22 @@ class Section:
 
 PY = sys.executable
 SECTIONS: dict[str, Section] = {
-    "facts": Section(45, "bench.gpu.facts:run", help="SMs, copy GB/s, matmul TFLOP/s, green "
+    "facts": Section(35, "bench.gpu.facts:run", help="SMs, copy GB/s, matmul TFLOP/s, green "
                      "contexts, HBM GB/s vs programs, launch overhead, compile times"),
-    "gpu-tests": Section(75, command=(PY, "-m", "pytest", "-m", "gpu", "-q", "-p",
+    "gpu-tests": Section(70, command=(PY, "-m", "pytest", "-m", "gpu", "-q", "-p",
                                       "no:cacheprovider", "tests"),
                          help="the bf16/CUDA tests (pytest -m gpu)", ok_codes=(0, 5)),
-    "kernels": Section(75, "bench.gpu.bench_kernels:run",
+    "kernels": Section(50, "bench.gpu.bench_kernels:run",
                        help="linear, gated_mlp, norms vs torch; SM sweeps"),
-    "vit-attention": Section(45, "bench.bench_vit_attention:run", help="ViT varlen attention"),
-    "paged-attention": Section(45, "bench.bench_paged_attention:run",
+    "vit-attention": Section(30, "bench.bench_vit_attention:run", help="ViT varlen attention"),
+    "paged-attention": Section(30, "bench.bench_paged_attention:run",
                                help="paged decode / prefill attention"),
-    "models": Section(60, "bench.bench_models:run",
+    "models": Section(40, "bench.bench_models:run",
                       help="Qwen2-VL-7B vision pass and decode step vs transformers"),
-    "qwen25-vision": Section(45, "bench.bench_qwen25_vision:run", help="Qwen2.5-VL-7B ViT vs HF"),
-    "autotune": Section(70, "bench.bench_autotune:run", help="measured curves, tuned configs"),
+    "qwen25-vision": Section(25, "bench.bench_qwen25_vision:run", help="Qwen2.5-VL-7B ViT vs HF"),
+    "colocation": Section(80, "bench.bench_colocation:run",
+                          help="decode beside an image stream, per engine mode, vs the simulator"),
+    "autotune": Section(45, "bench.bench_autotune:run", help="measured curves, tuned configs"),
 }
 
 
