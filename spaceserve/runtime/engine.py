@@ -409,6 +409,15 @@ def load_processor(path: str) -> tuple[Any, Any]:
     tokenizer = processor = None
     try:
         processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    except ImportError:
+        # transformers' Qwen2-VL processor wants torchvision for its video half; images need only
+        # the image processor and the tokenizer, which SpaceServe's chat preprocessor combines.
+        from spaceserve.server.chat import ChatPreprocessor
+
+        try:
+            processor = ChatPreprocessor.from_pretrained(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            processor = None
     except (OSError, ValueError, KeyError, TypeError):
         processor = None
     try:
