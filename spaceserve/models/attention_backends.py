@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from spaceserve import kernels
+
 from .context import StepContext
 
 Tensor = torch.Tensor
@@ -172,42 +174,22 @@ def _grow(capacity: int | None, need: int) -> int:
 class TritonBackend(AttentionBackend):
     """SpaceServe's budgeted kernels. A step is planned on the host into the kernels' plan
     objects (`DecodePlan` for the leading run of one-token sequences, `PrefillPlan` for the
-    rest); layers then only launch. A kernel module not present falls back to torch."""
+    rest); layers then only launch."""
 
     name = "triton"
     dense_ops = "triton"
-    KERNELS = {"vit_attention": ("vit_attention", "vit_attention"),
-               "plan_vit_attention": ("vit_attention", "plan_vit_attention"),
-               "store_kv": ("kv_cache", "store_kv"),
-               "DecodePlan": ("paged_decode", "DecodePlan"),
-               "PrefillPlan": ("paged_prefill", "PrefillPlan")}
-
-    def __init__(self) -> None:
-        from .ops import kernel_fn
-
-        self._k = {n: kernel_fn(m, f) for n, (m, f) in self.KERNELS.items()}
-        self.missing = tuple(n for n, fn in self._k.items() if fn is None)
-        self._paged = self._k["DecodePlan"] is not None and self._k["PrefillPlan"] is not None
-
     def plan_vit(self, cu_seqlens_host, num_heads, head_dim, dtype, device):
         meta = super().plan_vit(cu_seqlens_host, num_heads, head_dim, dtype, device)
-        if self._k["plan_vit_attention"] is not None:
-            meta.plan = self._k["plan_vit_attention"](cu_seqlens_host, num_heads, head_dim,
-                                                      dtype=dtype, device=device)
+        meta.plan = kernels.plan_vit_attention(cu_seqlens_host, num_heads, head_dim,
+                                               dtype=dtype, device=device)
         return meta
 
     def vit_attention(self, q, k, v, meta, *, scale=None, num_sms=None):
-        fn = self._k["vit_attention"]
-        if fn is None:
-            return super().vit_attention(q, k, v, meta, scale=scale)
-        return fn(q, k, v, meta.cu_seqlens, meta.max_seqlen, scale=scale, num_sms=num_sms,
-                  plan=meta.plan)
+        return kernels.vit_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, scale=scale,
+                                     num_sms=num_sms, plan=meta.plan)
 
     def store_kv(self, k, v, k_cache, v_cache, ctx, *, num_sms=None):
-        fn = self._k["store_kv"]
-        if fn is None:
-            return super().store_kv(k, v, k_cache, v_cache, ctx)
-        fn(k, v, k_cache, v_cache, ctx.slot_mapping, num_sms=num_sms)
+        kernels.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping, num_sms=num_sms)
 
     def plan(self, ctx):
         return self.replan(None, ctx)
@@ -216,8 +198,6 @@ class TritonBackend(AttentionBackend):
         """Refill `plan`'s DecodePlan / PrefillPlan for `ctx`. Each is kept while large enough
         (a CUDA graph's plan, made for its own shapes, always is) and otherwise replaced by
         one at least twice as large, so a planner reusing one plan stops allocating."""
-        if not self._paged:
-            return None
         if plan is None:
             plan = {"num_decode": 0, "decode": None, "prefill": None, "cu_rest": None,
                     "decode_plan": None, "prefill_plan": None}
@@ -229,7 +209,7 @@ class TritonBackend(AttentionBackend):
             dp = plan["decode_plan"]
             pages = -(-int(lens[:nd].max()) // ctx.block_size)
             if dp is None or dp.max_batch < nd or dp.max_blocks_per_seq < pages:
-                dp = self._k["DecodePlan"](
+                dp = kernels.DecodePlan(
                     _grow(dp and dp.max_batch, nd),
                     _grow(dp and dp.max_blocks_per_seq, max(pages, ctx.block_tables.shape[1])),
                     hq, hkv, d, ctx.block_size, device=ctx.device)
@@ -239,7 +219,7 @@ class TritonBackend(AttentionBackend):
             pp = plan["prefill_plan"]
             tokens, seqs = ctx.num_tokens - nd, b - nd
             if pp is None or pp.max_tokens < tokens or pp.max_seqs < seqs:
-                pp = self._k["PrefillPlan"](_grow(pp and pp.max_tokens, tokens),
+                pp = kernels.PrefillPlan(_grow(pp and pp.max_tokens, tokens),
                                             _grow(pp and pp.max_seqs, seqs), hq, hkv, d,
                                             device=ctx.device)
             cu = np.asarray(host.cu_seqlens_q, dtype=np.int64)

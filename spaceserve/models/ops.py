@@ -2,18 +2,16 @@
 
 `TorchOps` is plain PyTorch (cuBLAS and stock kernels; the baseline, any device), written to
 follow transformers' Qwen2-VL numerics. `TritonOps` calls SpaceServe's budgeted kernels, each
-launch under the `num_sms` of the stage entry point. A kernel that `spaceserve.kernels` does not
-provide falls back to the torch version and is listed in `TritonOps.missing`. Both return new
-tensors except `rotary`, which may rotate its inputs in place: use its return values.
+launch under the `num_sms` of the stage entry point. Both return new tensors except `rotary`,
+which may rotate its inputs in place: use its return values.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 import torch
 import torch.nn.functional as F
+
+from spaceserve import kernels
 
 Tensor = torch.Tensor
 
@@ -42,16 +40,17 @@ class TorchOps:
     """Plain-PyTorch dense ops; `num_sms` is accepted and ignored (stock kernels)."""
 
     name = "torch"
-    missing: tuple[str, ...] = ()
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                activation: str | None = None, num_sms: int | None = None) -> Tensor:
         return activation_torch(F.linear(x, weight, bias), activation)
 
     def gated_mlp(self, x: Tensor, w_gate_up: Tensor, w_down: Tensor, *,
+                  b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
                   num_sms: int | None = None) -> Tensor:
-        gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w_down)
+        """SwiGLU ``down(silu(gate) * up)``; `w_gate_up` ``[2I, K]``, gate rows first."""
+        gate, up = F.linear(x, w_gate_up, b_gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w_down, b_down)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, *, residual: Tensor | None = None,
                  num_sms: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -76,57 +75,27 @@ class TorchOps:
         return q_out, k_out
 
 
-def kernel_fn(module: str, name: str) -> Any:
-    """`spaceserve.kernels.<module>.<name>`, or None when that kernel is not provided."""
-    try:
-        mod = importlib.import_module(f"spaceserve.kernels.{module}")
-    except ImportError:
-        return None
-    return getattr(mod, name, None)
-
-
 class TritonOps(TorchOps):
     """SpaceServe's persistent Triton kernels, each launch under the caller's budget.
     `rotary` rotates q and k in place (they may be views of a fused qkv output)."""
 
     name = "triton"
-    KERNELS = {"linear": ("linear", "linear"), "gated_mlp": ("gated_mlp", "gated_mlp"),
-               "rms_norm": ("norms", "rms_norm"), "layer_norm": ("norms", "layer_norm"),
-               "apply_rotary": ("rotary", "apply_rotary")}
-
-    def __init__(self) -> None:
-        self._k = {n: kernel_fn(m, f) for n, (m, f) in self.KERNELS.items()}
-        self.missing = tuple(n for n, fn in self._k.items() if fn is None)
 
     def linear(self, x, weight, bias=None, *, activation=None, num_sms=None):
-        fn = self._k["linear"]
-        if fn is None:
-            return super().linear(x, weight, bias, activation=activation)
-        return fn(x, weight, bias, activation=activation, num_sms=num_sms)
+        return kernels.linear(x, weight, bias, activation=activation, num_sms=num_sms)
 
-    def gated_mlp(self, x, w_gate_up, w_down, *, num_sms=None):
-        fn = self._k["gated_mlp"]
-        if fn is None:
-            return super().gated_mlp(x, w_gate_up, w_down)
-        return fn(x, w_gate_up, w_down, num_sms=num_sms)
+    def gated_mlp(self, x, w_gate_up, w_down, *, b_gate_up=None, b_down=None, num_sms=None):
+        return kernels.gated_mlp(x, w_gate_up, w_down, b_gate_up=b_gate_up, b_down=b_down,
+                                 num_sms=num_sms)
 
     def rms_norm(self, x, weight, eps, *, residual=None, num_sms=None):
-        fn = self._k["rms_norm"]
-        if fn is None:
-            return super().rms_norm(x, weight, eps, residual=residual)
-        return fn(x, weight, eps, residual=residual, num_sms=num_sms)
+        return kernels.rms_norm(x, weight, eps, residual=residual, num_sms=num_sms)
 
     def layer_norm(self, x, weight, bias, eps, *, num_sms=None):
-        fn = self._k["layer_norm"]
-        if fn is None:
-            return super().layer_norm(x, weight, bias, eps)
-        return fn(x, weight, bias, eps, num_sms=num_sms)
+        return kernels.layer_norm(x, weight, bias, eps, num_sms=num_sms)
 
     def rotary(self, q, k, cos, sin, *, num_sms=None):
-        fn = self._k["apply_rotary"]
-        if fn is None:
-            return super().rotary(q, k, cos, sin)
-        return fn(q, k, cos, sin, num_sms=num_sms)
+        return kernels.apply_rotary(q, k, cos, sin, num_sms=num_sms)
 
 
 def make_ops(name: str) -> TorchOps:

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from spaceserve.kernels.rotary import vision_rotary_cos_sin
 
 from .attention_backends import AttentionBackend, VitMeta
-from .ops import TorchOps, activation_torch, kernel_fn
+from .ops import TorchOps, activation_torch
 from .qwen2_vl_vision import EncoderJob, VisionEncoder, _grid_list
 
 Tensor = torch.Tensor
@@ -138,8 +137,6 @@ class Qwen25VisionEncoder(VisionEncoder):
         self.theta = float(rope.get("rope_theta", 10000.0))
         half = self.head_dim // 2
         self.inv_freq = 1.0 / self.theta ** (torch.arange(0, half, 2, dtype=torch.float) / half)
-        # SwiGLU with biases through the fused kernel when the dense ops are SpaceServe's.
-        self._gated = kernel_fn("gated_mlp", "gated_mlp") if ops.name == "triton" else None
 
         self.patch_w = weight("patch_embed.proj.weight").reshape(self.embed_dim, -1).contiguous()
         if self.patch_w.shape[1] != self.patch_dim:
@@ -209,10 +206,12 @@ class Qwen25VisionEncoder(VisionEncoder):
     # -- device work ---------------------------------------------------------------------
     def _swiglu(self, x: Tensor, w_gu: Tensor, b_gu: Tensor, w_down: Tensor, b_down: Tensor,
                 num_sms: int | None) -> Tensor:
-        if self._gated is not None and self.activation == "silu":
-            return self._gated(x, w_gu, w_down, b_gate_up=b_gu, b_down=b_down, num_sms=num_sms)
-        gate, up = F.linear(x, w_gu, b_gu).chunk(2, dim=-1)
-        return F.linear(activation_torch(gate, self.activation) * up, w_down, b_down)
+        if self.activation == "silu":  # the fused gate-up kernel with its silu*up epilogue
+            return self.ops.gated_mlp(x, w_gu, w_down, b_gate_up=b_gu, b_down=b_down,
+                                      num_sms=num_sms)
+        gate, up = self.ops.linear(x, w_gu, b_gu, num_sms=num_sms).chunk(2, dim=-1)
+        return self.ops.linear(activation_torch(gate, self.activation) * up, w_down, b_down,
+                               num_sms=num_sms)
 
     def _block(self, h: Tensor, i: int, job: EncoderJob, num_sms: int | None) -> Tensor:
         ops = self.ops
