@@ -9,76 +9,33 @@ from spaceserve import Engine, SamplingParams
 from spaceserve.kernels import record_launches
 from spaceserve.kernels.testing import assert_within_budget
 
-IMAGE, VIDEO, VSTART, VEND, EOS, BOS = 120, 121, 122, 123, 2, 1
+IDS = (120, 121, 122, 123, 2, 1)  # image, video, vision start, vision end, eos, bos
+IMAGE, _, _, _, EOS, BOS = IDS
 MAX_TOKENS = 6
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def checkpoint(tiny_qwen2_vl):
     """(path, transformers model) of a tiny random Qwen2-VL saved with save_pretrained."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         eos_token_id=EOS, bos_token_id=BOS,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                          "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART,
-        vision_end_token_id=VEND)
-    torch.manual_seed(0)
-    hf = Qwen2VLForConditionalGeneration(config).eval()
-    path = tmp_path_factory.mktemp("qwen2vl_engine")
-    hf.save_pretrained(path)
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # always MAX_TOKENS, as ignore_eos does
-    return path, hf
+    return tiny_qwen2_vl("qwen2vl_engine", IDS, seed=0, intermediate_size=128, depth=2,
+                         num_heads=4)
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
+def prompts(qwen2_vl_image_prompt):
     rng = np.random.default_rng(0)
-    proc = Qwen2VLImageProcessorPil()
     out = [{"prompt_token_ids": [BOS, 17, 33, 8, 91]}]
     for sizes in ([(56, 56)], [(56, 84), (28, 56)]):
-        pics = [rng.integers(0, 255, (h, w, 3), dtype=np.uint8) for h, w in sizes]
-        batch = proc(images=pics, return_tensors="pt")
-        ids = [BOS, 7]
-        for j, (t, h, w) in enumerate(batch["image_grid_thw"].tolist()):
-            ids += [VSTART] + [IMAGE] * (t * h * w // 4) + [VEND, 10 + j]
-        out.append({"prompt_token_ids": ids, "pixel_values": batch["pixel_values"],
-                    "image_grid_thw": batch["image_grid_thw"]})
+        out.append(qwen2_vl_image_prompt(rng, sizes, [BOS, 7], 10, IDS))
     out.append({"prompt_token_ids": [BOS, 5, 64, 27, 88, 3, 44, 45, 46, 47, 48]})
     return out
 
 
-def reference(hf, prompt) -> list[int]:
-    ids = torch.tensor([prompt["prompt_token_ids"]])
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
-              mm_token_type_ids=(ids == IMAGE).int())
-    if "pixel_values" in prompt:
-        kw.update(pixel_values=prompt["pixel_values"], image_grid_thw=prompt["image_grid_thw"])
-    with torch.no_grad():
-        out = hf.generate(**kw, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
-
-
 @pytest.fixture(scope="module")
-def expected(checkpoint, prompts):
-    return [reference(checkpoint[1], p) for p in prompts]
+def expected(checkpoint, prompts, hf_greedy):
+    return [hf_greedy(checkpoint[1], p, MAX_TOKENS) for p in prompts]
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -23,13 +23,7 @@ LIFECYCLES_PER_RUN = 400
 RUNS = 8  # 3200 lifecycles in all
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_config(rng: random.Random) -> dict:

@@ -21,12 +21,7 @@ CFG = dict(num_kv_blocks=96, block_size=4, max_num_seqs=8, max_num_batched_token
 CO_LOCATED = ("shared", "spatial-static", "spatial")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class FixedClock:

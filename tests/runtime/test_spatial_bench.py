@@ -17,12 +17,7 @@ from spaceserve.runtime.sim import Workload, generate
 GRIDS = {"1024x1024": (1, 8, 8), "1920x1080": (1, 8, 12)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_run_modes_measures_every_mode_and_the_simulator(tmp_path) -> None:

@@ -13,82 +13,39 @@ from spaceserve.kernels.testing import assert_within_budget
 from spaceserve.runtime.engine import MODES
 from spaceserve.runtime.sis import Split
 
-IMAGE, VIDEO, VSTART, VEND, EOS, BOS = 120, 121, 122, 123, 2, 1
+IDS = (120, 121, 122, 123, 2, 1)  # image, video, vision start, vision end, eos, bos
+BOS = IDS[5]
 STEPS = 5
 GREEDY = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
 FAST = dict(device="cpu", block_size=4, encoder_window_s=1e-9,  # a vision layer per grant
             encoder_launch_budget_s=0.0)  # and per step: deterministic on any machine
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_qwen2_vl):
     """(checkpoint path, transformers model): a random Qwen2-VL saved with save_pretrained."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         eos_token_id=EOS, bos_token_id=BOS,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                          "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=3, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART,
-        vision_end_token_id=VEND)
-    torch.manual_seed(11)
-    hf = Qwen2VLForConditionalGeneration(config).eval()
-    path = tmp_path_factory.mktemp("qwen2vl_spatial")
-    hf.save_pretrained(path)
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    return path, hf
+    return tiny_qwen2_vl("qwen2vl_spatial", IDS, seed=11, intermediate_size=96, depth=3,
+                         num_heads=2)
 
 
 @pytest.fixture(scope="module")
-def prompts():
+def prompts(qwen2_vl_image_prompt):
     """A large-image prompt, a text prompt, a two-image prompt and a small-image prompt."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
     rng = np.random.default_rng(3)
-    proc = Qwen2VLImageProcessorPil()
     out = []
     for sizes in ([(112, 84)], None, [(56, 56), (28, 84)], [(28, 28)]):
         if sizes is None:
             out.append({"prompt_token_ids": [BOS, 9, 40, 41, 77, 5, 6]})
             continue
-        pics = [rng.integers(0, 255, (h, w, 3), dtype=np.uint8) for h, w in sizes]
-        batch = proc(images=pics, return_tensors="pt")
-        ids = [BOS, 8]
-        for j, (t, h, w) in enumerate(batch["image_grid_thw"].tolist()):
-            ids += [VSTART] + [IMAGE] * (t * h * w // 4) + [VEND, 12 + j]
-        out.append({"prompt_token_ids": ids, "pixel_values": batch["pixel_values"],
-                    "image_grid_thw": batch["image_grid_thw"]})
+        out.append(qwen2_vl_image_prompt(rng, sizes, [BOS, 8], 12, IDS))
     return out
 
 
 @pytest.fixture(scope="module")
-def expected(tiny, prompts):
-    hf = tiny[1]
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p["prompt_token_ids"]])
-        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
-                  mm_token_type_ids=(ids == IMAGE).int())
-        if "pixel_values" in p:
-            kw.update(pixel_values=p["pixel_values"], image_grid_thw=p["image_grid_thw"])
-        with torch.no_grad():
-            out.append(hf.generate(**kw, max_new_tokens=STEPS, do_sample=False)[0, ids.shape[1]:]
-                       .tolist())
-    return out
+def expected(tiny, prompts, hf_greedy):
+    return [hf_greedy(tiny[1], p, STEPS) for p in prompts]
 
 
 def staggered(engine: Engine, prompts, params, gap: int = 2) -> list[list[int]]:
