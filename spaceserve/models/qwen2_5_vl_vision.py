@@ -29,7 +29,7 @@ from spaceserve.kernels.rotary import vision_rotary_cos_sin
 
 from .attention_backends import AttentionBackend, VitMeta
 from .ops import TorchOps, activation_torch
-from .qwen2_vl_vision import EncoderJob, VisionEncoder, _grid_list
+from .qwen2_vl_vision import EncoderJob, VisionEncoder
 
 Tensor = torch.Tensor
 NORM_EPS = 1e-6
@@ -110,38 +110,16 @@ class Qwen25VisionEncoder(VisionEncoder):
 
     def __init__(self, config: Any, weight: Callable[[str], Tensor], ops: TorchOps,
                  backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> None:
-        self.config = config
-        self.ops = ops
-        self.backend = backend
-        self.device = device
-        self.dtype = dtype
-        self.embed_dim = int(config.hidden_size)
-        self.num_heads = int(config.num_heads)
-        self.head_dim = self.embed_dim // self.num_heads
-        if self.head_dim * self.num_heads != self.embed_dim or self.head_dim % 4:
-            raise ValueError(f"vision hidden_size={self.embed_dim} / num_heads={self.num_heads} "
-                             "must give a head dim divisible by 4 (2D rotary)")
-        self.merge = int(config.spatial_merge_size)
-        patch = int(config.patch_size)
-        self.patch_dim = int(config.in_channels) * int(config.temporal_patch_size) * patch ** 2
-        self.activation = str(config.hidden_act)
+        self._init_tower(config, ops, backend, device, dtype, "hidden_size")
         activation_torch(torch.zeros(1), self.activation)  # ValueError for an unknown one
+        patch = int(config.patch_size)
         self.window = int(config.window_size) // self.merge // patch
         if self.window < 1:
             raise ValueError(f"window_size={config.window_size} px is smaller than one merged "
                              f"token ({self.merge * patch} px)")
-        self.num_layers = int(config.depth)
         self.full_layers = frozenset(int(i) for i in config.fullatt_block_indexes)
         self.out_dim = int(config.out_hidden_size)
-        rope = getattr(config, "rope_parameters", None) or {}
-        self.theta = float(rope.get("rope_theta", 10000.0))
-        half = self.head_dim // 2
-        self.inv_freq = 1.0 / self.theta ** (torch.arange(0, half, 2, dtype=torch.float) / half)
-
-        self.patch_w = weight("patch_embed.proj.weight").reshape(self.embed_dim, -1).contiguous()
-        if self.patch_w.shape[1] != self.patch_dim:
-            raise ValueError(f"patch_embed.proj.weight gives {self.patch_w.shape[1]} inputs per "
-                             f"patch, the config {self.patch_dim}")
+        self.patch_w = self._patch_embedding(weight)
         self.blocks = []
         for i in range(self.num_layers):
             w = lambda n, i=i: weight(f"blocks.{i}.{n}")  # noqa: E731
@@ -170,20 +148,7 @@ class Qwen25VisionEncoder(VisionEncoder):
         `pixel_values` ``[patches, C*T*P*P]`` as the Qwen2-VL image processor gives them;
         `grid_thw` ``[num_images, 3]`` patch grids (host metadata).
         """
-        grid = _grid_list(grid_thw)
-        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 2:
-            raise ValueError("pixel_values must be a 2-D tensor [patches, channels*T*P*P]")
-        if pixel_values.shape[1] != self.patch_dim:
-            raise ValueError(f"pixel_values has {pixel_values.shape[1]} values per patch, the "
-                             f"model expects {self.patch_dim}")
-        for t, h, w in grid:
-            if h % self.merge or w % self.merge:
-                raise ValueError(f"image_grid_thw row {(t, h, w)}: h and w must be multiples "
-                                 f"of the merge size {self.merge}")
-        total = sum(t * h * w for t, h, w in grid)
-        if total != pixel_values.shape[0]:
-            raise ValueError(f"image_grid_thw describes {total} patches but pixel_values has "
-                             f"{pixel_values.shape[0]}")
+        grid, total = self._check_batch(pixel_values, grid_thw)
         order, cu_win, cu_full = window_layout(grid, self.merge, self.window)
         unit = self.merge ** 2
         patch_order = (order[:, None] * unit + torch.arange(unit)).reshape(-1)
@@ -227,24 +192,9 @@ class Qwen25VisionEncoder(VisionEncoder):
         x, h = ops.rms_norm(attn, n2, NORM_EPS, residual=h, num_sms=num_sms)
         return h + self._swiglu(x, gu_w, gu_b, dw, db, num_sms)
 
-    def advance(self, job: EncoderJob, num_layers: int = 1, *, num_sms: int | None = None
-                ) -> int:
-        """Run up to `num_layers` more blocks of `job` (the patch embedding, on patches in
-        window order, goes with the first); returns how many ran. Launches are under
-        `num_sms`."""
-        if num_layers < 0:
-            raise ValueError(f"num_layers={num_layers} must be >= 0")
-        if job.hidden is None:
-            pv = job.pixel_values.index_select(0, job.patch_order)
-            job.hidden = self.ops.linear(pv, self.patch_w, num_sms=num_sms)
-            job.pixel_values = None
-        steps = min(num_layers, job.remaining_layers)
-        h = job.hidden
-        for _ in range(steps):
-            h = self._block(h, job.layers_done, job, num_sms)
-            job.layers_done += 1
-        job.hidden = h
-        return steps
+    def _patch_input(self, job: EncoderJob) -> Tensor:
+        """The patches in window order: the embedding and every block see them so."""
+        return job.pixel_values.index_select(0, job.patch_order)
 
     def finish(self, job: EncoderJob, *, num_sms: int | None = None) -> Tensor:
         """Merge patches into LLM-width embeddings ``[tokens, out_hidden_size]`` in image order

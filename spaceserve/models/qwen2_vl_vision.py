@@ -77,37 +77,71 @@ class VisionEncoder:
 
     def __init__(self, config: Any, weight: Callable[[str], Tensor], ops: TorchOps,
                  backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> None:
-        self.config = config
-        self.ops = ops
-        self.backend = backend
-        self.device = device
-        self.dtype = dtype
-        self.embed_dim = int(config.embed_dim)
-        self.num_heads = int(config.num_heads)
-        self.head_dim = self.embed_dim // self.num_heads
-        if self.head_dim * self.num_heads != self.embed_dim or self.head_dim % 4:
-            raise ValueError(f"vision embed_dim={self.embed_dim} / num_heads={self.num_heads} must "
-                             "give a head dim divisible by 4 (2D rotary)")
-        self.merge = int(config.spatial_merge_size)
-        self.patch_dim = (int(config.in_channels) * int(config.temporal_patch_size)
-                          * int(config.patch_size) ** 2)
-        self.activation = str(config.hidden_act)
-        rope = getattr(config, "rope_parameters", None) or {}
-        theta = float(rope.get("rope_theta", 10000.0))
-        half = self.head_dim // 2
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-        self.num_layers = int(config.depth)
-
-        self.patch_w = weight("patch_embed.proj.weight").reshape(self.embed_dim, -1).contiguous()
-        if self.patch_w.shape[1] != self.patch_dim:
-            raise ValueError(f"patch_embed.proj.weight gives {self.patch_w.shape[1]} inputs per "
-                             f"patch, the config {self.patch_dim}")
+        self._init_tower(config, ops, backend, device, dtype, "embed_dim")
+        self.patch_w = self._patch_embedding(weight)
         names = ("norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.qkv.bias",
                  "attn.proj.weight", "attn.proj.bias", "norm2.weight", "norm2.bias",
                  "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")
         self.blocks = [[weight(f"blocks.{i}.{n}") for n in names] for i in range(self.num_layers)]
         self.merger = [weight(f"merger.{n}") for n in ("ln_q.weight", "ln_q.bias", "mlp.0.weight",
                                                        "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")]
+
+    # -- set-up shared with the Qwen2.5-VL tower ----------------------------------------
+    def _init_tower(self, config: Any, ops: TorchOps, backend: AttentionBackend,
+                    device: torch.device, dtype: torch.dtype, width_key: str) -> None:
+        """Sizes, activation name and 2D-rotary frequencies from the vision config, whose
+        width is `config.<width_key>` (Qwen2-VL: embed_dim, Qwen2.5-VL: hidden_size)."""
+        self.config = config
+        self.ops = ops
+        self.backend = backend
+        self.device = device
+        self.dtype = dtype
+        self.embed_dim = int(getattr(config, width_key))
+        self.num_heads = int(config.num_heads)
+        self.head_dim = self.embed_dim // self.num_heads
+        if self.head_dim * self.num_heads != self.embed_dim or self.head_dim % 4:
+            raise ValueError(f"vision {width_key}={self.embed_dim} / num_heads={self.num_heads} "
+                             "must give a head dim divisible by 4 (2D rotary)")
+        self.merge = int(config.spatial_merge_size)
+        self.patch_dim = (int(config.in_channels) * int(config.temporal_patch_size)
+                          * int(config.patch_size) ** 2)
+        self.activation = str(config.hidden_act)
+        self.num_layers = int(config.depth)
+        rope = getattr(config, "rope_parameters", None) or {}
+        self.theta = float(rope.get("rope_theta", 10000.0))
+        half = self.head_dim // 2
+        self.inv_freq = 1.0 / (self.theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+
+    def _patch_embedding(self, weight: Callable[[str], Tensor]) -> Tensor:
+        """The patch embedding as a ``[embed_dim, patch_dim]`` GEMM weight, checked."""
+        patch_w = weight("patch_embed.proj.weight").reshape(self.embed_dim, -1).contiguous()
+        if patch_w.shape[1] != self.patch_dim:
+            raise ValueError(f"patch_embed.proj.weight gives {patch_w.shape[1]} inputs per "
+                             f"patch, the config {self.patch_dim}")
+        return patch_w
+
+    def _check_batch(self, pixel_values: Tensor, grid_thw: Tensor | Sequence[Sequence[int]]
+                     ) -> tuple[list[tuple[int, int, int]], int]:
+        """(grid, total patches) of a valid batch of images; ValueError naming what is wrong."""
+        grid = _grid_list(grid_thw)
+        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 2:
+            raise ValueError("pixel_values must be a 2-D tensor [patches, channels*T*P*P]")
+        if pixel_values.shape[1] != self.patch_dim:
+            raise ValueError(f"pixel_values has {pixel_values.shape[1]} values per patch, the "
+                             f"model expects {self.patch_dim}")
+        for t, h, w in grid:
+            if h % self.merge or w % self.merge:
+                raise ValueError(f"image_grid_thw row {(t, h, w)}: h and w must be multiples "
+                                 f"of the merge size {self.merge}")
+        total = sum(t * h * w for t, h, w in grid)
+        if total != pixel_values.shape[0]:
+            raise ValueError(f"image_grid_thw describes {total} patches but pixel_values has "
+                             f"{pixel_values.shape[0]}")
+        return grid, total
+
+    def _patch_input(self, job: EncoderJob) -> Tensor:
+        """The patches the embedding GEMM reads, in the order the blocks see them."""
+        return job.pixel_values
 
     # -- host-side job setup -------------------------------------------------------------
     def rotary_tables(self, grid: Sequence[tuple[int, int, int]]) -> tuple[Tensor, Tensor]:
@@ -133,24 +167,11 @@ class VisionEncoder:
         `pixel_values` ``[patches, C*T*P*P]`` as Qwen2VLImageProcessor gives them; `grid_thw`
         ``[num_images, 3]`` patch grids (host metadata: a CUDA tensor is copied to the host).
         """
-        grid = _grid_list(grid_thw)
-        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 2:
-            raise ValueError("pixel_values must be a 2-D tensor [patches, channels*T*P*P]")
-        if pixel_values.shape[1] != self.patch_dim:
-            raise ValueError(f"pixel_values has {pixel_values.shape[1]} values per patch, the "
-                             f"model expects {self.patch_dim}")
-        for t, h, w in grid:
-            if h % self.merge or w % self.merge:
-                raise ValueError(f"image_grid_thw row {(t, h, w)}: h and w must be multiples "
-                                 f"of the merge size {self.merge}")
-        seg = [h * w for t, h, w in grid for _ in range(t)]
-        total = sum(seg)
-        if total != pixel_values.shape[0]:
-            raise ValueError(f"image_grid_thw describes {total} patches but pixel_values has "
-                             f"{pixel_values.shape[0]}")
+        grid, total = self._check_batch(pixel_values, grid_thw)
         cu = [0]
-        for n in seg:
-            cu.append(cu[-1] + n)
+        for t, h, w in grid:
+            for _ in range(t):
+                cu.append(cu[-1] + h * w)
         cos, sin = self.rotary_tables(grid)
         return EncoderJob(
             grid_thw=grid, num_patches=total, num_tokens=total // self.merge**2,
@@ -178,12 +199,13 @@ class VisionEncoder:
 
     def advance(self, job: EncoderJob, num_layers: int = 1, *, num_sms: int | None = None
                 ) -> int:
-        """Run up to `num_layers` more blocks of `job` (the patch embedding goes with the
-        first); returns how many ran. Every launch is under `num_sms`."""
+        """Run up to `num_layers` more blocks of `job` (the patch embedding, on the patches in
+        `_patch_input` order, goes with the first); returns how many ran. Every launch is under
+        `num_sms`."""
         if num_layers < 0:
             raise ValueError(f"num_layers={num_layers} must be >= 0")
         if job.hidden is None:
-            job.hidden = self.ops.linear(job.pixel_values, self.patch_w, num_sms=num_sms)
+            job.hidden = self.ops.linear(self._patch_input(job), self.patch_w, num_sms=num_sms)
             job.pixel_values = None
         steps = min(num_layers, job.remaining_layers)
         h = job.hidden
