@@ -41,17 +41,6 @@ def _empty(x_ptr, n):
     pass
 
 
-def _check(result: tuple, what: str) -> Any:
-    """Unwrap a cuda.bindings (CUresult, values...) tuple, raising with the error name."""
-    from cuda.bindings import driver
-
-    err = result[0]
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise RuntimeError(f"{what}: {name.decode() if isinstance(name, bytes) else name}")
-    return result[1] if len(result) == 2 else result[1:]
-
-
 def compile_specs() -> list:
     """The facts kernels, for the sm_90 compile check (python -m spaceserve.kernels.aot
     --module bench/gpu/facts.py)."""
@@ -69,28 +58,21 @@ def green_contexts(requests: tuple[int, ...] = GREEN_REQUESTS) -> list[dict[str,
         from cuda.bindings import driver
     except ImportError as exc:
         return [{"request": None, "created": False, "error": f"cuda.bindings missing: {exc}"}]
+    from spaceserve.runtime.partition import green_context_stream, sm_resource, split_sm_resource
+
     torch.cuda.init()
     rows = []
     try:
-        dev = _check(driver.cuDeviceGet(torch.cuda.current_device()), "cuDeviceGet")
-        whole = _check(driver.cuDeviceGetDevResource(
-            dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource")
+        dev, whole = sm_resource(torch.cuda.current_device())
     except Exception as exc:
         return [{"request": None, "created": False, "error": str(exc)}]
     for n in requests:
         row: dict[str, Any] = {"request": n, "created": False, "granted": None, "remaining": None}
         ctx = stream = None
         try:
-            groups, _, remaining = _check(
-                driver.cuDevSmResourceSplitByCount(1, whole, 0, n), "cuDevSmResourceSplitByCount")
-            row["granted"], row["remaining"] = groups[0].sm.smCount, remaining.sm.smCount
-            desc = _check(driver.cuDevResourceGenerateDesc([groups[0]], 1),
-                          "cuDevResourceGenerateDesc")
-            ctx = _check(driver.cuGreenCtxCreate(
-                desc, dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM),
-                "cuGreenCtxCreate")
-            stream = _check(driver.cuGreenCtxStreamCreate(
-                ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate")
+            group, remaining = split_sm_resource(whole, n)
+            row["granted"], row["remaining"] = group.sm.smCount, remaining.sm.smCount
+            ctx, stream, _ = green_context_stream(dev, group)
             ts = torch.cuda.get_stream_from_external(int(stream))
             with torch.cuda.stream(ts):
                 x = torch.ones(1 << 20, device="cuda")

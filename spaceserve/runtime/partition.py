@@ -104,6 +104,50 @@ def _check(result: tuple, what: str) -> Any:
     return result[1] if len(result) == 2 else result[1:]
 
 
+def sm_resource(index: int) -> tuple[Any, Any]:
+    """(CUdevice, its whole SM resource) of CUDA device `index`, through cuda.bindings."""
+    from cuda.bindings import driver
+
+    dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+    whole = _check(driver.cuDeviceGetDevResource(
+        dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource")
+    return dev, whole
+
+
+def split_sm_resource(whole: Any, count: int) -> tuple[Any, Any]:
+    """(a group of about `count` SMs, the remaining SMs) split off an SM resource; the driver
+    may round the group (on Hopper to a multiple of 8)."""
+    from cuda.bindings import driver
+
+    groups, _, rest = _check(driver.cuDevSmResourceSplitByCount(1, whole, 0, count),
+                             "cuDevSmResourceSplitByCount")
+    return groups[0], rest
+
+
+def green_context_stream(dev: Any, resource: Any) -> tuple[Any, Any, int]:
+    """A green context over an SM `resource` of `dev` and a non-blocking stream in it: (context,
+    raw stream, SMs the context was granted). On failure nothing created is left behind; the
+    caller destroys both (cuStreamDestroy, then cuGreenCtxDestroy) when done."""
+    from cuda.bindings import driver
+
+    desc = _check(driver.cuDevResourceGenerateDesc([resource], 1), "cuDevResourceGenerateDesc")
+    ctx = _check(driver.cuGreenCtxCreate(
+        desc, dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM), "cuGreenCtxCreate")
+    raw = None
+    try:
+        raw = _check(driver.cuGreenCtxStreamCreate(
+            ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate")
+        granted = _check(driver.cuGreenCtxGetDevResource(
+            ctx, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
+            "cuGreenCtxGetDevResource").sm.smCount
+    except Exception:
+        if raw is not None:
+            driver.cuStreamDestroy(raw)
+        driver.cuGreenCtxDestroy(ctx)
+        raise
+    return ctx, raw, int(granted)
+
+
 @dataclass
 class Partition:
     """One split: the SM budget of each stage and the stream its launches go on.
@@ -216,31 +260,18 @@ class PartitionSet:
 
     def _green(self, e: int, programs_per_sm: int) -> Partition:
         """Two green contexts (e SMs / the rest) with a stream each; budgets read back."""
-        from cuda.bindings import driver
-
         index = self.device.index if self.device.index is not None else \
             torch.cuda.current_device()
-        dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
-        sm_type = driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
-        whole = _check(driver.cuDeviceGetDevResource(dev, sm_type), "cuDeviceGetDevResource")
-        groups, _, rest = _check(driver.cuDevSmResourceSplitByCount(1, whole, 0, e),
-                                 "cuDevSmResourceSplitByCount")
+        dev, whole = sm_resource(index)
         streams, counts = [], []
-        for res in (groups[0], rest):
-            desc = _check(driver.cuDevResourceGenerateDesc([res], 1), "cuDevResourceGenerateDesc")
-            ctx = _check(driver.cuGreenCtxCreate(
-                desc, dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM),
-                "cuGreenCtxCreate")
+        for res in split_sm_resource(whole, e):
+            ctx, raw, granted = green_context_stream(dev, res)
             self._raw.append(("ctx", ctx))
-            raw = _check(driver.cuGreenCtxStreamCreate(
-                ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate")
             self._raw.append(("stream", raw))
-            granted = _check(driver.cuGreenCtxGetDevResource(ctx, sm_type),
-                             "cuGreenCtxGetDevResource").sm.smCount
             stream = torch.cuda.get_stream_from_external(int(raw), self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             streams.append(stream)
-            counts.append(int(granted))
+            counts.append(granted)
         if min(counts) < 1 or sum(counts) > self.total:
             raise RuntimeError(f"split {e}: granted {counts} SMs of {self.total}")
         return Partition(e, counts[0], counts[1], True, streams[0], streams[1], programs_per_sm)
