@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from bench.common import format_table, write_json
+from spaceserve.bench.prompts import Prompts
 
 SECTION = "colocation"
 MODES = ("temporal", "shared", "spatial-static", "spatial")
@@ -53,29 +54,6 @@ def _ms(xs: list[float], q: float | None = None) -> float:
 
 def _gaps(times: tuple[float, ...], lo: float, hi: float) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False) if a >= lo and b <= hi]
-
-
-class Prompts:
-    """Prompt dicts for the engine's model: an image of a given grid, or plain text."""
-
-    def __init__(self, info: Any, grids: dict[str, tuple[int, int, int]], seed: int = 0):
-        self.info, self.grids = info, grids
-        self.gen = torch.Generator().manual_seed(seed)
-        self.vocab = min(int(info.vocab_size), 30000)
-
-    def text(self, n: int) -> dict:
-        lo = 10 if self.vocab > 20 else 4
-        return {"prompt_token_ids": torch.randint(lo, self.vocab, (n,), generator=self.gen)
-                .tolist()}
-
-    def image(self, resolution: str, n_text: int) -> dict:
-        t, h, w = self.grids[resolution]
-        merge = self.info.spatial_merge_size
-        ids = self.text(n_text)["prompt_token_ids"]
-        ids += [self.info.image_token_id] * (t * h * w // merge ** 2)
-        pv = torch.randn(t * h * w, self.info.patch_dim, generator=self.gen)
-        return {"prompt_token_ids": ids, "pixel_values": pv,
-                "image_grid_thw": torch.tensor([[t, h, w]])}
 
 
 def drive(engine: Any, arrivals: list[Any], prompts: Prompts, *, alone_s: float,

@@ -4,7 +4,8 @@ Both send the same chat body (an image as a base64 PNG ``data:`` URL, greedy, ``
 and return a `Result` on the caller's monotonic clock. Over HTTP, a token's time is the arrival
 of its SSE chunk and the output count is the usage chunk's; in-process, the engine's own
 timestamps are used (same clock), with the request sent through the server's preprocessing
-path (chat template, image decoding in the worker pool) minus HTTP.
+path (chat template, image decoding in the worker pool) minus HTTP - or, for a model without a
+tokenizer (random weights), as a token-id prompt built before the clock starts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from spaceserve.server.images import ImageLimits, to_data_url
 from spaceserve.server.protocol import APIError, ChatCompletionRequest
 
 from .metrics import Result
+from .prompts import prompt_shape
 from .workload import BenchRequest, image_png
 
 
@@ -36,28 +38,44 @@ def chat_body(req: BenchRequest, model: str, *, stream: bool = True) -> dict[str
 
 
 class InProcessBackend:
-    """Requests into an `AsyncEngine` (no HTTP)."""
+    """Requests into an `AsyncEngine` (no HTTP): chat bodies through `preprocessor`, or, when
+    `prompts` is given (a function of a `BenchRequest`, e.g. `TokenPrompts`), its prompts."""
 
     name = "inprocess"
 
     def __init__(self, client: Any, preprocessor: Any, model: str = "tiny",
-                 limits: ImageLimits | None = None) -> None:
+                 limits: ImageLimits | None = None, *, prompts: Any = None) -> None:
+        if preprocessor is None and prompts is None:
+            raise ValueError("preprocessor: needed when no prompts function is given")
         self.client, self.pre, self.model = client, preprocessor, model
         self.limits = limits or ImageLimits()
+        self.prompts = prompts
 
-    async def send(self, req: BenchRequest, body: dict[str, Any]) -> Result:
-        res = Result(req.idx, req.kind, req.resolution, time.monotonic())
+    def body(self, req: BenchRequest, model: str) -> Any:
+        """What `send` takes for `req` (built before the run's clock starts)."""
+        return self.prompts(req) if self.prompts is not None else chat_body(req, model)
+
+    def _prepare(self, body: Any) -> Any:
+        if self.prompts is not None:
+            return body
         chat = ChatCompletionRequest.model_validate(body | {"stream": False,
                                                             "stream_options": None})
+        return self.pre.prepare(chat, self.limits)
+
+    async def send(self, req: BenchRequest, body: Any) -> Result:
+        res = Result(req.idx, req.kind, req.resolution, time.monotonic())
         params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+        info = getattr(getattr(getattr(self.client, "engine", None), "runner", None), "info",
+                       None)
+        merge = int(getattr(info, "spatial_merge_size", 2))
         try:
             handle = self.client.reserve()
         except Exception as exc:  # queue full
             res.error = str(exc)
             return res
         try:
-            await handle.start(lambda: self.pre.prepare(chat, self.limits), params,
-                               stream=False)
+            prompt = await handle.start(lambda: self._prepare(body), params, stream=False)
+            res.prompt_tokens, res.image_tokens = prompt_shape(prompt, merge)
             out = await handle.next()
         except APIError as exc:
             res.error = exc.message
@@ -86,6 +104,9 @@ class HttpBackend:
         self.http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout,
                                       limits=httpx.Limits(max_connections=1024,
                                                           max_keepalive_connections=1024))
+
+    def body(self, req: BenchRequest, model: str) -> dict[str, Any]:
+        return chat_body(req, model)
 
     async def send(self, req: BenchRequest, body: dict[str, Any]) -> Result:
         res = Result(req.idx, req.kind, req.resolution, time.monotonic())

@@ -33,6 +33,7 @@ class Result:
     output_tokens: int = 0
     text: str = ""
     error: str | None = None
+    image_tokens: int = 0  # of prompt_tokens; known in-process only
 
     @property
     def ok(self) -> bool:

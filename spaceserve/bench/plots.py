@@ -18,7 +18,8 @@ def _pyplot() -> Any:
 
 
 def plot_vs_rate(runs: list[dict[str, Any]], path: Path) -> Path | None:
-    """Mean TPOT, p99 ITL and mean TTFT of the load (solid) and probes (dashed) per mode."""
+    """Mean TPOT, p99 ITL and mean TTFT of the load (solid) and probes (dashed) per mode, and
+    the simulator's prediction for the load (dotted) where the runs carry one."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -35,6 +36,10 @@ def plot_vs_rate(runs: list[dict[str, Any]], path: Path) -> Path | None:
             if any(p == p for p in probes):  # not all nan
                 ax.plot(rates, probes, "s--", color=line.get_color(), alpha=0.7,
                         label=f"{label} probes")
+            sim = [(r.get("sim") or {}).get("load", {}).get(key, float("nan")) for r in mine]
+            if any(p == p for p in sim):
+                ax.plot(rates, sim, "x:", color=line.get_color(), alpha=0.8,
+                        label=f"{label} simulated")
             ax.set_title(title)
             ax.set_xlabel("request rate (req/s)")
     axes[0].legend(fontsize=8)
