@@ -73,6 +73,7 @@ SECTIONS: dict[str, Section] = {
     "colocation": Section(80, "bench.bench_colocation:run",
                           help="decode beside an image stream, per engine mode, vs the simulator"),
     "autotune": Section(45, "bench.bench_autotune:run", help="measured curves, tuned configs"),
+    "serving": Section(40, "bench.bench_serving:run", help="TPOT, ITL, TTFT vs rate; vs sim"),
 }
 
 
