@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.common import pyplot
 from spaceserve.runtime.curves import CurveSet
 
 TITLES = {"encoder": "encoder (per layer)", "prefill": "prefill chunk", "decode": "decode step"}
@@ -30,12 +31,8 @@ def _series(curve, corun: bool) -> dict[str, list[float]]:
 def plot_curves(curves: CurveSet, path: str | Path) -> Path | None:
     """Three panels (encoder, prefill, decode); isolated solid, co-running dashed; returns the
     path, or None when matplotlib is missing. The PNG is a function of the curves alone."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -95,16 +95,24 @@ def write_json(path: str | Path, obj: Any) -> Path:
     return path
 
 
-def plot_lines(path: str | Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], *,
-               xlabel: str, ylabel: str, title: str, logx: bool = False,
-               logy: bool = False) -> Path | None:
-    """Line plot of {label: (xs, ys)} to a PNG; None when matplotlib is missing."""
+def pyplot() -> Any:
+    """matplotlib.pyplot on the headless Agg backend; None when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_lines(path: str | Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], *,
+               xlabel: str, ylabel: str, title: str, logx: bool = False,
+               logy: bool = False) -> Path | None:
+    """Line plot of {label: (xs, ys)} to a PNG; None when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
