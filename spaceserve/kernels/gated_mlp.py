@@ -28,7 +28,9 @@ from .linear import (
     choose_split_k,
     default_config,
     gemm_config,
+    gemm_grid,
     gemm_signature,
+    gemm_tile,
     k_contiguous,
     linear_into,
     mma,
@@ -36,7 +38,7 @@ from .linear import (
     row_align,
     splitk_reduce,
 )
-from .persistent import CompileSpec, grouped_tile, launch_persistent
+from .persistent import CompileSpec, launch_persistent
 
 # Two accumulators per tile: half the N width of `linear`'s tiles at the same register cost.
 GPU_CONFIGS: dict[str, dict[str, Any]] = {
@@ -60,28 +62,14 @@ def _gate_up_kernel(
     UPCAST: tl.constexpr,
 ):
     """h[M, N] = silu(x @ w[:N].T + b[:N]) * (x @ w[N:].T + b[N:]), N = I (see module doc)."""
-    # K and the row strides are multiples of ALIGN elements (the launcher checks).
-    K = K // ALIGN * ALIGN
-    k_per_split = k_per_split // BLOCK_K * BLOCK_K
-    stride_xm = stride_xm // ALIGN * ALIGN
-    stride_wn = stride_wn // ALIGN * ALIGN
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_mn = num_m * num_n
-    num_tiles = num_mn * split_k
+    K, k_per_split, stride_xm, stride_wn, num_m, num_n, num_tiles = gemm_grid(
+        M, N, K, stride_xm, stride_wn, split_k, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, ALIGN)
     up_offset = N * stride_wn
     rk = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        s = tile // num_mn
-        pid_m, pid_n = grouped_tile(tile % num_mn, num_m, num_n, GROUP_M)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        am = (rm % M).to(tl.int64)
-        bn = (rn % N).to(tl.int64)
-        k_lo = s * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
-        a_ptrs = x_ptr + am[:, None] * stride_xm + (k_lo + rk)[None, :]
-        g_ptrs = w_ptr + bn[None, :] * stride_wn + (k_lo + rk)[:, None]
+        s, rm, rn, k_lo, k_hi, a_ptrs, g_ptrs = gemm_tile(
+            tile, x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, k_per_split, num_m, num_n, rk,
+            BLOCK_M, BLOCK_N, GROUP_M)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):

@@ -84,6 +84,45 @@ def mma(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def gemm_grid(M, N, K, stride_xm, stride_wn, split_k, k_per_split, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN: tl.constexpr):
+    """(K, k_per_split, stride_xm, stride_wn, num_m, num_n, num_tiles) of a split-K GEMM.
+
+    K and the row strides are multiples of ALIGN elements (the launcher checks) and k_per_split
+    of BLOCK_K; rounding them says so, which lets the compiler vectorize and pipeline loads of
+    rows that are not 16-byte multiples. num_tiles counts output tiles times splits.
+    """
+    K = K // ALIGN * ALIGN
+    k_per_split = k_per_split // BLOCK_K * BLOCK_K
+    stride_xm = stride_xm // ALIGN * ALIGN
+    stride_wn = stride_wn // ALIGN * ALIGN
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    return K, k_per_split, stride_xm, stride_wn, num_m, num_n, num_m * num_n * split_k
+
+
+@triton.jit
+def gemm_tile(tile, x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, k_per_split, num_m, num_n, rk,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(s, rm, rn, k_lo, k_hi, a_ptrs, b_ptrs) of GEMM tile `tile`: its split, output rows and
+    columns (grouped order), K range, and pointers to the first K-slice of x [BLOCK_M, BLOCK_K]
+    and of w^T [BLOCK_K, BLOCK_N] (`rk` = arange(BLOCK_K))."""
+    num_mn = num_m * num_n
+    s = tile // num_mn
+    pid_m, pid_n = grouped_tile(tile % num_mn, num_m, num_n, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows/columns past the edge re-read valid ones (wrap) and are never stored.
+    am = (rm % M).to(tl.int64)
+    bn = (rn % N).to(tl.int64)
+    k_lo = s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    a_ptrs = x_ptr + am[:, None] * stride_xm + (k_lo + rk)[None, :]
+    b_ptrs = w_ptr + bn[None, :] * stride_wn + (k_lo + rk)[:, None]
+    return s, rm, rn, k_lo, k_hi, a_ptrs, b_ptrs
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, split_k, k_per_split,
@@ -91,29 +130,13 @@ def _linear_kernel(
     GROUP_M: tl.constexpr, ALIGN: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # K and the row strides are multiples of ALIGN elements (the launcher checks); saying so lets
-    # the compiler vectorize and pipeline loads of rows that are not 16-byte multiples.
-    K = K // ALIGN * ALIGN
-    k_per_split = k_per_split // BLOCK_K * BLOCK_K
-    stride_xm = stride_xm // ALIGN * ALIGN
-    stride_wn = stride_wn // ALIGN * ALIGN
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_mn = num_m * num_n
-    num_tiles = num_mn * split_k
+    K, k_per_split, stride_xm, stride_wn, num_m, num_n, num_tiles = gemm_grid(
+        M, N, K, stride_xm, stride_wn, split_k, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, ALIGN)
     rk = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        s = tile // num_mn
-        pid_m, pid_n = grouped_tile(tile % num_mn, num_m, num_n, GROUP_M)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Rows/columns past the edge re-read valid ones (wrap) and are never stored.
-        am = (rm % M).to(tl.int64)
-        bn = (rn % N).to(tl.int64)
-        k_lo = s * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
-        a_ptrs = x_ptr + am[:, None] * stride_xm + (k_lo + rk)[None, :]
-        b_ptrs = w_ptr + bn[None, :] * stride_wn + (k_lo + rk)[:, None]
+        s, rm, rn, k_lo, k_hi, a_ptrs, b_ptrs = gemm_tile(
+            tile, x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, k_per_split, num_m, num_n, rk,
+            BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             k_ok = rk < k_hi - k
