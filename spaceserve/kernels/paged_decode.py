@@ -32,6 +32,7 @@ from .paged_plan import (
     check_heads,
     check_index,
     check_lengths_host,
+    check_plan_sizes,
     decode_work_host,
     next_pow2,
 )
@@ -259,14 +260,9 @@ class DecodePlan:
     def __init__(self, max_batch: int, max_blocks_per_seq: int, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, block_size: int, *,
                  device: torch.device | str, chunk_size: int = DECODE_CHUNK) -> None:
-        for name, v in (("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq),
-                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                        ("block_size", block_size), ("chunk_size", chunk_size)):
-            if v < 1:
-                raise ValueError(f"{name}={v} must be >= 1")
-        if num_q_heads % num_kv_heads:
-            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
-                             f"num_kv_heads={num_kv_heads} (Hq % Hkv)")
+        check_plan_sizes(num_q_heads, max_batch=max_batch, max_blocks_per_seq=max_blocks_per_seq,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                         chunk_size=chunk_size)
         self.device = torch.device(device)
         self.max_batch, self.max_blocks_per_seq = max_batch, max_blocks_per_seq
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads

@@ -124,6 +124,16 @@ def check_block_ids_host(block_tables: torch.Tensor, seq_lens: torch.Tensor, blo
         raise ValueError(f"block_tables names a block outside 0..{num_blocks - 1}")
 
 
+def check_plan_sizes(num_q_heads: int, **sizes: int) -> None:
+    """Capacity check of a plan: every size (num_kv_heads among them) >= 1, Hq % Hkv == 0."""
+    for name, v in sizes.items():
+        if v < 1:
+            raise ValueError(f"{name}={v} must be >= 1")
+    if num_q_heads % sizes["num_kv_heads"]:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
+                         f"num_kv_heads={sizes['num_kv_heads']} (Hq % Hkv)")
+
+
 def _fill(dst: torch.Tensor, items: torch.Tensor, count: torch.Tensor) -> None:
     """Write count and items into a work-list buffer, empty slots as -1."""
     cap = (dst.numel() - 1) // ITEM_WIDTH

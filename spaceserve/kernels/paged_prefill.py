@@ -31,6 +31,7 @@ from .paged_plan import (
     check_heads,
     check_index,
     check_lengths_host,
+    check_plan_sizes,
     next_pow2,
     prefill_work_host,
 )
@@ -198,13 +199,8 @@ class PrefillPlan:
 
     def __init__(self, max_tokens: int, max_seqs: int, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, *, device: torch.device | str) -> None:
-        for name, v in (("max_tokens", max_tokens), ("max_seqs", max_seqs),
-                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if v < 1:
-                raise ValueError(f"{name}={v} must be >= 1")
-        if num_q_heads % num_kv_heads:
-            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
-                             f"num_kv_heads={num_kv_heads} (Hq % Hkv)")
+        check_plan_sizes(num_q_heads, max_tokens=max_tokens, max_seqs=max_seqs,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim)
         self.device = torch.device(device)
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
