@@ -7,21 +7,9 @@ import torch
 
 from spaceserve.kernels import record_launches
 from spaceserve.kernels.gated_mlp import compile_specs, gated_mlp, ref_gated_mlp
-from spaceserve.kernels.testing import assert_close, assert_within_budget, poisoned_like
+from spaceserve.kernels.testing import assert_close, assert_within_budget
 
 BUDGETS = (1, 3, 7, 132)
-
-
-@pytest.fixture
-def poisoned_alloc(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float buffer torch.empty hands out (output, h, workspaces) starts as NaN."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return poisoned_like(t) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
 
 
 def make(m: int, k: int, inter: int, dtype: torch.dtype, bias: bool, seed: int = 0,

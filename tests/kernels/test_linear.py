@@ -16,21 +16,9 @@ from spaceserve.kernels.linear import (
     linear,
     ref_linear,
 )
-from spaceserve.kernels.testing import assert_close, assert_within_budget, poisoned_like
+from spaceserve.kernels.testing import assert_close, assert_within_budget
 
 BUDGETS = (1, 3, 7, 132)
-
-
-@pytest.fixture
-def poisoned_alloc(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float buffer torch.empty hands out (outputs, workspaces) starts as NaN."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return poisoned_like(t) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
 
 
 def make(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
