@@ -90,9 +90,16 @@ def test_total_cap_skips_late_sections(dummy_sections, tmp_path: Path) -> None:
 def test_only_and_list(dummy_sections, tmp_path: Path, capsys) -> None:
     assert harness.main(["--list"], sections=dummy_sections) == 0
     assert "good" in capsys.readouterr().out
-    assert harness.main([str(tmp_path), "--only", "good", "cmd"], sections=dummy_sections) == 0
-    names = [o["name"] for o in json.loads((tmp_path / "summary.json").read_text())]
+    out_dir, packed = tmp_path / "res", tmp_path / "carry" / "res.tar.gz"
+    assert harness.main([str(out_dir), "--only", "good", "cmd", "--archive", str(packed)],
+                        sections=dummy_sections) == 0
+    names = [o["name"] for o in json.loads((out_dir / "summary.json").read_text())]
     assert names == ["good", "cmd"]
+    import tarfile
+
+    with tarfile.open(packed) as tar:
+        members = set(tar.getnames())
+    assert {"res/summary.json", "res/good.json", "res/dummy.txt"} <= members
     with pytest.raises(SystemExit):
         harness.main(["--only", "nope"], sections=dummy_sections)
 

@@ -219,6 +219,16 @@ def child_main(name: str, target: str, budget_s: float, results_dir: Path) -> in
     return 0
 
 
+def archive(results_dir: Path, path: Path) -> Path:
+    """Pack `results_dir` into the gzipped tarball `path` (members relative to its name)."""
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(results_dir, arcname=results_dir.name)
+    return path
+
+
 def build_parser(sections: dict[str, Section] | None = None) -> argparse.ArgumentParser:
     table = SECTIONS if sections is None else sections
     p = argparse.ArgumentParser(prog="bench/gpu/run.sh", description="SpaceServe GPU harness")
@@ -229,6 +239,8 @@ def build_parser(sections: dict[str, Section] | None = None) -> argparse.Argumen
     p.add_argument("--list", action="store_true", help="list the sections and exit")
     p.add_argument("--total-s", type=float, default=DEFAULT_TOTAL_S,
                    help="wall-clock cap for the whole run")
+    p.add_argument("--archive", type=Path,
+                   help="also pack the results folder into this .tar.gz (one file to carry back)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--target", help=argparse.SUPPRESS)
     p.add_argument("--budget", type=float, help=argparse.SUPPRESS)
@@ -251,6 +263,8 @@ def main(argv: list[str] | None = None, sections: dict[str, Section] | None = No
     from bench.common import write_json
 
     write_json(results_dir / "summary.json", [o.__dict__ for o in outcomes])
+    if args.archive:
+        archive(results_dir, args.archive)
     print("\n=== SpaceServe GPU harness summary ===")
     print(format_summary(outcomes))
     return 0 if all(o.status.startswith(("ok", "skipped")) for o in outcomes) else 1
