@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from bench.common import bench_ms, write_json
+from spaceserve.bench.prompts import image_grid as prompt_image_grid
 
 SECTION = "models"
 IMAGES = {"448x448": (448, 448), "1024x1024": (1024, 1024), "1920x1080": (1080, 1920)}
@@ -30,7 +31,6 @@ BATCHES = (1, 32, 128)
 CONTEXT = 4096
 BUDGETS = (None, 66, 32)  # None = the whole device
 BLOCK_SIZE = 16
-MAX_PIXELS = 12845056  # the hub Qwen2-VL preprocessor's max_pixels
 
 
 def qwen2_vl_7b_config() -> Any:
@@ -50,15 +50,7 @@ def qwen2_vl_7b_config() -> Any:
 
 def image_grid(height: int, width: int, config: Any) -> list[int]:
     """(t, h, w) patch grid of one image as transformers' preprocessor resizes it."""
-    try:  # the PIL processor's module needs no torchvision
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-    except ImportError:
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
-    v = config.vision_config
-    h, w = smart_resize(height, width, factor=v.patch_size * v.spatial_merge_size,
-                        min_pixels=56 * 56, max_pixels=MAX_PIXELS)
-    return [1, h // v.patch_size, w // v.patch_size]  # 1920x1080 -> 78 x 138
+    return list(prompt_image_grid(f"{width}x{height}", config.vision_config))
 
 
 def hf_key(name: str) -> str:

@@ -6,7 +6,6 @@ import inspect
 
 import pytest
 import torch
-from paged_cases import as64, cdiv, random_cache, random_tables
 
 from spaceserve.kernels.configs import clear_kernel_configs, set_kernel_configs
 from spaceserve.kernels.paged_attention import (
@@ -20,6 +19,8 @@ from spaceserve.kernels.paged_attention import (
     store_kv,
 )
 from spaceserve.kernels.testing import assert_close, poisoned_like
+
+from .paged_cases import as64, cdiv, random_cache, random_tables
 
 
 def test_compile_specs_name_every_argument_in_order():

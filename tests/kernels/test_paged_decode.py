@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import as64, cdiv, random_cache, random_tables
 
 from spaceserve.kernels import record_launches
 from spaceserve.kernels.paged_decode import (
@@ -15,6 +14,8 @@ from spaceserve.kernels.paged_decode import (
 )
 from spaceserve.kernels.paged_plan import StagedWorkList, build_decode_work, decode_work_host
 from spaceserve.kernels.testing import assert_close, assert_within_budget, poisoned_like
+
+from .paged_cases import as64, cdiv, random_cache, random_tables
 
 # (dtype, head_dim, block_size, Hq, Hkv, lengths): GQA 1 / 4 / 7, D 64 / 128, pages 16 / 32;
 # lengths mix 1, exact page multiples, padding (0) and sequences spanning several chunks.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import as64, cdiv, random_cache, random_tables
 
 from spaceserve.kernels import record_launches
 from spaceserve.kernels.kv_cache import store_kv
@@ -15,6 +14,8 @@ from spaceserve.kernels.paged_prefill import (
     ref_paged_prefill_attention,
 )
 from spaceserve.kernels.testing import assert_close, assert_within_budget, poisoned_like
+
+from .paged_cases import as64, cdiv, random_cache, random_tables
 
 # (dtype, head_dim, block_size, Hq, Hkv, [(cached length, new tokens), ...])
 CASES = [

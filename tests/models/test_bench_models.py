@@ -3,9 +3,10 @@
 import time
 
 import torch
-from conftest import tiny_config
 
 from bench.bench_models import image_grid, qwen2_vl_7b_config, run, run_suite
+
+from .conftest import tiny_config
 
 
 def _once(fn) -> float:

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from conftest import IMAGE, VEND, VSTART, tiny_config
 
 from spaceserve.kernels.testing import assert_close
 from spaceserve.models import DecodeGraph, from_state_dict
+
+from .conftest import IMAGE, VEND, VSTART, tiny_config
 
 pytestmark = pytest.mark.gpu
 

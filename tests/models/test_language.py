@@ -5,11 +5,12 @@ import copy
 
 import pytest
 import torch
-from conftest import IMAGE, PagedRun, greedy, hf_inputs
 
 from spaceserve.kernels import record_launches
 from spaceserve.kernels.testing import assert_close, assert_within_budget
 from spaceserve.models import BackendUnavailable, available_backends, get_backend, known_backends
+
+from .conftest import IMAGE, PagedRun, greedy, hf_inputs
 
 RTOL = 1e-4  # fp32 logits against an fp64 transformers reference
 TEXT_B = torch.tensor([1, 17, 33, 8, 91, 4, 56, 70, 12])

@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_config
 
 from spaceserve.models import (
     available_backends,
@@ -16,6 +15,8 @@ from spaceserve.models import (
     weight_shapes,
 )
 from spaceserve.models.loader import canonical_name
+
+from .conftest import tiny_config
 
 
 def test_weight_shapes_cover_the_transformers_model(checkpoints):

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from conftest import BOS, IMAGE, VEND, VSTART, tiny_config
 
 from spaceserve.models import mrope_positions, text_positions
+
+from .conftest import BOS, IMAGE, VEND, VSTART, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,12 @@ engine), invalid input. Tiny random checkpoints saved with save_pretrained."""
 
 import pytest
 import torch
-from conftest import BOS, EOS, IMAGE, VEND, VIDEO, VSTART, greedy, hf_inputs
 
 from spaceserve.kernels import record_launches
 from spaceserve.kernels.testing import assert_close, assert_within_budget
 from spaceserve.models import Qwen25VL, from_pretrained, weight_shapes, window_layout
+
+from .conftest import BOS, EOS, IMAGE, VEND, VIDEO, VSTART, greedy, hf_inputs
 
 PATCH_DIM = 3 * 2 * 14 * 14
 # 6x10 patches = 3x5 merged tokens: windows of 2x2 merged tokens leave partial windows at the

@@ -4,10 +4,11 @@
 import time
 
 import torch
-from test_qwen2_5_vl import tiny_config
 
 from bench.bench_qwen25_vision import run, run_suite
 from bench.gpu.harness import SECTIONS
+
+from .test_qwen2_5_vl import tiny_config
 
 
 def _once(fn) -> float:
