@@ -283,7 +283,7 @@ def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
     """Benchmark paged attention on CUDA; rows for the harness (JSON + PNGs in results_dir)."""
     results_dir = Path(results_dir)
     if not torch.cuda.is_available():
-        return [{"kernel": "paged_attention", "status": "skipped (needs CUDA)"}]
+        return [{"section": "paged-attention", "skipped": "needs a CUDA device"}]
     budget = Budget(time_budget_s)
     full = torch.cuda.get_device_properties(0).multi_processor_count
     copy = copy_bandwidth_gbs(1 << 31, rep_ms=50)

@@ -244,7 +244,7 @@ def _rope(c: Case, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, 
 def run(results_dir: str | Path, time_budget_s: float) -> list[dict]:
     """Measure the section; writes vit_attention.json and an SM-sweep PNG into results_dir."""
     if not torch.cuda.is_available():
-        return [{"section": "vit-attention", "status": "skipped (no CUDA)"}]
+        return [{"section": "vit-attention", "skipped": "needs a CUDA device"}]
     dev = torch.device("cuda")
     full = torch.cuda.get_device_properties(dev).multi_processor_count
     return measure(Path(results_dir), time_budget_s, dev, full, WORKLOADS, SWEEP)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.common import bench_ms, format_table, write_json
 from bench.gpu import harness
@@ -183,3 +184,15 @@ def test_cli_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit):
         cli.main(["nope"])
     assert cli.COMMANDS["demo"][0] == "bench.kernels"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the sections")
+def test_every_section_skips_cleanly_without_a_gpu(tmp_path: Path) -> None:
+    """Off CUDA each registered function section imports, runs and reports a skip row."""
+    names = [n for n, s in harness.SECTIONS.items() if s.target]
+    outcomes = harness.run_all(names, tmp_path, total_s=300)
+    assert [o.status for o in outcomes] == ["ok"] * len(names), \
+        {o.name: o.status for o in outcomes}
+    for name in names:
+        rows = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+        assert rows and all("skipped" in r for r in rows), (name, rows)

@@ -207,6 +207,8 @@ def _headlines(rows: list[dict]) -> list[dict]:
 
 
 def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
+    if not torch.cuda.is_available():
+        return [{"section": "kernels", "skipped": "needs a CUDA device"}]
     results_dir = Path(results_dir)
     budget = Budget(time_budget_s)
     found = _kernels()

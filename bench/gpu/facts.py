@@ -160,6 +160,8 @@ def compile_times(deadline: float) -> list[dict[str, Any]]:
 
 
 def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
+    if not torch.cuda.is_available():
+        return [{"section": "facts", "skipped": "needs a CUDA device"}]
     # A fresh Triton cache: compile times below are cold, as on a fresh machine.
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="spaceserve-triton-"))
     start = time.perf_counter()
