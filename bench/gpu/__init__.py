@@ -1,1 +1,1 @@
-"""The GPU harness and its benchmark sections (run on a lent GPU through run.sh)."""
+"""The GPU harness and its benchmark sections (run on a CUDA machine through run.sh)."""

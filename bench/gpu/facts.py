@@ -1,4 +1,4 @@
-"""The "facts" section: what the lent GPU offers, measured in under a minute.
+"""The "facts" section: what the GPU offers, measured in under a minute.
 
 SM count; device-to-device copy GB/s; bf16 matmul TFLOP/s on random data; green contexts through
 cuda.bindings (creatable? SMs granted for several requests); HBM read GB/s of a persistent Triton

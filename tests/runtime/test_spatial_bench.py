@@ -1,6 +1,6 @@
 """The co-location benchmark's CPU-side logic: the per-mode driver and metrics on the null model,
 the simulator's prediction and its error, the plot, the host-side driver experiment, and the
-entry point the GPU harness calls (the GPU run itself needs the lent GPU)."""
+entry point the GPU harness calls (the GPU run itself needs a GPU)."""
 
 import math
 

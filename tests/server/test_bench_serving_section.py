@@ -1,7 +1,7 @@
 """The serving benchmark's random-weight models, `--llm-layers`, `--sim` and the GPU harness's
 "serving" section, at a tiny scale on CPU: argument errors, image grids against the simulator's
 token table, token-id prompts, the simulator's prediction beside measured runs, run deadlines,
-and the section's rows and files (the H200 run itself needs the lent GPU)."""
+and the section's rows and files (the H200 run itself needs a GPU)."""
 
 from __future__ import annotations
 
