@@ -31,13 +31,14 @@ FORMAT = "spaceserve-kernel-configs-v1"
 ENV = "SPACESERVE_KERNEL_CONFIGS"
 log = logging.getLogger("spaceserve.kernels")
 
-_GEMM = ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")
+# GEMM tile shape and warps pick the tensor-core instructions: whole-device bucket only.
+_GEMM = (("GROUP_M", "num_stages"), ("BLOCK_M", "BLOCK_N", "num_warps"))
 # kernel -> (keys read at the budget's bucket, keys read at the whole-device bucket only)
 HONOURED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "linear": (_GEMM, ()),
-    "linear_skinny": (_GEMM, ()),
-    "gated_mlp": (_GEMM, ()),
-    "gated_mlp_skinny": (_GEMM, ()),
+    "linear": _GEMM,
+    "linear_skinny": _GEMM,
+    "gated_mlp": _GEMM,
+    "gated_mlp_skinny": _GEMM,
     "splitk_reduce": (("BLOCK", "num_warps", "num_stages"), ()),
     "rms_norm": (("num_stages",), ("BLOCK_M", "num_warps")),
     "layer_norm": (("num_stages",), ("BLOCK_M", "num_warps")),

@@ -101,7 +101,7 @@ def gate_up_into(x: torch.Tensor, w_gate_up: torch.Tensor, b_gate_up: torch.Tens
     m, k = x.shape
     inter = h.shape[1]
     default = default_config(m, x.device, GPU_CONFIGS, CPU_CONFIGS)
-    cfg = gemm_config("gated_mlp", m, num_sms, default)
+    cfg = gemm_config("gated_mlp", m, num_sms, default, x.device)
     split = choose_split_k(m, inter, k, default, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), split) * cfg["BLOCK_K"]
     ws = (torch.empty((split, m, 2 * inter), device=x.device, dtype=torch.float32)

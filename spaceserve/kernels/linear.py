@@ -13,9 +13,10 @@ dividing K and the row strides, so such rows still get vectorized, pipelined loa
 is fp32; fp32 inputs use exact (IEEE) dots, fp16/bf16 the tensor cores.
 
 Configs come from `kernel_config("linear", ...)` (M > 64) or `kernel_config("linear_skinny", ...)`
-(M <= 64) and `kernel_config("splitk_reduce", ...)`. A tuned table may change BLOCK_M, BLOCK_N,
-GROUP_M, num_warps and num_stages per budget; BLOCK_K and the split stay fixed by the shape,
-because they set the reduction order.
+(M <= 64) and `kernel_config("splitk_reduce", ...)`. A tuned table may change GROUP_M and
+num_stages per budget; BLOCK_M, BLOCK_N and num_warps (which pick the tensor-core instructions)
+only at the whole-device bucket; BLOCK_K and the split stay fixed by the shape, because they set
+the reduction order.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .budget import resolve_num_sms
+from .budget import device_num_sms, resolve_num_sms
 from .configs import kernel_config
 from .persistent import CompileSpec, grouped_tile, launch_persistent
 
@@ -228,12 +229,22 @@ def choose_split_k(m: int, n: int, k: int, cfg: dict[str, Any], device: torch.de
     return triton.cdiv(k_blocks, per_split)  # no empty splits
 
 
-def gemm_config(kind: str, m: int, num_sms: int, default: dict[str, Any]) -> dict[str, Any]:
-    """Tuned config of kernel `kind` ("linear" or "gated_mlp"; "<kind>_skinny" for M <= 64)
-    under `num_sms`, with `default`'s BLOCK_K kept."""
+def gemm_config(kind: str, m: int, num_sms: int, default: dict[str, Any],
+                device: torch.device) -> dict[str, Any]:
+    """Tuned config of kernel `kind` ("linear" or "gated_mlp"; "<kind>_skinny" for M <= 64).
+
+    The tile shape and warps decide which tensor-core instructions compute each output, so they
+    come from the whole-device bucket (identical bits under every budget); only the tile order
+    (GROUP_M) and the pipelining depth follow `num_sms`. BLOCK_K is always the default's: the
+    reduction order is fixed by the shape.
+    """
     name = kind if m > SKINNY_M else f"{kind}_skinny"
-    cfg = dict(kernel_config(name, num_sms, default))
-    cfg["BLOCK_K"] = default["BLOCK_K"]  # reduction order is fixed by the shape
+    cfg = dict(kernel_config(name, device_num_sms(device), default))
+    per_budget = kernel_config(name, num_sms, default)
+    for key in ("GROUP_M", "num_stages"):
+        if key in per_budget:
+            cfg[key] = per_budget[key]
+    cfg["BLOCK_K"] = default["BLOCK_K"]
     return cfg
 
 
@@ -293,7 +304,7 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     m, k = x.shape
     n = weight.shape[0]
     default = default_config(m, x.device)
-    cfg = gemm_config("linear", m, num_sms, default)
+    cfg = gemm_config("linear", m, num_sms, default, x.device)
     split = choose_split_k(m, n, k, default, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), split) * cfg["BLOCK_K"]
     ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else out
