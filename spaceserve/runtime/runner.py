@@ -162,10 +162,23 @@ class StepPlan:
     num_logits: int
     max_seqlen_q: int
     max_seqlen_k: int
-    mm_index: torch.Tensor | None = None  # [M] int64 token indices taking image embeddings
-    mm_embeds: torch.Tensor | None = None  # [M, hidden]
+    # The step's image-token pieces: token indices (host) and embedding rows (device) per
+    # covered image span; gathered only by a runner that asks (`mm_index` / `mm_embeds`).
+    mm_parts: tuple[list[np.ndarray], list[torch.Tensor]] = ((), ())
     host: dict[str, np.ndarray] = field(default_factory=dict)
     context: Any = None  # spaceserve.models.StepContext
+
+    @property
+    def mm_index(self) -> torch.Tensor | None:
+        """[M] int64 token indices taking image embeddings (a host tensor), or None."""
+        idx = self.mm_parts[0]
+        return torch.from_numpy(np.concatenate(idx)) if len(idx) else None
+
+    @property
+    def mm_embeds(self) -> torch.Tensor | None:
+        """[M, hidden] embedding rows for `mm_index`, or None."""
+        emb = self.mm_parts[1]
+        return torch.cat(emb) if len(emb) else None
 
 
 class StepPlanner:
@@ -236,10 +249,6 @@ class StepPlanner:
                         pad_seqs_to=pad_to,
                         width=self.limits.max_blocks_per_seq if graph else None,
                         plan_attention=not graph)
-        mm_index = mm_embeds = None
-        if idx_parts:
-            mm_index = torch.from_numpy(np.concatenate(idx_parts)).to(self.device)
-            mm_embeds = torch.cat(emb_parts)
         h = ctx.host
         host = {"input_ids": h.input_ids, "positions": h.positions.numpy()[0],
                 "slot_mapping": h.slot_mapping.numpy(), "logits_indices": h.logits_indices,
@@ -250,7 +259,7 @@ class StepPlanner:
                         num_tokens=ctx.num_tokens, num_seqs=ctx.num_seqs, num_real_seqs=nb,
                         num_decodes=nd, num_logits=ctx.logits_indices.shape[0] - ctx.num_seqs + nb,
                         max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
-                        mm_index=mm_index, mm_embeds=mm_embeds, host=host, context=ctx)
+                        mm_parts=(idx_parts, emb_parts), host=host, context=ctx)
 
 
 _P = (1 << 31) - 1
@@ -404,9 +413,10 @@ class NullModelRunner:
         self.num_executes += 1
         t, s = plan.num_tokens, plan.num_logits
         vals = plan.input_ids[:t]
-        if plan.mm_index is not None:
+        mm_index = plan.mm_index
+        if mm_index is not None:
             vals = vals.clone()
-            vals[plan.mm_index] = self.info.vocab_size + plan.mm_embeds[:, 0].long()
+            vals[mm_index.to(vals.device)] = self.info.vocab_size + plan.mm_embeds[:, 0].long()
         slots = plan.slot_mapping[:t]
         keep = slots >= 0
         self.cache[slots[keep]] = vals[keep]
