@@ -119,6 +119,9 @@ class AttentionBackend:
 
     name = "torch"
     dense_ops = "torch"
+    # A decode step's attention reads only device buffers refilled in place by `replan`, so a
+    # captured CUDA graph replays correctly; a backend that plans in Python per step cannot.
+    graph_capturable = True
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

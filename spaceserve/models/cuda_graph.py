@@ -34,6 +34,9 @@ class DecodeGraph:
                  planner: ContextPlanner | None = None) -> None:
         if model.device.type != "cuda":
             raise ValueError("DecodeGraph needs a model on a CUDA device")
+        if not model.backend.graph_capturable:
+            raise ValueError(f"the {model.backend.name!r} attention backend plans each step in "
+                             "Python: its decode steps cannot be replayed from a CUDA graph")
         bs = kv_cache.block_size
         if planner is None:
             planner = ContextPlanner(batch_size, batch_size, max_blocks_per_seq, bs,

@@ -72,6 +72,7 @@ class FlashInferBackend(AttentionBackend):
     """flashinfer's ragged (ViT) and paged (LM, NHD layout) prefill wrappers."""
 
     name = "flashinfer"
+    graph_capturable = False  # its wrappers are planned in Python each step (`wrapper.plan`)
     WORKSPACE_BYTES = 128 * 1024 * 1024
 
     @classmethod

@@ -120,6 +120,8 @@ class Qwen2VLRunner:
         """Capture decode graphs for the current decoder budget (CUDA only)."""
         if self.device.type != "cuda" or self.limits is None:
             return ()
+        if not self.model.backend.graph_capturable:  # decode runs eagerly with this backend
+            return ()
         from spaceserve.models import DecodeGraph
 
         sizes = sorted({b for b in batch_sizes if b <= self.limits.max_num_seqs})

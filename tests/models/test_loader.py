@@ -113,3 +113,20 @@ def test_image_processor_feeds_the_encoder(load):
     grid = batch["image_grid_thw"]
     out = model.encode_images(batch["pixel_values"], grid)
     assert out.shape == (int(grid.prod()) // 4, model.config.text_config.hidden_size)
+
+
+def test_only_graph_capturable_backends_get_decode_graphs():
+    """A backend that plans in Python per step (flashinfer) is never captured in a graph."""
+    from spaceserve.models.attention_backends import AttentionBackend, TritonBackend
+    from spaceserve.models.cuda_graph import DecodeGraph
+    from spaceserve.models.library_backends import FlashAttnBackend, FlashInferBackend
+
+    assert AttentionBackend.graph_capturable and TritonBackend.graph_capturable
+    assert FlashAttnBackend.graph_capturable and not FlashInferBackend.graph_capturable
+
+    class Model:  # just what DecodeGraph checks before anything else
+        device = torch.device("cuda")
+        backend = FlashInferBackend.__new__(FlashInferBackend)
+
+    with pytest.raises(ValueError, match="flashinfer.*CUDA graph"):
+        DecodeGraph(Model(), None, 1, 1)
