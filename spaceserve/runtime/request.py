@@ -216,7 +216,9 @@ def load_image(item: Any, index: int) -> Any:
 
 
 def _grid(value: Any) -> torch.Tensor:
-    grid = torch.as_tensor(value).to(torch.int64)
+    # Host metadata: the planner and the vision tower read it on the host every step, so a
+    # device tensor is brought over once here rather than synchronised on later.
+    grid = torch.as_tensor(value).to(device="cpu", dtype=torch.int64)
     if grid.dim() == 1 and grid.numel() == 3:
         grid = grid.view(1, 3)
     if grid.dim() != 2 or grid.shape[1] != 3:
