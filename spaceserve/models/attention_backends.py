@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from spaceserve import kernels
 
-from .context import StepContext
+from .step_context import StepContext
 
 Tensor = torch.Tensor
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_backends import AttentionBackend
-from .context import StepContext
+from .step_context import StepContext
 from .ops import TorchOps
 
 Tensor = torch.Tensor
