@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention_backends import AttentionBackend
-from .step_context import StepContext
 from .ops import TorchOps
+from .step_context import StepContext
 
 Tensor = torch.Tensor
 
