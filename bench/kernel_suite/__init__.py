@@ -17,8 +17,9 @@ from typing import Any
 SUITE_DIR = Path(__file__).resolve().parent
 
 
-def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
-    """Run the suite's GPU profile within `time_budget_s`; JSON and plot into `results_dir`."""
+def run(results_dir: Path, time_budget_s: float, **options: Any) -> list[dict[str, Any]]:
+    """Run the suite's GPU profile within `time_budget_s`; JSON and plot into `results_dir`
+    (`options`: `select`, a pytest -k expression; `profile`, "gpu" or "cpu")."""
     from .section import run as _run
 
-    return _run(Path(results_dir), time_budget_s)
+    return _run(Path(results_dir), time_budget_s, **options)
