@@ -138,6 +138,6 @@ def models(profile: str) -> dict[str, ModelDims]:
 def workload(profile: str) -> Workload:
     if profile == "gpu":
         # 1280x720 -> 52x92 patches, 448x448 -> 32x32; decode contexts 2048..6144 (mean 4096)
-        decode = tuple(2048 + i * 4096 // 31 for i in range(32))
+        decode = tuple(2048 + (i * 4096 + 15) // 31 for i in range(32))
         return Workload(((1, 52, 92), (1, 32, 32)), 2048, decode, (1536, 512), (3584, 512))
     return Workload(((1, 4, 6), (1, 4, 4)), 24, (1, 40, 77, 13), (5, 11), (20, 11))
