@@ -34,7 +34,7 @@ say() { echo "setup: $*"; }
 
 # pip's output through a filter: the two repeated kinds of noise counted, the rest passed on.
 quiet_filter() {
-  awk -v what="$1" '
+  awk '
     /^WARNING: Location .* is ignored: it is neither a file nor a directory\.?$/ { loc++; next }
     /^Requirement already satisfied: / { sat++; next }
     { print; fflush() }
