@@ -6,10 +6,11 @@
 # with SPACESERVE_TORCH (a pip requirement) and SPACESERVE_TORCH_INDEX (a pip index URL, e.g.
 # PyTorch's CPU wheel index on a machine whose default torch would be a CUDA build).
 #
-# pip runs with its own output (what it collects, downloads and installs), minus two kinds of
-# noise it would repeat for every package: "Requirement already satisfied" lines and warnings
-# about index folders that lack a package (a local multi-folder index prints one per package per
-# folder); both are counted in one line instead. Errors and every other warning are shown.
+# pip runs with its own output (what it collects, downloads and installs), minus the noise it
+# repeats per package: "Requirement already satisfied" lines, warnings about index folders that
+# lack a package (a local multi-folder index prints one per package per folder), and its failed
+# attempts to uninstall the system packages the venv shadows; each kind is counted in one line
+# instead. Errors and every other warning are shown.
 #
 # A second run with nothing to do takes seconds: the editable install is skipped while the stamp
 # .venv/.spaceserve-setup (a hash of pyproject.toml and the torch request) is current and the
@@ -37,9 +38,16 @@ quiet_filter() {
   awk '
     /^WARNING: Location .* is ignored: it is neither a file nor a directory\.?$/ { loc++; next }
     /^Requirement already satisfied: / { sat++; next }
-    { print; fflush() }
+    # a system package the venv shadows: pip tries to uninstall it, then says it cannot
+    /^ *Attempting uninstall: / { held = $0; next }
+    /^ *Found existing installation: / && held != "" { held = held "\n" $0; next }
+    /^ *Not uninstalling .* outside environment/ { shadow++; held = ""; next }
+    /^ *Can.t uninstall .*No files were found to uninstall\.?$/ { next }
+    { if (held != "") { print held; held = "" } print; fflush() }
     END {
+      if (held != "") print held
       if (sat) printf "setup: (%d requirements already satisfied)\n", sat
+      if (shadow) printf "setup: (%d packages of the system site-packages shadowed by newer ones in .venv)\n", shadow
       if (loc) printf "setup: (%d pip warnings about index folders without the package hidden)\n", loc
     }'
 }
@@ -90,7 +98,7 @@ if grep -q '^torch-missing' <<<"$state"; then
   pip_install ${SPACESERVE_TORCH_INDEX:+--index-url "$SPACESERVE_TORCH_INDEX"} "$TORCH_REQ"
   state=$(probe)
 else
-  say "2/4 torch $(awk '/^torch /{print $2", CUDA available: "$3}' <<<"$state") found"
+  say "2/4 torch $(awk '/^torch /{print $2" found (CUDA available: "$3")"}' <<<"$state")"
 fi
 
 key=$( { cat pyproject.toml; echo "$TORCH_REQ ${SPACESERVE_TORCH_INDEX:-}"; } | sha256sum | cut -c1-16)
