@@ -15,6 +15,8 @@ import argparse
 import importlib
 import sys
 
+from .cli_args import HelpFormatter
+
 # subcommand -> (module with main(argv) -> int, one-line help[, light parser "module:function";
 # then the module provides run(args) -> int instead])
 COMMANDS: dict[str, tuple[str, ...]] = {
@@ -33,8 +35,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="spaceserve",
-        description="SpaceServe: a vision encoder and an LLM decoder on disjoint SM budgets. "
+        prog="spaceserve", formatter_class=HelpFormatter,
+        description="SpaceServe: a vision encoder and an LLM decoder on disjoint SM budgets.\n"
                     "`spaceserve COMMAND --help` shows a command's options.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, help_text, *_rest) in COMMANDS.items():

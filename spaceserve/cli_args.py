@@ -15,12 +15,12 @@ from pathlib import Path
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter,
                     argparse.ArgumentDefaultsHelpFormatter):
-    """Raw description, and ``(default: X)`` after every flag's help unless the help already
-    says what the default is."""
+    """Raw description, and ``(default: X)`` after every optional flag's help unless the help
+    already says what the default is."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default" in text.lower() or action.default is argparse.SUPPRESS:
+        if "default" in text.lower() or action.default is argparse.SUPPRESS or action.required:
             return text
         return super()._get_help_string(action)
 
@@ -29,8 +29,8 @@ def build_compile_check_parser(prog: str = "spaceserve compile-check") -> argpar
     """The parser of `spaceserve compile-check` (= ``python -m spaceserve.kernels.aot``)."""
     p = argparse.ArgumentParser(
         prog=prog, formatter_class=HelpFormatter,
-        description="Compile every kernel configuration for sm_90a with Triton's own compiler "
-                    "and ptxas (no GPU needed;\nrun with TRITON_INTERPRET unset) and check shared "
+        description="Compile every kernel configuration for sm_90a with Triton's own compiler\n"
+                    "and ptxas (no GPU needed; run with TRITON_INTERPRET unset), and check shared\n"
                     "memory and wgmma use.")
     p.add_argument("--json", type=Path, help="write the results as JSON here (default: none)")
     p.add_argument("--module", action="append", default=None,

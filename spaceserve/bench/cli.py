@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from spaceserve.cli_args import HelpFormatter
+
 # suite -> (module with main(argv) -> int, one-line help)
 SUITES: dict[str, tuple[str, str]] = {
     "serve": ("spaceserve.bench.serve",
@@ -21,8 +23,9 @@ SUITES: dict[str, tuple[str, str]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="spaceserve bench", description="SpaceServe benchmarks. `spaceserve bench SUITE "
-        "--help` shows a suite's options.")
+        prog="spaceserve bench", formatter_class=HelpFormatter,
+        description="SpaceServe benchmarks. `spaceserve bench SUITE --help` shows a suite's "
+                    "options.")
     sub = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
     for name, (_, help_text) in SUITES.items():
         sub.add_parser(name, help=help_text, add_help=False)
