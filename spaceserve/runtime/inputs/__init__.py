@@ -4,7 +4,8 @@ chat.py (`ChatPreprocessor`: chat messages -> templated text, image loading, ima
 expansion; also the engine's processor call), images.py (decoding under a pixel limit),
 media.py (``data:`` / ``file://`` URLs to bytes under a byte limit; remote URLs refused),
 limits.py (`ImageLimits`), errors.py (`InputError`: a ValueError with a machine-readable `kind`
-and the `param` at fault), prompt.py (`process_prompt`: an engine prompt validated against the
+and the `param` at fault), processor.py (`load_processor`: a checkpoint's tokenizer and
+processor), prompt.py (`process_prompt`: an engine prompt validated against the
 model and the engine's limits).
 
 Nothing here knows HTTP: the server maps an `InputError`'s kind to a status code. Importing this
@@ -20,6 +21,7 @@ from .errors import KINDS, ImageError, InputError
 from .images import decode_image, load_image, load_image_url
 from .limits import ImageLimits
 from .media import LOADERS, check_dir, load_url_bytes, to_data_url
+from .processor import load_processor
 
 __all__ = [
     "KINDS",
@@ -33,6 +35,7 @@ __all__ = [
     "decode_image",
     "load_image",
     "load_image_url",
+    "load_processor",
     "load_url_bytes",
     "process_prompt",
     "to_data_url",
