@@ -33,6 +33,9 @@ class EngineConfig:
     decode step runs, at least one layer per step; `encoder_window_s` is TWSRFT's grant
     window); `green_contexts` False
     forces kernel budgets alone; `programs_per_sm` applies inside green partitions only.
+
+    `async_scheduling` pipelines ``temporal`` steps: step n+1 is scheduled and launched before
+    step n's tokens are read back (see `engine.py`); False runs every step to completion.
     """
 
     mode: str = "temporal"
@@ -57,6 +60,7 @@ class EngineConfig:
     encoder_launch_budget_s: float = 0.003
     green_contexts: bool = True
     programs_per_sm: int = 1
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -72,6 +76,8 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in "
                              "(0, 1]")

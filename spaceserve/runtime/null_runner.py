@@ -16,7 +16,7 @@ import torch
 
 from .model_info import ModelInfo
 from .request import MultiModalData, Request, SamplingParams
-from .sampler import M32, fold_seed, mix32, sample
+from .sampling_ops import M32, fold_seed, mix32, sample
 from .scheduler import ScheduledBatch
 from .step_plan import StepLimits, StepPlanner
 

@@ -113,6 +113,21 @@ class StepPlanner:
                                    rows=share_rows_with.core if share_rows_with else None)
         self.table = self.core.table  # persistent block table per slot
 
+    @staticmethod
+    def _take_inputs(batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
+        """Decode inputs still on the device (``batch.pending``) from the sampler's last-token
+        table, by slot, straight into the step's device input ids (after their upload)."""
+        if batch.input_source is None:
+            raise ValueError("the batch's decode inputs are still on the device and it names "
+                             "no input source (schedule and account steps through the engine)")
+        table, slots = batch.input_source
+        nd, pending = batch.num_decodes, batch.pending
+        if len(pending) == nd:
+            torch.index_select(table, 0, slots, out=input_ids[:nd])
+        else:
+            idx = torch.tensor(pending, dtype=torch.int64).to(input_ids.device)
+            input_ids.index_copy_(0, idx, table.index_select(0, slots.index_select(0, idx)))
+
     def plan(self, batch: ScheduledBatch, *, pad_to: int | None = None) -> StepPlan:
         """The plan of `batch`. A decode-only batch is padded to `pad_to` sequences, or else
         to the next of `graph_batch_sizes`, with block tables as wide as the limits allow and
@@ -150,6 +165,8 @@ class StepPlanner:
                         pad_seqs_to=pad_to,
                         width=self.limits.max_blocks_per_seq if graph else None,
                         plan_attention=not graph)
+        if batch.pending:
+            self._take_inputs(batch, ctx.input_ids)
         h = ctx.host
         host = {"input_ids": h.input_ids, "positions": h.positions.numpy()[0],
                 "slot_mapping": h.slot_mapping.numpy(), "logits_indices": h.logits_indices,

@@ -11,7 +11,7 @@ from spaceserve import Engine, RequestOutput, SamplingParams
 from spaceserve.runtime.engine import EngineConfig
 from spaceserve.runtime.inputs import process_prompt
 from spaceserve.runtime.runner import NullModelRunner
-from spaceserve.runtime.sampler import fold_seed, sample
+from spaceserve.runtime.sampling_ops import fold_seed, sample
 
 IMG = 3  # the null model's image token id
 CFG = dict(num_kv_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
