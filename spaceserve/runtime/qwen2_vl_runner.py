@@ -165,22 +165,27 @@ class Qwen2VLRunner:
     def finish_encode(self, job: Any, *, num_sms: int | None = None) -> torch.Tensor:
         return self.model.vision.finish(job, num_sms=self.model._budget(num_sms))
 
-    def _image_rows(self, batch: ScheduledBatch, ids: np.ndarray) -> torch.Tensor | None:
+    def _image_rows(self, batch: ScheduledBatch, ids: np.ndarray,
+                    decode_ids: list[int] | None = None) -> torch.Tensor | None:
         """One embedding row per image-token id among the step's token ids `ids`, in token
         order: the encoder's row for a prompt image token, the token's own embedding for a
-        generated one (the model may emit the image token id; it is then plain text)."""
+        generated one (the model may emit the image token id; it is then plain text).
+        `decode_ids` are the decodes' real inputs when some were still on the device."""
         img = self.info.image_token_id
         if not (ids == img).any():
             return None
         embeds: list[torch.Tensor] = []
-        for req, s, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
+        nd = batch.num_decodes
+        for i, (req, s, n) in enumerate(zip(batch.reqs, batch.num_cached, batch.num_new,
+                                            strict=True)):
             p, mm = req.num_prompt_tokens, req.mm
             if mm is not None and s < p:
                 lo, hi = np.searchsorted(mm.positions, [s, min(s + n, p)])
                 if hi > lo:
                     embeds.append(mm.embeds[lo:hi])
             if s + n > p:
-                k = req.token_ids[max(s, p):s + n].count(img)
+                k = int(decode_ids[i] == img) if decode_ids is not None and i < nd else \
+                    req.token_ids[max(s, p):s + n].count(img)
                 if k:
                     row = self.model.language.embed[img]
                     embeds.append(row.expand(k, row.shape[0]))
@@ -211,5 +216,10 @@ class Qwen2VLRunner:
         if graph is not None:  # the graph captured the planner's buffers: nothing to copy
             return graph.replay(ctx.input_ids, ctx)
         embeds = self._image_rows(batch, plan.host["input_ids"])
+        if embeds is not None and batch.pending:
+            # A decode input still on the device may be the image token: read the step's
+            # decode inputs (a sync, only in steps that also carry image embeddings).
+            decode_ids = ctx.input_ids[:batch.num_decodes].tolist()
+            embeds = self._image_rows(batch, plan.host["input_ids"], decode_ids)
         return self.model.forward(ctx.input_ids, ctx, self.kv, image_embeds=embeds,
                                   num_sms=budget)

@@ -13,6 +13,10 @@ temperature), and masked (-inf) entries are never drawn.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 M32 = 0xFFFFFFFF
@@ -83,8 +87,7 @@ def apply_penalties(x: torch.Tensor, counts: torch.Tensor | None, seen: torch.Te
     ``logit -= frequency * count + presence * (count > 0)``.
     """
     if repetition is not None and seen is not None:
-        factor = torch.where(x > 0, repetition.reciprocal(), repetition)
-        x = torch.where(seen, x * factor, x)
+        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
     if counts is not None and frequency is not None and presence is not None:
         x = x - counts * frequency - (counts > 0).to(x.dtype) * presence
     return x
@@ -144,3 +147,57 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
         scaled = apply_top_p(scaled, top_p[:, None])
     drawn = (scaled + gumbel_noise(row_keys(seeds, positions), logits.shape[-1])).argmax(dim=-1)
     return torch.where(temperature > 0, drawn, greedy)
+
+
+def reference_next_token(logits: torch.Tensor, params: Any, seed: int, prompt: Sequence[int],
+                         output: Sequence[int], eos: Sequence[int] = ()) -> int:
+    """The token `params` (a SamplingParams) picks from one row of raw `logits` ``[V]``, given
+    the request's `prompt` and `output` so far: a plain per-token restatement of the sampler
+    (Python loops over the vocabulary ids involved), the reference it is tested against."""
+    x = logits.detach().to("cpu", torch.float32).clone()
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+    if len(output) < params.min_tokens:
+        for t in stops:
+            if t < x.shape[0]:
+                x[t] = NEG_INF
+    for t, b in params.logit_bias:
+        x[t] = x[t] + b
+    if params.repetition_penalty != 1.0:
+        r = params.repetition_penalty
+        for t in set(prompt) | set(output):
+            x[t] = x[t] / r if x[t] > 0 else x[t] * r
+    for t, c in Counter(output).items():
+        x[t] = x[t] - params.frequency_penalty * c - params.presence_penalty
+    if params.temperature == 0.0:
+        return int(x.argmax())
+    x = x / params.temperature
+    if params.min_p > 0:
+        p = x.softmax(dim=-1)
+        x[p < params.min_p * p.max()] = NEG_INF
+    if params.top_k > 0:
+        kth = x.sort(descending=True).values[min(params.top_k, x.shape[0]) - 1]
+        x[x < kth] = NEG_INF
+    if params.top_p < 1.0:
+        order = x.argsort(descending=True, stable=True)
+        probs = x[order].softmax(dim=-1).tolist()
+        mass = 0.0
+        for rank, t in enumerate(order.tolist()):
+            if rank and mass >= params.top_p:
+                x[t] = NEG_INF
+            mass += probs[rank]
+    pos = torch.tensor([len(prompt) + len(output)])
+    g = gumbel_noise(row_keys(torch.tensor([fold_seed(seed)]), pos), x.shape[0])[0]
+    return int((x + g).argmax())
+
+
+def reference_logprobs(logits: torch.Tensor, token: int, k: int
+                       ) -> tuple[float, int, list[tuple[int, float]]]:
+    """(logprob of `token`, its rank, the `k` most likely (id, logprob)) under the raw
+    `logits` ``[V]``, in fp64: the reference for `logprob_rows`."""
+    lp = logits.detach().double().log_softmax(dim=-1)
+    rank = 1 + int((lp > lp[token]).sum())
+    top = lp.topk(k) if k else None
+    pairs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(),
+                                            strict=True))
+    return float(lp[token]), rank, pairs
+
