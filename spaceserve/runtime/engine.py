@@ -342,14 +342,16 @@ class Engine(EngineFrontends):
                 self._end(req, "error", message, now)
 
     def check_idle(self) -> None:
-        """Raise AssertionError unless nothing (request, KV block, embedding) is held."""
-        assert not self._active and not self._inbox, f"{len(self._active)} requests active"
-        assert self._inflight is None, "a pipelined step was never read back"
-        self.scheduler.check_idle()
-        assert self.encoder.num_held == 0, f"{self.encoder.num_held} embeddings still held"
-        assert self.encoder.num_pending == 0, "encoder work still pending"
-        if self.spatial is not None:
-            assert self.spatial.num_inflight == 0, "a compute-partition prefill is in flight"
+        """Raise AssertionError unless nothing (request, KV block, embedding) is held (after
+        any step in progress)."""
+        with self._step_lock:
+            assert not self._active and not self._inbox, f"{len(self._active)} requests active"
+            assert self._inflight is None, "a pipelined step was never read back"
+            self.scheduler.check_idle()
+            assert self.encoder.num_held == 0, f"{self.encoder.num_held} embeddings still held"
+            assert self.encoder.num_pending == 0, "encoder work still pending"
+            if self.spatial is not None:
+                assert self.spatial.num_inflight == 0, "a compute-partition prefill is in flight"
 
     def close(self) -> None:
         """Stop the encoder stage's thread and release SM partitions (co-located modes)."""

@@ -1,23 +1,24 @@
 """The OpenAI-compatible HTTP server (`spaceserve serve`): FastAPI over an `AsyncEngine`.
 
-Routes: ``POST /v1/chat/completions`` (non-streaming, or SSE with ``stream``), ``GET
-/v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every client mistake is an
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (completions.py; both
+non-streaming, or SSE with ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus text). Every client mistake is an
 OpenAI-style JSON error with a 4xx status: 400 for a malformed body, field or image, 404 for an
 unknown model, 413 for an oversized body, 503 when the bounded queue is full. Prompt rendering
 and image decoding run in a worker pool; the engine steps on its own thread. A client that goes
 away (non-streaming or streaming) aborts its request, which frees its KV blocks.
 
 A stream sends its first chunk only once the first token exists (so a request that fails
-before generating anything still gets a JSON error and a 4xx), then one chunk per new text,
-the finish reason on the last content chunk, a usage chunk with empty ``choices`` when
-``stream_options.include_usage``, and ``data: [DONE]``.
+before generating anything still gets a JSON error and a 4xx), then one chunk per new text
+(and per token when logprobs are asked for), the finish reason on the last content chunk, a
+usage chunk with empty ``choices`` when ``stream_options.include_usage``, and
+``data: [DONE]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import threading
 import time
@@ -37,7 +38,10 @@ from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, check_dir
 
 from . import protocol as P
 from .engine_client import AsyncEngine, QueueFull, RequestHandle
+from .http_util import _error_of, _json, _next, _read_body, _until_disconnect
+from .logprobs import TokenText, chat_logprobs
 from .protocol import APIError
+from .sampling import to_sampling_params
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -53,70 +57,12 @@ class ServerLimits:
     images: ImageLimits = ImageLimits()
 
 
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(json.dumps(obj, ensure_ascii=False, separators=(",", ":")),
-                    status_code=status, media_type="application/json")
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}")
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _next(handle: RequestHandle, gone: asyncio.Task) -> RequestOutput | None:
-    """The request's next output, or None once the client has disconnected."""
-    get = asyncio.ensure_future(handle.next())
-    done, _ = await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
-    if get in done:
-        return get.result()
-    get.cancel()
-    return None
-
-
-def _error_of(out: RequestOutput) -> APIError:
-    msg = out.error or "request failed"
-    if msg.startswith("engine step failed"):
-        return APIError(500, msg, type="server_error")
-    return APIError(400, msg)
-
-
-class _Deltas:
-    """Incremental text of a stream; holds back a trailing partial UTF-8 character."""
-
-    def __init__(self) -> None:
-        self.sent = ""
-
-    def take(self, text: str | None, final: bool) -> str:
-        if not text:
-            return ""
-        if not final and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        if len(text) <= len(self.sent):
-            return ""
-        # An earlier character that changed on decoding cannot be taken back; go on from here.
-        delta, self.sent = text[len(self.sent):], text
-        return delta
-
-
 def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_name: str,
                limits: ServerLimits | None = None, root: str | None = None) -> FastAPI:
     """The FastAPI application serving `client`'s engine under the name `model_name`."""
     from fastapi import FastAPI
 
-    from spaceserve.runtime.request import SamplingParams
+    from .completions import add_completions_route
 
     limits = limits or ServerLimits()
     app = FastAPI(title="SpaceServe", docs_url=None, redoc_url=None, openapi_url=None)
@@ -159,25 +105,19 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
                  f'spaceserve:mode_info{{mode="{client.mode}"}} 1\n')
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def sampling(req: P.ChatCompletionRequest, prompt: dict[str, Any]) -> SamplingParams:
-        n = len(prompt["prompt_token_ids"])
-        ctx = client.engine.max_model_len
-        limit = req.output_limit()
-        if n >= ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens; the "
-                           f"messages take {n}.", param="messages")
-        if limit is not None and n + limit > ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens; you "
-                           f"requested {n + limit} ({n} in the messages, {limit} in the "
-                           "completion).", param="max_tokens")
-        return SamplingParams(max_tokens=limit if limit is not None else ctx - n,
-                              temperature=1.0 if req.temperature is None else req.temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-                              ignore_eos=req.ignore_eos)
+    texts = TokenText(preprocessor.tokenizer if preprocessor is not None else None)
+    add_completions_route(app, client, preprocessor, model_name=model_name, limits=limits,
+                          texts=texts)
+
+    def sampling(req: P.ChatCompletionRequest, prompt: dict[str, Any]) -> Any:
+        return to_sampling_params(req, len(prompt["prompt_token_ids"]),
+                                  client.engine.max_model_len, req.output_limit(),
+                                  req.num_logprobs())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = P.parse_request(await _read_body(request, limits.max_body_bytes))
+        req.num_logprobs()  # top_logprobs without logprobs is a 400 before any work
         if req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
                            type="NotFoundError", code="model_not_found")
@@ -203,10 +143,13 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
             if not req.stream:
                 if first.finish_reason == "error":
                     raise _error_of(first)
+                lps = chat_logprobs(first.logprobs, texts) if req.logprobs and \
+                    first.logprobs is not None else None
                 return _json(P.completion_response(
                     rid, model_name, created_at, first.text or "", first.finish_reason,
                     first.prompt_token_ids, first.token_ids,
-                    return_token_ids=req.return_token_ids))
+                    return_token_ids=req.return_token_ids, logprobs=lps,
+                    stop_reason=first.stop_reason))
             streaming = True
             return StreamingResponse(_stream(req, handle, gone, first, created_at),
                                      media_type="text/event-stream",
@@ -218,25 +161,26 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
 
     async def _stream(req: P.ChatCompletionRequest, handle: RequestHandle, gone: asyncio.Task,
                       first: RequestOutput, created_at: int) -> AsyncIterator[bytes]:
-        rid, usage = handle.request_id, bool(req.stream_options and
-                                            req.stream_options.include_usage)
-        deltas = _Deltas()
+        rid, usage = handle.request_id, req.include_usage()
         out: RequestOutput | None = first
         role = True
         try:
             while out is not None:
-                text = deltas.take(out.text, out.finished)
+                text = out.delta_text
                 ids = out.new_token_ids if req.return_token_ids else None
                 reason = out.finish_reason if out.finished else None
+                lps = chat_logprobs(out.new_logprobs, texts) if req.logprobs and \
+                    out.new_logprobs else None
                 if reason == "error":
                     yield P.sse(_error_of(out).body())
                     break
-                if role or text or reason or ids:
+                if role or text or reason or ids or lps:
                     delta: dict[str, Any] = {"role": "assistant"} if role else {}
                     if text or role:
                         delta["content"] = text
                     yield P.sse(P.chunk(rid, model_name, created_at, delta, reason,
-                                        include_usage=usage, token_ids=ids))
+                                        include_usage=usage, token_ids=ids, logprobs=lps,
+                                        stop_reason=out.stop_reason))
                     role = False
                 if out.finished:
                     if usage:

@@ -6,7 +6,8 @@ media.py (``data:`` / ``file://`` URLs to bytes under a byte limit; remote URLs 
 limits.py (`ImageLimits`), errors.py (`InputError`: a ValueError with a machine-readable `kind`
 and the `param` at fault), processor.py (`load_processor`: a checkpoint's tokenizer and
 processor), prompt.py (`process_prompt`: an engine prompt validated against the
-model and the engine's limits).
+model and the engine's limits), text.py (`encode_plain_text`: typed text to token ids with
+special-token text kept plain).
 
 Nothing here knows HTTP: the server maps an `InputError`'s kind to a status code. Importing this
 package is light (no torch); `process_prompt` loads torch when first asked for.
@@ -22,6 +23,7 @@ from .images import decode_image, load_image, load_image_url
 from .limits import ImageLimits
 from .media import LOADERS, check_dir, load_url_bytes, to_data_url
 from .processor import load_processor
+from .text import encode_plain_text
 
 __all__ = [
     "KINDS",
@@ -33,6 +35,7 @@ __all__ = [
     "MediaRef",
     "check_dir",
     "decode_image",
+    "encode_plain_text",
     "load_image",
     "load_image_url",
     "load_processor",
