@@ -143,8 +143,9 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
             if not req.stream:
                 if first.finish_reason == "error":
                     raise _error_of(first)
-                lps = chat_logprobs(first.logprobs, texts) if req.logprobs and \
-                    first.logprobs is not None else None
+                lps = None
+                if req.logprobs and first.logprobs is not None:
+                    lps = chat_logprobs(first.logprobs, texts, req.return_tokens_as_token_ids)
                 return _json(P.completion_response(
                     rid, model_name, created_at, first.text or "", first.finish_reason,
                     first.prompt_token_ids, first.token_ids,
@@ -162,6 +163,7 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     async def _stream(req: P.ChatCompletionRequest, handle: RequestHandle, gone: asyncio.Task,
                       first: RequestOutput, created_at: int) -> AsyncIterator[bytes]:
         rid, usage = handle.request_id, req.include_usage()
+        as_ids = req.return_tokens_as_token_ids
         out: RequestOutput | None = first
         role = True
         try:
@@ -169,7 +171,7 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
                 text = out.delta_text
                 ids = out.new_token_ids if req.return_token_ids else None
                 reason = out.finish_reason if out.finished else None
-                lps = chat_logprobs(out.new_logprobs, texts) if req.logprobs and \
+                lps = chat_logprobs(out.new_logprobs, texts, as_ids) if req.logprobs and \
                     out.new_logprobs else None
                 if reason == "error":
                     yield P.sse(_error_of(out).body())

@@ -119,7 +119,8 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
         if req.logprobs is not None:
             entries = (out.logprobs or []) if final and c.first is None else \
                 (out.new_logprobs or [])
-            lps, c.offset = completion_logprobs(entries, texts, c.offset)
+            lps, c.offset = completion_logprobs(entries, texts, c.offset,
+                                                req.return_tokens_as_token_ids)
         body: dict[str, Any] = {"index": c.index, "text": text, "logprobs": lps,
                                 "finish_reason": out.finish_reason if out.finished else None}
         if out.finished:

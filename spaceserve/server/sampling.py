@@ -71,6 +71,7 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # extension: token ids in the response (as vLLM offers)
+    return_tokens_as_token_ids: bool = False  # extension: logprob tokens as "token_id:<id>"
     user: str | None = None
     # refused unless neutral (checked in `check_refused`)
     best_of: int | None = None
