@@ -90,7 +90,9 @@ def test_held_prefix_and_min_tokens(tok) -> None:
     assert held_prefix("hello wo", ["world", "xyz"]) == 2
     assert held_prefix("hello w", ["wow", "w"]) == 1 and held_prefix("hello w", ["w"]) == 0
     assert held_prefix("abc", []) == 0
-    ids = tok("stop here please stop", add_special_tokens=False)["input_ids"]
-    det = Detokenizer(make_decoder(tok), ids, 0, stops=["stop"], stop_at=len(ids) - 1)
+    ids = tok("stop here please stop now", add_special_tokens=False)["input_ids"]
+    first = next(n for n in range(1, len(ids)) if "stop" in tok.decode(ids[:n]))
+    # stop strings count from token `first` on (min_tokens): the first "stop" is text
+    det = Detokenizer(make_decoder(tok), ids, 0, stops=["stop"], stop_at=first + 1)
     feed(det, ids, 0)
-    assert det.stop == "stop" and det.text().startswith("stop here please")
+    assert det.stop == "stop" and det.text() == "stop here please "
