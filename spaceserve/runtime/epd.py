@@ -108,12 +108,13 @@ def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, Scheduled
     if nd:
         dec = ScheduledBatch(batch.reqs[:nd], batch.num_cached[:nd], batch.num_new[:nd],
                              batch.need_logits[:nd], batch.sample_reqs[:nd], nd, nd,
-                             batch.preempted, batch.pending, batch.admissions)
+                             batch.preempted, pending=batch.pending, grown=batch.grown,
+                             admissions=batch.admissions)
     if n > nd:
         pre = ScheduledBatch(batch.reqs[nd:], batch.num_cached[nd:], batch.num_new[nd:],
                              batch.need_logits[nd:], batch.sample_reqs[nd:], 0,
-                             batch.num_tokens - nd, [] if dec else batch.preempted, [],
-                             batch.admissions)
+                             batch.num_tokens - nd, [] if dec else batch.preempted,
+                             grown=batch.grown, admissions=batch.admissions)
     return dec, pre
 
 

@@ -44,6 +44,8 @@ class ScheduledBatch:
     num_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # decodes whose input is on the device
+    # requests given KV blocks (or a slot) this step; None: unknown, look at every request
+    grown: list[Request] | None = None
     admissions: int = 0  # the scheduler's admission count when it was scheduled
     input_source: Any = None  # (last-token table, slots of the decodes): set by the engine
 
@@ -105,6 +107,7 @@ class Scheduler:
         pre: list[Request] = []
         pre_n: list[int] = []
         preempted: list[Request] = []
+        grown: list[Request] = []
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -114,6 +117,7 @@ class Scheduler:
                 n = budget
             total = req.num_computed + n
             if len(req.block_ids) * bs < total:
+                grown.append(req)
                 while not bm.ensure(req.block_ids, total):
                     victim = running.pop()
                     self._preempt(victim)
@@ -130,11 +134,13 @@ class Scheduler:
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit(budget, dec, pre, pre_n)
-        return self._batch(dec, pre, pre_n, preempted)
+            budget = self._admit(budget, dec, pre, pre_n, grown)
+        batch = self._batch(dec, pre, pre_n, preempted)
+        batch.grown = grown
+        return batch
 
     def _admit(self, budget: int, dec: list[Request], pre: list[Request],
-               pre_n: list[int]) -> int:
+               pre_n: list[int], grown: list[Request]) -> int:
         waiting, bm = self.waiting, self.bm
         j = 0
         while j < len(waiting) and budget > 0 and self._free_rows:
@@ -152,6 +158,7 @@ class Scheduler:
             req.synced_blocks = 0
             self.num_admitted += 1
             req.admit_serial = self.num_admitted
+            grown.append(req)
             self.running.append(req)
             if n == 1 and req.num_computed + 1 == known:
                 dec.append(req)

@@ -112,6 +112,11 @@ class StepPlanner:
                                    device=self.device, backend=backend,
                                    rows=share_rows_with.core if share_rows_with else None)
         self.table = self.core.table  # persistent block table per slot
+        # bumped whenever a table row changes (shared by planners sharing rows)
+        self._version = share_rows_with._version if share_rows_with else [0]
+        self._dec_rows: list[int] = []  # the last decode-only step's slots, and as an array
+        self._dec_array = np.zeros(0, dtype=np.int64)
+        self._dec_serial = 0
 
     @staticmethod
     def _take_inputs(batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
@@ -134,7 +139,7 @@ class StepPlanner:
         no attention plan (a graph replays its own)."""
         reqs, nd, nb = batch.reqs, batch.num_decodes, len(batch.reqs)
         core, table, rope = self.core, self.table, self.rope
-        for r in reqs:
+        for r in reqs if batch.grown is None else batch.grown:
             k, s = len(r.block_ids), r.synced_blocks
             if k != s:
                 if s == 0:  # the request (re)took its slot
@@ -142,6 +147,12 @@ class StepPlanner:
                     core.set_row(r.row, rope_delta=delta, mrope_positions=mpos)
                 table[r.row, s:k] = r.block_ids[s:]
                 r.synced_blocks = k
+                self._version[0] += 1
+        buckets = self.graph_batch_sizes
+        if pad_to is None and nd == nb and buckets and nb <= buckets[-1]:
+            pad_to = next(x for x in buckets if x >= nb)
+        if nd == nb:
+            return self._plan_decode(batch, pad_to)
         ids = [r.token_ids[-1] for r in reqs[:nd]]
         t = nd
         idx_parts: list[np.ndarray] = []
@@ -156,9 +167,6 @@ class StepPlanner:
                     idx_parts.append(mm.positions[lo:hi] - s + t)
                     emb_parts.append(mm.embeds[lo:hi])
             t += n
-        buckets = self.graph_batch_sizes
-        if pad_to is None and nd == nb and buckets and nb <= buckets[-1]:
-            pad_to = next(x for x in buckets if x >= nb)
         graph = pad_to is not None
         ctx = core.plan([r.row for r in reqs], batch.num_cached, batch.num_new,
                         need_logits=None if nd == nb else batch.need_logits, input_ids=ids,
@@ -167,6 +175,32 @@ class StepPlanner:
                         plan_attention=not graph)
         if batch.pending:
             self._take_inputs(batch, ctx.input_ids)
+        return self._step_plan(ctx, nb, nd, (idx_parts, emb_parts))
+
+    def _plan_decode(self, batch: ScheduledBatch, pad_to: int | None) -> StepPlan:
+        """A decode-only step through `plan_decode`: only positions, slots and lengths are
+        rewritten while the batch keeps its slots and no block was added."""
+        from spaceserve.models.decode_plan import plan_decode
+
+        reqs = batch.reqs
+        rows = [r.row for r in reqs]
+        if rows != self._dec_rows:
+            self._dec_rows, self._dec_array = rows, np.array(rows, dtype=np.int64)
+            self._dec_serial += 1
+        nd = len(reqs)
+        ids = None if len(batch.pending) == nd else [r.token_ids[-1] for r in reqs]
+        graph = pad_to is not None
+        ctx = plan_decode(self.core, self._dec_array, np.array(batch.num_cached, dtype=np.int64),
+                          input_ids=ids, pad_seqs_to=pad_to,
+                          width=self.limits.max_blocks_per_seq if graph else None,
+                          plan_attention=not graph,
+                          tables_key=(self._dec_serial, self._version[0]))
+        if batch.pending:
+            self._take_inputs(batch, ctx.input_ids)
+        return self._step_plan(ctx, nd, nd, ((), ()))
+
+    @staticmethod
+    def _step_plan(ctx: Any, nb: int, nd: int, mm_parts: Any) -> StepPlan:
         h = ctx.host
         host = {"input_ids": h.input_ids, "positions": h.positions.numpy()[0],
                 "slot_mapping": h.slot_mapping.numpy(), "logits_indices": h.logits_indices,
@@ -177,4 +211,4 @@ class StepPlanner:
                         num_tokens=ctx.num_tokens, num_seqs=ctx.num_seqs, num_real_seqs=nb,
                         num_decodes=nd, num_logits=ctx.logits_indices.shape[0] - ctx.num_seqs + nb,
                         max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
-                        mm_parts=(idx_parts, emb_parts), host=host, context=ctx)
+                        mm_parts=mm_parts, host=host, context=ctx)
