@@ -30,8 +30,9 @@ def plan_decode(planner: ContextPlanner, rows: np.ndarray, cached: np.ndarray, *
     arrays) has ``cached[i]`` tokens cached and computes one more. `input_ids` (None: leave
     the host ids as they are, the device ids being filled by the caller) and the padding,
     width and attention arguments are those of `ContextPlanner.plan`. `tables_key` (hashable)
-    names the state of the rows' block tables: while it repeats for a staging buffer, that
-    buffer's tables are not copied again. Nothing is checked (module docstring)."""
+    names the state of the rows (their slots, block tables and rope state): while it repeats,
+    a staging buffer's tables are not copied again and the rows' rope deltas are reused.
+    Nothing is checked (module docstring)."""
     b = rows.size
     nseq = b if pad_seqs_to is None else int(pad_seqs_to)
     bs = planner.block_size
@@ -60,9 +61,14 @@ def plan_decode(planner: ContextPlanner, rows: np.ndarray, cached: np.ndarray, *
         memo[("tables", views.turn)] = None
     if input_ids is not None:
         ids[:b] = input_ids
-    pos[:, :b] = cached + planner.rope_delta[rows]
-    plen = planner.prompt_len[rows]
-    if plen.any():
+    rowstate = memo.get("rows")
+    if tables_key is None or rowstate is None or rowstate[0] != tables_key:
+        plen = planner.prompt_len[rows]
+        rowstate = memo["rows"] = (tables_key, planner.rope_delta[rows],
+                                   plen if plen.any() else None)
+    _, delta, plen = rowstate
+    pos[:, :b] = cached + delta
+    if plen is not None:
         for i in np.flatnonzero(cached < plen).tolist():  # a one-token prompt's M-RoPE slot
             c = int(cached[i])
             pos[:, i] = planner.prompt_positions[int(rows[i])][:, c]

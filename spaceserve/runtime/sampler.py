@@ -118,6 +118,9 @@ class Sampler:
         self._slot_owner = [-1] * max_num_seqs  # admit_serial whose penalty state a slot holds
         self._cache: dict[str, SampleBatch] = {}
         self.num_prepares = 0  # batches built (not reused): a measure of batch churn
+        self._one = torch.ones((), device=self.device)
+        self._true = torch.ones((), dtype=torch.bool, device=self.device)
+        self._neg_inf = torch.full((), -math.inf, device=self.device)
 
     # -- batch parameters ------------------------------------------------------------------------
     def prepare(self, reqs: list[Request], stage: str = "decoder", admissions: int = -1
@@ -246,21 +249,19 @@ class Sampler:
         self.last_tokens.index_copy_(0, rows, ids)
         if batch.penalised:
             assert self.counts is not None and self.seen is not None
-            self.counts.index_put_((rows, ids), torch.ones((), device=ids.device),
-                                   accumulate=True)
-            self.seen.index_put_((rows, ids), torch.ones((), dtype=torch.bool,
-                                                         device=ids.device))
+            self.counts.index_put_((rows, ids), self._one, accumulate=True)
+            self.seen.index_put_((rows, ids), self._true)
         packed = ids if batch.logprobs < 0 else logprob_rows(logits, ids, batch.logprobs)
         return Sampled(batch, ids, packed)
 
     def process(self, logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
         """The processed fp32 logits before temperature: min_tokens, logit bias, penalties."""
-        x = logits.float()
+        x = logits if logits.dtype == torch.float32 else logits.float()
         masked = self._min_token_mask(batch)
-        if masked is not None or batch.bias is not None or batch.penalised:
-            x = x.clone() if x is logits else x
+        if (masked is not None or batch.bias is not None) and x is logits:
+            x = x.clone()  # masked in place below; the raw logits stay for logprobs
         if masked is not None:
-            x.index_put_(masked, torch.full((), -math.inf, device=x.device))
+            x.index_put_(masked, self._neg_inf)
         if batch.bias is not None:
             bi, bc, bv = batch.bias
             x.index_put_((bi, bc), bv, accumulate=True)

@@ -89,7 +89,7 @@ def apply_penalties(x: torch.Tensor, counts: torch.Tensor | None, seen: torch.Te
     if repetition is not None and seen is not None:
         x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
     if counts is not None and frequency is not None and presence is not None:
-        x = x - counts * frequency - (counts > 0).to(x.dtype) * presence
+        x = x - counts * frequency - (counts > 0) * presence
     return x
 
 

@@ -99,11 +99,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's sequences and give them the KV blocks their new tokens need."""
+        """Pick this step's sequences and give them the KV blocks their new tokens need; a
+        decode is accounted as it is picked (cached count advanced, its draw a placeholder)."""
         bm, bs = self.bm, self.bm.block_size
         budget = self.max_num_batched_tokens
         running = self.running
         dec: list[Request] = []
+        cached: list[int] = []
+        pending: list[int] = []
         pre: list[Request] = []
         pre_n: list[int] = []
         preempted: list[Request] = []
@@ -111,11 +114,12 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            c = req.num_computed
             known = len(req.token_ids) + req.num_placeholders
-            n = known - req.num_computed
+            n = known - c
             if n > budget:
                 n = budget
-            total = req.num_computed + n
+            total = c + n
             if len(req.block_ids) * bs < total:
                 grown.append(req)
                 while not bm.ensure(req.block_ids, total):
@@ -127,19 +131,24 @@ class Scheduler:
                 if req.status is not Status.RUNNING:
                     break
             if n == 1 and total == known:
+                if req.num_placeholders:
+                    pending.append(len(dec))
                 dec.append(req)
+                cached.append(c)
+                req.num_computed = total
+                req.num_placeholders += 1
             else:
                 pre.append(req)
                 pre_n.append(n)
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit(budget, dec, pre, pre_n, grown)
-        batch = self._batch(dec, pre, pre_n, preempted)
-        batch.grown = grown
+            self._admit(budget, dec, cached, pre, pre_n, grown)
+        batch = self._batch(dec, cached, pre, pre_n, preempted)
+        batch.pending, batch.grown = pending, grown
         return batch
 
-    def _admit(self, budget: int, dec: list[Request], pre: list[Request],
+    def _admit(self, budget: int, dec: list[Request], cached: list[int], pre: list[Request],
                pre_n: list[int], grown: list[Request]) -> int:
         waiting, bm = self.waiting, self.bm
         j = 0
@@ -160,29 +169,26 @@ class Scheduler:
             req.admit_serial = self.num_admitted
             grown.append(req)
             self.running.append(req)
-            if n == 1 and req.num_computed + 1 == known:
+            if n == 1 and req.num_computed + 1 == known:  # its input is known: not pending
                 dec.append(req)
+                cached.append(req.num_computed)
+                req.num_computed += 1
+                req.num_placeholders += 1
             else:
                 pre.append(req)
                 pre_n.append(n)
             budget -= n
         return budget
 
-    def _batch(self, dec: list[Request], pre: list[Request], pre_n: list[int],
-               preempted: list[Request]) -> ScheduledBatch:
-        """The batch; advances cached counts and counts each sampled token as a placeholder."""
+    def _batch(self, dec: list[Request], cached: list[int], pre: list[Request],
+               pre_n: list[int], preempted: list[Request]) -> ScheduledBatch:
+        """The batch (decodes already accounted); advances the prefills' cached counts and
+        counts the draw of each that ends its known tokens as a placeholder."""
         nd = len(dec)
-        reqs = dec + pre
-        cached = [r.num_computed for r in reqs]
-        pending = []
-        for i, r in enumerate(dec):
-            if r.num_placeholders:
-                pending.append(i)
-            r.num_computed += 1
-            r.num_placeholders += 1
         sample = list(dec)
         need = [True] * nd
         for req, n in zip(pre, pre_n, strict=True):
+            cached.append(req.num_computed)
             req.num_computed += n
             last = req.num_computed == len(req.token_ids) + req.num_placeholders
             need.append(last)
@@ -190,7 +196,7 @@ class Scheduler:
                 sample.append(req)
                 req.num_placeholders += 1
         return ScheduledBatch(
-            reqs=reqs,
+            reqs=dec + pre,
             num_cached=cached,
             num_new=[1] * nd + pre_n,
             need_logits=need,
@@ -198,7 +204,6 @@ class Scheduler:
             num_decodes=nd,
             num_tokens=nd + sum(pre_n),
             preempted=preempted,
-            pending=pending,
             admissions=self.num_admitted,
         )
 

@@ -9,7 +9,7 @@ bucket, through the models' `ContextPlanner`; runners may use it or plan their o
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -66,8 +66,16 @@ class StepPlan:
     # The step's image-token pieces: token indices (host) and embedding rows (device) per
     # covered image span; gathered only by a runner that asks (`mm_index` / `mm_embeds`).
     mm_parts: tuple[list[np.ndarray], list[torch.Tensor]] = ((), ())
-    host: dict[str, np.ndarray] = field(default_factory=dict)
     context: Any = None  # spaceserve.models.StepContext
+
+    @property
+    def host(self) -> dict[str, np.ndarray]:
+        """Host (numpy) copies of the step's fields, by name (built when asked)."""
+        h = self.context.host
+        return {"input_ids": h.input_ids, "positions": h.positions.numpy()[0],
+                "slot_mapping": h.slot_mapping.numpy(), "logits_indices": h.logits_indices,
+                "logits_seqs": h.logits_seqs, "seq_lens": h.seq_lens,
+                "query_start_loc": h.cu_seqlens_q, "block_tables": h.block_tables}
 
     @property
     def mm_index(self) -> torch.Tensor | None:
@@ -201,14 +209,9 @@ class StepPlanner:
 
     @staticmethod
     def _step_plan(ctx: Any, nb: int, nd: int, mm_parts: Any) -> StepPlan:
-        h = ctx.host
-        host = {"input_ids": h.input_ids, "positions": h.positions.numpy()[0],
-                "slot_mapping": h.slot_mapping.numpy(), "logits_indices": h.logits_indices,
-                "logits_seqs": h.logits_seqs, "seq_lens": h.seq_lens,
-                "query_start_loc": h.cu_seqlens_q, "block_tables": h.block_tables}
         return StepPlan(ctx.input_ids, ctx.positions[0], ctx.slot_mapping, ctx.logits_indices,
                         ctx.logits_seqs, ctx.seq_lens, ctx.cu_seqlens_q, ctx.block_tables,
                         num_tokens=ctx.num_tokens, num_seqs=ctx.num_seqs, num_real_seqs=nb,
                         num_decodes=nd, num_logits=ctx.logits_indices.shape[0] - ctx.num_seqs + nb,
                         max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
-                        mm_parts=mm_parts, host=host, context=ctx)
+                        mm_parts=mm_parts, context=ctx)
