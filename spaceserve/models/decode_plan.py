@@ -5,13 +5,16 @@ step to the next: every sequence adds one token, so only the positions, slots an
 `plan_decode` writes a decode step into the same buffers and layout as `ContextPlanner.plan`
 (the contexts are interchangeable; a CUDA graph captured on either replays both) but skips what
 each staging buffer already holds: the shape-only fields (``cu_seqlens_q``, logits rows) when
-the shape repeats, and the block tables when the caller's `tables_key` says no table row
-changed. The caller vouches for its inputs (valid rows, one new token each): it is the
-runtime's planner, which built them; `ContextPlanner.plan` stays the checked general path.
+the shape repeats, and of the block tables all but the rows that changed since that buffer was
+last written (the caller names them). The caller vouches for its inputs (valid rows, one new
+token each): it is the runtime's planner, which built them; `ContextPlanner.plan` stays the
+checked general path.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,14 +28,15 @@ if TYPE_CHECKING:
 def plan_decode(planner: ContextPlanner, rows: np.ndarray, cached: np.ndarray, *,
                 input_ids: Any = None, pad_seqs_to: int | None = None,
                 width: int | None = None, plan_attention: bool = True,
-                tables_key: Any = None) -> StepContext:
+                rows_key: Any = None, changed: Sequence[int] | None = None) -> StepContext:
     """The context of a decode-only step: sequence ``i`` (planner row ``rows[i]``, int64
     arrays) has ``cached[i]`` tokens cached and computes one more. `input_ids` (None: leave
     the host ids as they are, the device ids being filled by the caller) and the padding,
-    width and attention arguments are those of `ContextPlanner.plan`. `tables_key` (hashable)
-    names the state of the rows (their slots, block tables and rope state): while it repeats,
-    a staging buffer's tables are not copied again and the rows' rope deltas are reused.
-    Nothing is checked (module docstring)."""
+    width and attention arguments are those of `ContextPlanner.plan`. `rows_key` (hashable)
+    names the rows and their rope state, and `changed` the rows (planner row numbers) whose
+    block tables changed since the previous call: while the key repeats, only those rows' tables
+    are copied (into each staging buffer as it comes round) and the rope deltas are reused.
+    Without them every table row is copied. Nothing is checked (module docstring)."""
     b = rows.size
     nseq = b if pad_seqs_to is None else int(pad_seqs_to)
     bs = planner.block_size
@@ -61,12 +65,18 @@ def plan_decode(planner: ContextPlanner, rows: np.ndarray, cached: np.ndarray, *
         memo[("tables", views.turn)] = None
     if input_ids is not None:
         ids[:b] = input_ids
-    rowstate = memo.get("rows")
-    if tables_key is None or rowstate is None or rowstate[0] != tables_key:
+    turns = len(buffers._host)
+    if rows_key is None or memo.get("key") != rows_key:
         plen = planner.prompt_len[rows]
-        rowstate = memo["rows"] = (tables_key, planner.rope_delta[rows],
-                                   plen if plen.any() else None)
-    _, delta, plen = rowstate
+        inv = np.full(planner.max_num_seqs, -1, dtype=np.int64)
+        inv[rows] = np.arange(b)
+        memo.update(key=rows_key, rows=(planner.rope_delta[rows], plen if plen.any() else None),
+                    inv=inv, dirty=deque(maxlen=turns))
+        for t in range(turns):
+            memo[("tables", t)] = None
+    dirty = memo["dirty"]
+    dirty.append(changed)
+    delta, plen = memo["rows"]
     pos[:, :b] = cached + delta
     if plen is not None:
         for i in np.flatnonzero(cached < plen).tolist():  # a one-token prompt's M-RoPE slot
@@ -75,9 +85,14 @@ def plan_decode(planner: ContextPlanner, rows: np.ndarray, cached: np.ndarray, *
     blk, off = np.divmod(cached, bs)
     slot[:b] = planner.table[rows, blk].astype(np.int64) * bs + off
     seq_lens[:b] = lens
-    if tables_key is None or memo.get(("tables", views.turn)) != (tables_key, need_w):
+    if rows_key is None or None in dirty or memo[("tables", views.turn)] != need_w:
         bt[:b, :need_w] = planner.table[rows, :need_w]
-        memo[("tables", views.turn)] = (tables_key, need_w)
+        memo[("tables", views.turn)] = need_w
+    else:  # only the rows changed since this buffer was written
+        slots = [r for d in dirty for r in d]
+        if slots:
+            idx = memo["inv"][slots]
+            bt[idx, :need_w] = planner.table[rows[idx], :need_w]
     buffers.upload(views)
     ones = memo.get("ones")
     if ones is None or ones.size < nseq:

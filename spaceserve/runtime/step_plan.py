@@ -124,7 +124,9 @@ class StepPlanner:
         self._version = share_rows_with._version if share_rows_with else [0]
         self._dec_rows: list[int] = []  # the last decode-only step's slots, and as an array
         self._dec_array = np.zeros(0, dtype=np.int64)
-        self._dec_serial = 0
+        self._dec_serial = 0  # bumped when those slots or a slot's rope state change
+        self._seen_version = 0  # the table version after this planner's last sync
+        self._changed: list[int] = []  # slots whose tables this plan changed
 
     @staticmethod
     def _take_inputs(batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
@@ -147,15 +149,21 @@ class StepPlanner:
         no attention plan (a graph replays its own)."""
         reqs, nd, nb = batch.reqs, batch.num_decodes, len(batch.reqs)
         core, table, rope = self.core, self.table, self.rope
+        if self._version[0] != self._seen_version:  # another planner wrote shared rows
+            self._dec_serial += 1
+        changed = self._changed = []
         for r in reqs if batch.grown is None else batch.grown:
             k, s = len(r.block_ids), r.synced_blocks
             if k != s:
                 if s == 0:  # the request (re)took its slot
                     mpos, delta = rope(r) if rope is not None else (None, 0)
                     core.set_row(r.row, rope_delta=delta, mrope_positions=mpos)
+                    self._dec_serial += 1
                 table[r.row, s:k] = r.block_ids[s:]
                 r.synced_blocks = k
+                changed.append(r.row)
                 self._version[0] += 1
+        self._seen_version = self._version[0]
         buckets = self.graph_batch_sizes
         if pad_to is None and nd == nb and buckets and nb <= buckets[-1]:
             pad_to = next(x for x in buckets if x >= nb)
@@ -201,8 +209,8 @@ class StepPlanner:
         ctx = plan_decode(self.core, self._dec_array, np.array(batch.num_cached, dtype=np.int64),
                           input_ids=ids, pad_seqs_to=pad_to,
                           width=self.limits.max_blocks_per_seq if graph else None,
-                          plan_attention=not graph,
-                          tables_key=(self._dec_serial, self._version[0]))
+                          plan_attention=not graph, rows_key=self._dec_serial,
+                          changed=self._changed)
         if batch.pending:
             self._take_inputs(batch, ctx.input_ids)
         return self._step_plan(ctx, nd, nd, ((), ()))
