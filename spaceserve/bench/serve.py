@@ -32,7 +32,7 @@ from typing import Any
 
 from spaceserve.cli_args import HelpFormatter
 
-from .backends import HttpBackend, InProcessBackend, chat_body
+from .backends import CHAT, HttpBackend, InProcessBackend, chat_body, check_endpoint
 from .metrics import Result, parse_slos, summarize_results
 from .plots import plot_timeline, plot_vs_rate
 from .predict import predict_run
@@ -166,8 +166,8 @@ def _show(run: dict[str, Any], n: int) -> None:
 async def bench_engine(engine: Any, workloads: list[ServeWorkload], slos: dict[str, float], *,
                        mode: str, model: str, note: str | None = None, preprocessor: Any = None,
                        prompts: Any = None, sim: bool = False, warm: bool = True,
-                       deadline: float | None = None, extra: dict[str, Any] | None = None
-                       ) -> list[dict[str, Any]]:
+                       deadline: float | None = None, extra: dict[str, Any] | None = None,
+                       endpoint: str = CHAT) -> list[dict[str, Any]]:
     """Every workload on one engine in-process (a short warm-up first), one run dict each;
     closes the engine. Requests go through `preprocessor` (chat) or `prompts` (token ids).
     `deadline` (time.monotonic()): rates not started by then are left out, the running one is
@@ -178,7 +178,8 @@ async def bench_engine(engine: Any, workloads: list[ServeWorkload], slos: dict[s
     client = AsyncEngine(engine, max_pending=10_000, mode_note=note)
     runs: list[dict[str, Any]] = []
     try:
-        backend = InProcessBackend(client, preprocessor, model, prompts=prompts)
+        backend = InProcessBackend(client, preprocessor, model, prompts=prompts,
+                                   endpoint=endpoint)
         if warm:
             w = ServeWorkload(request_rate=50.0, duration_s=0.1, image_mix=workloads[0]
                               .image_mix, output_len=4, seed=12345)
@@ -237,7 +238,7 @@ async def _run_inprocess(args: argparse.Namespace, workloads: list[ServeWorkload
             print(f"note: {note}")
         runs += await bench_engine(engine, workloads, slos, mode=mode, model=args.model,
                                    note=note, preprocessor=pre, prompts=prompts, sim=args.sim,
-                                   extra=extra)
+                                   extra=extra, endpoint=args.endpoint)
         del engine
         _free_device()
     return runs
@@ -245,7 +246,8 @@ async def _run_inprocess(args: argparse.Namespace, workloads: list[ServeWorkload
 
 async def _run_http(args: argparse.Namespace, workloads: list[ServeWorkload],
                     slos: dict[str, float]) -> list[dict[str, Any]]:
-    backend = HttpBackend(args.base_url, args.served_model or args.model)
+    backend = HttpBackend(args.base_url, args.served_model or args.model,
+                          endpoint=args.endpoint)
     runs = []
     try:
         for w in workloads:
@@ -271,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in-process: add the simulator's prediction beside each run")
     p.add_argument("--modes", default="spatial,temporal", help="in-process engine modes")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="http backend")
+    p.add_argument("--endpoint", default=CHAT,
+                   help="API the requests use: /v1/chat/completions, or /v1/completions "
+                        "(text prompts only: --image-mix text=1)")
     p.add_argument("--served-model",
                    help="http: the model name the server serves (default: --model)")
     p.add_argument("--label", default="server", help="http: the run's label in the outputs")
@@ -350,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         rates = [float(x) for x in args.rates.split(",") if x.strip()]
         slos = parse_slos(args.slo)
         check_model_args(args)
+        check_endpoint(args.endpoint, parse_mix(args.image_mix))
         workloads = [ServeWorkload(request_rate=r, duration_s=args.duration,
                                    burstiness=args.burstiness, image_mix=parse_mix(args.image_mix),
                                    probe_rate=args.probe_rate, input_words=args.input_words,

@@ -140,7 +140,9 @@ class StepPlanner:
         if len(pending) == nd:
             torch.index_select(table, 0, slots, out=input_ids[:nd])
         else:
-            idx = torch.tensor(pending, dtype=torch.int64).to(input_ids.device)
+            idx = torch.tensor(pending, dtype=torch.int64)
+            if input_ids.is_cuda:  # pinned and asynchronous: no wait for the device
+                idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
             input_ids.index_copy_(0, idx, table.index_select(0, slots.index_select(0, idx)))
 
     def plan(self, batch: ScheduledBatch, *, pad_to: int | None = None) -> StepPlan:
