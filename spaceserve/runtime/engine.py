@@ -230,13 +230,15 @@ class Engine(EngineFrontends):
             else:
                 batch = self.scheduler.schedule()
                 launched = self._launch(batch) if batch else None
+                if launched is not None:
+                    self.num_steps += 1  # counted when launched (its tokens come later)
                 previous, self._inflight = self._inflight, launched
                 if previous is not None:
-                    self._complete(previous)
+                    self._complete(previous, count_step=False)
                 if launched is not None and (not self.config.async_scheduling
                                              or not self._active):
                     self._inflight = None  # unpipelined, or every request of it has ended
-                    self._complete(launched)
+                    self._complete(launched, count_step=False)
             out, self._outbox = self._outbox, []
             return out
 

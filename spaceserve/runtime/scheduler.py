@@ -116,6 +116,9 @@ class Scheduler:
             req = running[i]
             c = req.num_computed
             known = len(req.token_ids) + req.num_placeholders
+            if known >= req.limit_len:  # its draw in flight is its last: nothing to run
+                i += 1
+                continue
             n = known - c
             if n > budget:
                 n = budget
