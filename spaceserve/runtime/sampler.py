@@ -6,8 +6,9 @@ logit bias, seeds) as device tensors, built once and reused while the batch keep
 requests in the same order (a decode-heavy batch changes only when a request joins or leaves).
 Per sequence slot the sampler also keeps device state that outlives batch changes: the last
 sampled token (a pipelined step takes its decode inputs from it, see `engine.py`) and, for
-requests with penalties, their output-token counts and a prompt-or-output mask, (re)built when
-a request takes the slot. `Sampler.sample` then processes the logits and draws every row with a
+requests with penalties, their output-token counts and their repetition scale (the penalty at
+every token seen in the prompt or output, 1 elsewhere), (re)built when a request takes the
+slot. `Sampler.sample` then processes the logits and draws every row with a
 short sequence of tensor ops (sampling_ops.py) and starts the copy of the ids (and, when asked,
 the raw logprobs) to the host: one copy per step, read by `Sampled.fetch`.
 """
@@ -52,7 +53,8 @@ class SampleBatch:
     top_p: torch.Tensor | None
     top_k: tuple[torch.Tensor, int, torch.Tensor | None] | None  # (k - 1, max k, off)
     log_min_p: torch.Tensor | None
-    repetition: torch.Tensor | None
+    repetition: torch.Tensor | None  # [B] per-row repetition penalty
+    rep_mode: str  # how apply_penalties tells the two cases apart ("min", "max", "where")
     frequency: torch.Tensor | None
     presence: torch.Tensor | None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (batch rows, ids, values)
@@ -114,12 +116,11 @@ class Sampler:
         self.eos = tuple(eos_token_ids)
         self.last_tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.counts: torch.Tensor | None = None  # [slots, V] fp32 output-token counts
-        self.seen: torch.Tensor | None = None  # [slots, V] bool prompt-or-output tokens
+        self.rep_scale: torch.Tensor | None = None  # [slots, V] penalty at seen tokens, else 1
         self._slot_owner = [-1] * max_num_seqs  # admit_serial whose penalty state a slot holds
         self._cache: dict[str, SampleBatch] = {}
         self.num_prepares = 0  # batches built (not reused): a measure of batch churn
         self._one = torch.ones((), device=self.device)
-        self._true = torch.ones((), dtype=torch.bool, device=self.device)
         self._neg_inf = torch.full((), -math.inf, device=self.device)
 
     # -- batch parameters ------------------------------------------------------------------------
@@ -174,7 +175,9 @@ class Sampler:
         icol = {k: idev[:, i] for i, k in enumerate(icols)}
         any_p = any_rand and any(p.top_p < 1.0 for p, r in zip(ps, rand, strict=True) if r)
         any_min_p = any_rand and any(p.min_p > 0 for p, r in zip(ps, rand, strict=True) if r)
-        rep = any(p.repetition_penalty != 1.0 for p in ps)
+        reps = [p.repetition_penalty for p in ps]
+        rep = any(r != 1.0 for r in reps)
+        rep_mode = "min" if min(reps) >= 1.0 else "max" if max(reps) <= 1.0 else "where"
         fp = any(p.frequency_penalty or p.presence_penalty for p in ps)
         penalised = rep or fp
         if penalised:
@@ -197,21 +200,21 @@ class Sampler:
             top_p=fcol["top_p"] if any_p else None,
             top_k=(icol["kth"][:, None].clamp(min=0), k_max, off) if k_max else None,
             log_min_p=fcol["log_min_p"] if any_min_p else None,
-            repetition=fcol["rep"] if rep else None,
+            repetition=fcol["rep"][:, 0] if rep else None, rep_mode=rep_mode,
             frequency=fcol["freq"] if fp else None, presence=fcol["pres"] if fp else None,
             bias=bias, min_tokens=min_tok, penalised=penalised, logprobs=lp)
 
     def _init_penalty_slots(self, reqs: list[Request]) -> None:
-        """(Re)build the counts and seen mask of every slot whose request changed."""
+        """(Re)build the counts and repetition scale of every slot whose request changed."""
         fresh = [r for r in reqs if self._slot_owner[r.row] != r.admit_serial]
         if not fresh:
             return
         if self.counts is None:
             shape = (self.max_num_seqs, self.vocab_size)
             self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
-            self.seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        assert self.seen is not None
-        slots, out_rows, out_ids, all_rows, all_ids = [], [], [], [], []
+            self.rep_scale = torch.ones(shape, dtype=torch.float32, device=self.device)
+        assert self.rep_scale is not None
+        slots, out_rows, out_ids, all_rows, all_ids, all_scale = [], [], [], [], [], []
         for r in fresh:
             self._slot_owner[r.row] = r.admit_serial
             slots.append(r.row)
@@ -220,16 +223,18 @@ class Sampler:
             out_ids += out
             all_rows += [r.row] * len(r.token_ids)
             all_ids += r.token_ids
+            all_scale += [r.params.repetition_penalty] * len(r.token_ids)
         slot_t = self._tensor(np.array(slots, dtype=np.int64), torch.int64)
         self.counts.index_fill_(0, slot_t, 0.0)
-        self.seen.index_fill_(0, slot_t, False)
+        self.rep_scale.index_fill_(0, slot_t, 1.0)
         if out_ids:
             idx = (self._tensor(np.array(out_rows, dtype=np.int64), torch.int64),
                    self._tensor(np.array(out_ids, dtype=np.int64), torch.int64))
             self.counts.index_put_(idx, torch.ones((), device=self.device), accumulate=True)
         idx = (self._tensor(np.array(all_rows, dtype=np.int64), torch.int64),
                self._tensor(np.array(all_ids, dtype=np.int64), torch.int64))
-        self.seen.index_put_(idx, torch.ones((), dtype=torch.bool, device=self.device))
+        self.rep_scale.index_put_(idx, self._tensor(np.array(all_scale, dtype=np.float32),
+                                                    torch.float32))
 
     # -- drawing -----------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, batch: SampleBatch) -> Sampled:
@@ -248,9 +253,10 @@ class Sampler:
         rows = batch.rows
         self.last_tokens.index_copy_(0, rows, ids)
         if batch.penalised:
-            assert self.counts is not None and self.seen is not None
+            assert self.counts is not None and self.rep_scale is not None
             self.counts.index_put_((rows, ids), self._one, accumulate=True)
-            self.seen.index_put_((rows, ids), self._true)
+            if batch.repetition is not None:
+                self.rep_scale.index_put_((rows, ids), batch.repetition)
         packed = ids if batch.logprobs < 0 else logprob_rows(logits, ids, batch.logprobs)
         return Sampled(batch, ids, packed)
 
@@ -267,10 +273,11 @@ class Sampler:
             x.index_put_((bi, bc), bv, accumulate=True)
         if batch.penalised:
             rows = batch.rows
-            seen = self.seen.index_select(0, rows) if batch.repetition is not None else None
+            scale = self.rep_scale.index_select(0, rows) if batch.repetition is not None \
+                else None
             counts = self.counts.index_select(0, rows) if batch.frequency is not None else None
-            x = apply_penalties(x, counts, seen, batch.repetition, batch.frequency,
-                                batch.presence)
+            x = apply_penalties(x, counts, scale, batch.frequency, batch.presence,
+                                batch.rep_mode)
         return x
 
     def draw(self, x: torch.Tensor, batch: SampleBatch) -> torch.Tensor:

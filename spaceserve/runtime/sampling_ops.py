@@ -76,20 +76,24 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def apply_penalties(x: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None,
-                    repetition: torch.Tensor | None, frequency: torch.Tensor | None,
-                    presence: torch.Tensor | None) -> torch.Tensor:
-    """vLLM's penalties on fp32 logits ``[B, V]`` (in place where it can).
+def apply_penalties(x: torch.Tensor, counts: torch.Tensor | None,
+                    rep_scale: torch.Tensor | None, frequency: torch.Tensor | None,
+                    presence: torch.Tensor | None, rep_mode: str = "where") -> torch.Tensor:
+    """vLLM's penalties on fp32 logits ``[B, V]``.
 
-    `seen` ``[B, V]`` (bool: in the prompt or the output) with `repetition` ``[B, 1]``: a seen
-    token's logit is divided by the penalty when positive, multiplied when not. `counts`
+    `rep_scale` ``[B, V]`` holds each row's repetition penalty at the tokens seen in its prompt
+    or output and 1 elsewhere: a seen token's logit is divided by it when positive, multiplied
+    by it when not (1 changes nothing, exactly). `rep_mode` "min" (every penalty >= 1) or
+    "max" (every one <= 1) picks that case without a comparison; "where" compares. `counts`
     ``[B, V]`` (occurrences in the output) with `frequency` and `presence` ``[B, 1]``:
     ``logit -= frequency * count + presence * (count > 0)``.
     """
-    if repetition is not None and seen is not None:
-        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    if rep_scale is not None:
+        down, up = x / rep_scale, x * rep_scale
+        x = torch.minimum(down, up) if rep_mode == "min" else \
+            torch.maximum(down, up) if rep_mode == "max" else torch.where(x > 0, down, up)
     if counts is not None and frequency is not None and presence is not None:
-        x = x - counts * frequency - (counts > 0) * presence
+        x = x - counts * frequency - counts.clamp(max=1.0) * presence
     return x
 
 

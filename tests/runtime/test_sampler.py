@@ -71,7 +71,7 @@ def reference_penalties(x, counts, seen, rep, freq, pres):
         for t in range(x.shape[1]):
             if seen[i, t]:
                 out[i, t] = out[i, t] / rep[i] if out[i, t] > 0 else out[i, t] * rep[i]
-            out[i, t] -= freq[i] * counts[i, t] + pres[i] * (counts[i, t] > 0)
+            out[i, t] = out[i, t] - freq[i] * counts[i, t] - pres[i] * (counts[i, t] > 0)
     return out
 
 
@@ -84,8 +84,13 @@ def test_penalties_equal_the_torch_reference() -> None:
     rep = torch.tensor([1.0, 1.3, 0.7, 2.0, 1.0, 1.1])
     freq = torch.tensor([0.0, 0.5, -0.3, 1.2, 2.0, 0.0])
     pres = torch.tensor([0.0, -1.0, 0.4, 0.0, 1.5, -2.0])
-    got = apply_penalties(x, counts, seen, rep[:, None], freq[:, None], pres[:, None])
-    assert torch.allclose(got, reference_penalties(x, counts, seen, rep, freq, pres), atol=1e-6)
+    scale = torch.where(seen, rep[:, None], 1.0)
+    want = reference_penalties(x, counts, seen, rep, freq, pres)
+    assert torch.equal(apply_penalties(x, counts, scale, freq[:, None], pres[:, None]), want)
+    for mode, keep in (("min", rep >= 1), ("max", rep <= 1)):  # one-sided batches
+        got = apply_penalties(x[keep], counts[keep], scale[keep], freq[keep, None],
+                              pres[keep, None], mode)
+        assert torch.equal(got, want[keep])
 
 
 def test_min_p_and_top_k_masks() -> None:
@@ -152,9 +157,15 @@ def test_slot_state_follows_requests_and_batches_are_reused() -> None:
     logits = torch.randn(2, v, generator=gen)
     tok = sampler.sample(logits, sampler.prepare([a, b], admissions=5)).fetch()[0][0]
     assert sampler.counts[2, tok] == 1 and int(sampler.counts[2].sum()) == 1
-    assert sampler.last_tokens[2] == tok and sampler.seen[2, 1] and sampler.seen[2, 2]
+    assert sampler.last_tokens[2] == tok
+    assert sampler.rep_scale[2, 1] == 1.0  # no repetition penalty: seen tokens keep scale 1
     # the request leaves and a new one takes its slot: state is rebuilt from its tokens
     c = make_req(2, [5, 5], p, row=2, output=[9, 9, 4])
     sampler.prepare([c], admissions=6)
     assert sampler.counts[2, 9] == 2 and sampler.counts[2, 4] == 1
-    assert int(sampler.counts[2].sum()) == 3 and not sampler.seen[2, 1]
+    assert int(sampler.counts[2].sum()) == 3
+    r = make_req(3, [5, 6], SamplingParams(temperature=0.0, repetition_penalty=1.5), row=1,
+                 output=[7])
+    sampler.prepare([r], admissions=7)
+    assert sampler.rep_scale[1, 5] == 1.5 and sampler.rep_scale[1, 7] == 1.5
+    assert sampler.rep_scale[1, 8] == 1.0
