@@ -115,8 +115,11 @@ class Sampler:
         self.vocab_size, self.max_num_seqs = int(vocab_size), int(max_num_seqs)
         self.eos = tuple(eos_token_ids)
         self.last_tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
-        self.counts: torch.Tensor | None = None  # [slots, V] fp32 output-token counts
-        self.rep_scale: torch.Tensor | None = None  # [slots, V] penalty at seen tokens, else 1
+        # [slots, 2, V] fp32, gathered in one op: output-token counts (`counts` views [:, 0])
+        # and the repetition penalty at seen tokens, 1 elsewhere (`rep_scale` views [:, 1])
+        self.penalty: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        self.rep_scale: torch.Tensor | None = None
         self._slot_owner = [-1] * max_num_seqs  # admit_serial whose penalty state a slot holds
         self._cache: dict[str, SampleBatch] = {}
         self.num_prepares = 0  # batches built (not reused): a measure of batch churn
@@ -209,11 +212,12 @@ class Sampler:
         fresh = [r for r in reqs if self._slot_owner[r.row] != r.admit_serial]
         if not fresh:
             return
-        if self.counts is None:
-            shape = (self.max_num_seqs, self.vocab_size)
-            self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
-            self.rep_scale = torch.ones(shape, dtype=torch.float32, device=self.device)
-        assert self.rep_scale is not None
+        if self.penalty is None:
+            self.penalty = torch.ones((self.max_num_seqs, 2, self.vocab_size),
+                                      dtype=torch.float32, device=self.device)
+            self.counts, self.rep_scale = self.penalty[:, 0], self.penalty[:, 1]
+            self.counts.zero_()
+        assert self.counts is not None and self.rep_scale is not None
         slots, out_rows, out_ids, all_rows, all_ids, all_scale = [], [], [], [], [], []
         for r in fresh:
             self._slot_owner[r.row] = r.admit_serial
@@ -273,9 +277,10 @@ class Sampler:
             x.index_put_((bi, bc), bv, accumulate=True)
         if batch.penalised:
             rows = batch.rows
-            scale = self.rep_scale.index_select(0, rows) if batch.repetition is not None \
-                else None
-            counts = self.counts.index_select(0, rows) if batch.frequency is not None else None
+            assert self.penalty is not None
+            both = self.penalty.index_select(0, rows)  # one gather for both tables
+            scale = both[:, 1] if batch.repetition is not None else None
+            counts = both[:, 0] if batch.frequency is not None else None
             x = apply_penalties(x, counts, scale, batch.frequency, batch.presence,
                                 batch.rep_mode)
         return x
