@@ -11,6 +11,8 @@ import random
 import httpx
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+
 from spaceserve.server.app import ServerLimits
 from spaceserve.server.images import ImageLimits
 
