@@ -12,10 +12,8 @@ itself is `bench.colocation_load.drive`; each mode gets an equal share of the ti
 starts and its drive loop stops at the end of that share, keeping what it measured. `dry_run`
 runs the same control flow on CPU with the null model.
 
-On CPU (`driver_experiment`): which encoder driver keeps decode launches on time, measured on
-the host side only - a model whose "device" is a virtual clock with one queue per partition,
-whose launches cost busy host time (holding the GIL, like Python launch overhead) and whose
-syncs sleep (releasing it). It measures when decode steps are issued, not GPU execution.
+Which encoder driver keeps decode launches on time (host side, CPU) is
+bench/colocation_driver.py.
 """
 
 from __future__ import annotations
@@ -23,12 +21,14 @@ from __future__ import annotations
 import gc
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.colocation_load import BACKGROUND, BG_OUTPUT, BG_PROMPT, drive, ms
+from bench.colocation_load import BACKGROUND, BG_OUTPUT, BG_PROMPT, drive
 from bench.common import format_table, section_rows, write_json
 from spaceserve.bench.prompts import Prompts
 
@@ -178,21 +178,31 @@ def run_modes(make_engine: Any, prompts_for: Any, workload: Any, curves: Any, *,
     return rows
 
 
-def run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
-    """GPU harness entry point (bf16 Qwen2-VL-7B shapes, LLM cut to `LLM_LAYERS` layers)."""
-    if not torch.cuda.is_available():
-        return [{"section": SECTION, "skipped": "needs a CUDA device"}]
+@dataclass
+class Setup:
+    """The GPU section's engines: a factory per mode, their prompts, workload and curves."""
+
+    make_engine: Callable[[str], Any]
+    prompts_for: Callable[[Any], Prompts]
+    workload: Any
+    curves: Any
+
+
+def setup(llm_layers: int = LLM_LAYERS, vision_depth: int | None = None) -> Setup:
+    """bf16 Qwen2-VL-7B shapes with random weights on the GPU, the LLM cut to `llm_layers`
+    (the vision tower to `vision_depth` when given: the warm-up builds one layer of each)."""
     from bench.bench_models import image_grid
     from spaceserve import Engine, EngineConfig
     from spaceserve.models import from_state_dict, random_state_dict
     from spaceserve.runtime.analytic import qwen2_vl_7b_config
     from spaceserve.runtime.epd import load_curves
     from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
-    from spaceserve.runtime.sim import Workload, generate
+    from spaceserve.runtime.sim import Workload
 
-    deadline = time.perf_counter() + time_budget_s - 5.0  # closing, the simulator, the plot
     config = qwen2_vl_7b_config()
-    config.text_config.num_hidden_layers = LLM_LAYERS
+    config.text_config.num_hidden_layers = llm_layers
+    if vision_depth is not None:
+        config.vision_config.depth = vision_depth
     dev = torch.device("cuda")
     state = random_state_dict(config, dtype=torch.bfloat16, device=dev)
     models = {b: from_state_dict(config, state, attention_backend=b, dtype=torch.bfloat16,
@@ -211,20 +221,35 @@ def run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
                            graph_batch_sizes=(32, 40, 48))
         return Engine(Qwen2VLRunner(model, eos_token_ids=()), cfg)
 
-    # Warm-up: Triton compiles the shapes of image prompts, probes and their chunks once here,
-    # not inside the first mode's measurement.
-    warm = Workload(image_rate=4.0, duration_s=0.6, image_mix=IMAGE_MIX, text_rate=4.0,
+    return Setup(make_engine, prompts_for, workload, curves)
+
+
+def warm(engine: Any, s: Setup) -> None:
+    """A short drive of `engine`: the shapes of image prompts, probes and their chunks run
+    once here, not inside the first mode's measurement."""
+    from spaceserve.runtime.sim import Workload, generate
+
+    load = Workload(image_rate=4.0, duration_s=0.6, image_mix=IMAGE_MIX, text_rate=4.0,
                     text_tokens=16, output_tokens=4, seed=1)
+    drive(engine, generate(load), s.prompts_for(engine), alone_s=0.3, load_s=0.6, background=4)
+
+
+def run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
+    """GPU harness entry point (bf16 Qwen2-VL-7B shapes, LLM cut to `LLM_LAYERS` layers)."""
+    if not torch.cuda.is_available():
+        return [{"section": SECTION, "skipped": "needs a CUDA device"}]
+    deadline = time.perf_counter() + time_budget_s - 5.0  # closing, the simulator, the plot
+    s = setup()
     t0 = time.perf_counter()
-    engine = make_engine("spatial-static")
-    drive(engine, generate(warm), prompts_for(engine), alone_s=0.3, load_s=0.6, background=4)
+    engine = s.make_engine("spatial-static")
+    warm(engine, s)
     engine.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
     note = (f"LLM cut to {LLM_LAYERS} of 28 layers to fit the time budget; vision tower full; "
             f"warm-up {time.perf_counter() - t0:.0f} s")
-    rows = run_modes(make_engine, prompts_for, workload, curves, alone_s=1.5,
+    rows = run_modes(s.make_engine, s.prompts_for, s.workload, s.curves, alone_s=1.5,
                      deadline=deadline, note=note, rows=section_rows())
     return _finish(rows, Path(results_dir))
 
@@ -239,7 +264,7 @@ def dry_run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any
 
     deadline = time.perf_counter() + time_budget_s - 2.0
     grids = {"1024x1024": (1, 8, 8), "1920x1080": (1, 8, 12)}
-    workload = Workload(image_rate=25.0, duration_s=0.25, image_mix=IMAGE_MIX, text_rate=25.0,
+    workload = Workload(image_rate=25.0, duration_s=0.15, image_mix=IMAGE_MIX, text_rate=25.0,
                         text_tokens=4, output_tokens=4, seed=1)
 
     def make_engine(mode: str) -> Any:
@@ -248,7 +273,7 @@ def dry_run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any
                                    max_num_seqs=48, max_num_batched_tokens=1024))
 
     rows = run_modes(make_engine, lambda eng: Prompts(eng.runner.info, grids), workload,
-                     load_curves(None, None), alone_s=0.1, deadline=deadline,
+                     load_curves(None, None), alone_s=0.05, deadline=deadline,
                      note="dry run: null model on CPU", rows=section_rows())
     return _finish(rows, Path(results_dir))
 
@@ -260,117 +285,3 @@ def _finish(rows: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
                               "sim_tpot_load_ms", "probe_itl_p99_ms", "sim_probe_itl_p99_ms",
                               "image_ttft_ms", "sim_image_ttft_ms", "images_done"]))
     return list(rows)
-
-
-# -- the encoder driver, host side (CPU) -----------------------------------------------------------
-def _busy(seconds: float) -> None:
-    """Host work that holds the GIL (Python launch overhead)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-class _VirtualEvent:
-    def __init__(self, at: float) -> None:
-        self.at = at
-
-    def query(self) -> bool:
-        return time.perf_counter() >= self.at
-
-    def synchronize(self) -> None:
-        time.sleep(max(0.0, self.at - time.perf_counter()))
-
-
-def driver_experiment(*, seconds: float = 2.0, launch_s: float = 20e-6, layer_launches: int = 12,
-                      layer_s: float = 4e-3, decode_launch_s: float = 0.5e-3,
-                      decode_s: float = 6e-3, image_every_s: float = 0.12,
-                      drivers: tuple[str, ...] = ("none", "cooperative", "thread", "temporal")
-                      ) -> list[dict[str, Any]]:
-    """Decode inter-token gaps (host side) beside a stream of 32-layer images, per driver.
-
-    A virtual device keeps one queue per partition: an encoder layer costs `layer_launches` x
-    `launch_s` of busy host time and `layer_s` on the encoder queue; a decode step costs
-    `decode_launch_s` of host time and `decode_s` on the decoder queue, and reading its tokens
-    sleeps until then. "none" runs no images; "temporal" puts encoder layers on the decoder's
-    queue (one GPU, time-multiplexed).
-    """
-    from spaceserve import Engine, EngineConfig, SamplingParams
-    from spaceserve.runtime.runner import NullModelRunner
-
-    class Device:
-        def __init__(self) -> None:
-            self.free = {"encoder": 0.0, "decoder": 0.0}
-
-        def submit(self, lane: str, s: float) -> float:
-            self.free[lane] = max(time.perf_counter(), self.free[lane]) + s
-            return self.free[lane]
-
-    class Runner(NullModelRunner):
-        def __init__(self, device: Device, temporal: bool) -> None:
-            super().__init__(check=False, encoder_layers=32, max_model_len=1 << 16)
-            self.dev, self.lane = device, "decoder" if temporal else "encoder"
-
-        def advance_encode(self, job: Any, layers: int, *, num_sms: int | None = None) -> int:
-            for _ in range(layers):
-                _busy(launch_s * layer_launches)
-                self.dev.submit(self.lane, layer_s)
-            return super().advance_encode(job, layers)
-
-        def encode(self, mms: Any) -> list[torch.Tensor]:
-            if self.lane == "decoder":  # temporal: the whole pass on the one queue, then wait
-                for _ in range(self.encoder_layers):
-                    _busy(launch_s * layer_launches)
-                    self.dev.submit("decoder", layer_s)
-            return super().encode(mms)
-
-        def execute(self, batch: Any, *, stage: str = "decoder") -> torch.Tensor:
-            _busy(decode_launch_s)
-            self.dev.submit("decoder", decode_s)
-            return super().execute(batch)
-
-    class Ids:
-        def __init__(self, ids: torch.Tensor, at: float) -> None:
-            self.ids, self.at = ids, at
-
-        def tolist(self) -> list[int]:
-            time.sleep(max(0.0, self.at - time.perf_counter()))
-            return self.ids.tolist()
-
-    rows = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: intra-op threads only add noise
-    for driver in drivers:
-        dev = Device()
-        runner = Runner(dev, driver == "temporal")
-        mode = "temporal" if driver == "temporal" else "spatial-static"
-        cfg = EngineConfig(mode=mode, num_kv_blocks=4096, block_size=16, max_num_seqs=40,
-                           max_num_batched_tokens=4096, prefill_on="decode",
-                           encoder_driver="thread" if driver == "thread" else "cooperative")
-        eng = Engine(runner, cfg)
-        sampler = eng.sampler
-        eng.sampler = lambda logits, reqs, s=sampler, d=dev: Ids(s(logits, reqs), d.free[
-            "decoder"])
-        if eng.spatial is not None:
-            eng.encoder.event_factory = lambda d=dev: _VirtualEvent(d.free["encoder"])
-        prompts = Prompts(runner.info, {"img": (1, 16, 16)})
-        params = SamplingParams(max_tokens=1 << 14, temperature=0.0, ignore_eos=True)
-        bg = [eng.add_request(prompts.text(32), params) for _ in range(BACKGROUND)]
-        times: list[float] = []
-        start = next_image = time.perf_counter()
-        while (now := time.perf_counter()) - start < seconds:
-            if driver != "none" and now >= next_image:
-                eng.add_request(prompts.image("img", 4), SamplingParams(max_tokens=2))
-                next_image += image_every_s
-            eng.step()
-            times.append(time.perf_counter())
-        for rid in bg:
-            eng.abort(rid)
-        eng.close()
-        tail = times[len(times) // 5:]
-        gaps = [b - a for a, b in zip(tail, tail[1:], strict=False)]
-        rows.append({"section": SECTION, "driver": driver, "steps": len(times),
-                     "gap_p50_ms": ms(gaps, 50), "gap_p99_ms": ms(gaps, 99),
-                     "gap_max_ms": 1e3 * max(gaps, default=math.nan),
-                     "encoder_layers": runner.num_encoder_layers_run})
-    torch.set_num_threads(threads)
-    return rows

@@ -168,7 +168,8 @@ def measure(results_dir: Path, time_budget_s: float, dev: torch.device) -> list[
     facts.update(copy=copy, matmul=mm)
     rows.append({"fact": f"{str(dtype).removeprefix('torch.')}_matmul_tflops",
                  "value": mm["tflops"],
-                 "headline": f"{dtype} matmul {size}^3 {mm['tflops']:.2f} TFLOP/s"})
+                 "headline": f"{str(dtype).removeprefix('torch.')} matmul {size}^3 "
+                 f"{mm['tflops']:.3g} TFLOP/s"})
     if not cuda:
         for fact in ("green_contexts", "stream_read_gbs", "triton_launch_us"):
             rows.append({"fact": fact, "skipped": "needs a CUDA device"})

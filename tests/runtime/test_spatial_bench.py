@@ -1,6 +1,7 @@
 """The co-location benchmark's CPU-side logic: the per-mode driver and metrics on the null model,
-the simulator's prediction and its error, the plot, the host-side driver experiment, and the
-entry point the GPU harness calls (the GPU run itself needs a GPU)."""
+the simulator's prediction and its error, the plot, the drive loop's deadline, the host-side
+driver experiment, and the entry point the GPU harness calls (the GPU run itself needs a
+GPU)."""
 
 import math
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from bench import bench_colocation as bc
+from bench.colocation_driver import driver_experiment
 from spaceserve import Engine, EngineConfig
 from spaceserve.kernels import device_num_sms
 from spaceserve.runtime.epd import load_curves
@@ -111,7 +113,7 @@ def test_run_modes_gives_each_mode_a_share_of_the_deadline() -> None:
 
 
 def test_driver_experiment_runs_each_driver() -> None:
-    rows = bc.driver_experiment(seconds=0.3, image_every_s=0.05,
+    rows = driver_experiment(seconds=0.3, image_every_s=0.05,
                                 drivers=("none", "cooperative", "thread"))
     by = {r["driver"]: r for r in rows}
     assert by["none"]["encoder_layers"] == 0
