@@ -110,14 +110,15 @@ def _one_layer(config: Any) -> Any:
 
 
 def models_suite(dev: torch.device, timer: Timer, images: tuple[str, ...],
-                 batches: tuple[int, ...]) -> None:
+                 batches: tuple[int, ...], context: int | None = None) -> None:
     """The models section's own code (vision pass, eager and graph decode) at one layer."""
     from bench import bench_models as bm
     from spaceserve.runtime.analytic import qwen2_vl_7b_config
 
     bm.run_suite(_one_layer(qwen2_vl_7b_config()), dev, DTYPE,
-                 images={i: bm.IMAGES[i] for i in images}, batches=batches, budgets=(None,),
-                 hf=False, graphs=True, timer=timer, time_budget_s=1e9)
+                 images={i: bm.IMAGES[i] for i in images}, batches=batches,
+                 context=context or bm.CONTEXT, budgets=(None,), hf=False,
+                 graphs=dev.type == "cuda", timer=timer, time_budget_s=1e9)
 
 
 def qwen25_vision(dev: torch.device, timer: Timer, images: tuple[str, ...]) -> None:

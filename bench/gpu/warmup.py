@@ -157,7 +157,7 @@ def measure(results_dir: Path, time_budget_s: float, fake: bool) -> list[dict[st
                "second_launch_ms_max": max(launches) if launches else None,
                "second_misses": misses}
     slowest = max(second.values(), key=lambda r: r["first_launch_ms"] or 0.0, default=None)
-    rows.append({"round": "summary", "figures": figures, "dry_run": fake or None,
+    rows.append({"round": "summary", "figures": figures, **({"dry_run": True} if fake else {}),
                  "headline": f"warm-up {warm_s:.0f} s{' (dry run, faked)' if fake else ''}: "
                  f"{len(cold)}/{len(cases)} cases on {workers} workers, {specs} specialisations"
                  f" compiled ({figures['compile_s']:.0f} s of compile); second launch in fresh "
