@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOFT_FRACTION = 0.85  # a section is told this share of its limit, to finish in time
 KILL_GRACE_S = 5.0  # between SIGTERM (rows dumped) and SIGKILL
 MIN_START_S = 3.0  # a section with less time than this left is skipped, not started
-SERVE_EXTRA = ("fastapi", "uvicorn", "openai")  # absent from the GPU image
+SERVE_EXTRA = ("fastapi", "uvicorn", "openai", "pydantic")  # absent from the GPU image
 
 
 @dataclass

@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from spaceserve.runtime.request import SamplingParams
+from spaceserve.server.errors import APIError
 from spaceserve.server.images import ImageLimits, to_data_url
-from spaceserve.server.protocol import APIError, ChatCompletionRequest
 
 from .metrics import Result
 from .prompts import prompt_shape
@@ -58,6 +58,8 @@ class InProcessBackend:
     def _prepare(self, body: Any) -> Any:
         if self.prompts is not None:
             return body
+        from spaceserve.server.protocol import ChatCompletionRequest  # pydantic: chat bodies only
+
         chat = ChatCompletionRequest.model_validate(body | {"stream": False,
                                                             "stream_options": None})
         return self.pre.prepare(chat, self.limits)

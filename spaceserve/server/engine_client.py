@@ -24,8 +24,8 @@ from typing import Any
 from spaceserve.runtime.engine import Engine
 from spaceserve.runtime.request import RequestOutput, SamplingParams
 
+from .errors import APIError
 from .metrics import ServerMetrics
-from .protocol import APIError
 
 KNOWN_MODES = ("temporal", "spatial", "spatial-static", "shared")
 
