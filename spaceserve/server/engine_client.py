@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .errors import APIError
 from .metrics import ServerMetrics
-from .protocol import APIError
 
 if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
     from spaceserve.runtime.engine import Engine

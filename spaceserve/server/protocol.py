@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, InputError
 
+from .errors import APIError  # noqa: F401  (re-exported)
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -76,20 +78,6 @@ class ChatCompletionRequest(_Model):
         """`max_completion_tokens` wins over the older `max_tokens`."""
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
-
-
-class APIError(Exception):
-    """An error answered as OpenAI-style JSON with an HTTP status."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = \
-            status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

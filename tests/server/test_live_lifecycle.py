@@ -12,6 +12,9 @@ import time
 import httpx
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+
 from spaceserve.server.app import ServerThread
 
 from .conftest import MODEL, make_app, null_engine, wait_until
