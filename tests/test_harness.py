@@ -152,13 +152,14 @@ def test_common_helpers(tmp_path: Path) -> None:
 
 
 def test_demo_runs_and_reports(capsys) -> None:
-    from bench import kernels as demo
+    from spaceserve.bench import demo
+    from spaceserve.bench import kernel_cases as cases
 
     rc = demo.main(["--quick", "--only", "rms_norm", "store_kv"])
     text = capsys.readouterr().out
     assert "kernel" in text and "budget" in text
-    rows = demo.run_case(next(c for c in demo.CASES if c.name == "store_kv"), [1, 3],
-                         demo.torch.device("cpu"), demo.torch.float16, False)
+    rows = cases.run_case(next(c for c in cases.CASES if c.name == "store_kv"), [1, 3],
+                          cases.torch.device("cpu"), cases.torch.float16, False)
     if rows[0].get("status", "").startswith("not available"):
         pytest.skip(rows[0]["status"])
     assert rc == 0, text
@@ -183,7 +184,7 @@ def test_cli_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["argv"] == ["--quick", "x"]
     with pytest.raises(SystemExit):
         cli.main(["nope"])
-    assert cli.COMMANDS["demo"][0] == "bench.kernels"
+    assert cli.COMMANDS["demo"][0] == "spaceserve.bench.demo"  # the CLI needs no bench/
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the sections")

@@ -130,7 +130,7 @@ def launch_overhead_us(n: int = 2000) -> dict[str, float]:
 
 def compile_times(deadline: float) -> list[dict[str, Any]]:
     """First call (JIT compile + run) vs second call of each demo kernel, small bf16 shapes."""
-    from bench.kernels import CASES, resolve
+    from spaceserve.bench.kernel_cases import CASES, resolve
 
     rows = []
     dev = torch.device("cuda")

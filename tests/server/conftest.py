@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from spaceserve.runtime.engine import Engine, EngineConfig
+from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits
 from spaceserve.runtime.runner import NullModelRunner
 from spaceserve.server.app import ServerLimits, ServerThread, create_app
-from spaceserve.server.chat import ChatPreprocessor
 from spaceserve.server.engine_client import AsyncEngine, load_engine
-from spaceserve.server.images import ImageLimits
 from spaceserve.server.tiny import build_tiny_checkpoint
 
 MODEL = "tiny-test"

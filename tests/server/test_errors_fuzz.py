@@ -11,8 +11,8 @@ import random
 import httpx
 import pytest
 
+from spaceserve.runtime.inputs import ImageLimits
 from spaceserve.server.app import ServerLimits
-from spaceserve.server.images import ImageLimits
 
 from .conftest import MODEL, make_app, null_engine, png, wait_until
 

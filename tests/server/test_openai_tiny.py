@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from spaceserve import SamplingParams
-from spaceserve.server.protocol import parse_request
+from spaceserve.server.protocol import chat_messages, parse_request
 
 from .conftest import MODEL, png
 
@@ -30,8 +30,8 @@ def expected(tiny_engine):
     from PIL import Image
 
     engine, pre = tiny_engine
-    text = pre.render(parse_request(json.dumps({"model": MODEL, "messages": MESSAGES})
-                                    .encode()))[0]
+    text = pre.render(chat_messages(parse_request(json.dumps({"model": MODEL,
+                                                              "messages": MESSAGES}).encode())))[0]
     img = Image.open(io.BytesIO(IMAGE)).convert("RGB")
     out = engine.generate({"prompt": text, "images": [img]},
                           SamplingParams(ignore_eos=True, **PARAMS))[0]
