@@ -27,7 +27,7 @@ builds the same partition set on every rank).
 
 Worker -> rank 0 messages are tuples: ``("hello", rank, pid)`` once imported,
 ``("ready", rank)`` once its shard is loaded, ``("reply", value)`` for the commands that
-return something (`Profile`, `Capture`), and ``("error", rank, text)`` just before a worker
+return something (`Profile`, `Capture`, `Stats`), and ``("error", rank, text)`` just before a worker
 exits on an exception.
 """
 
@@ -160,13 +160,22 @@ class Step:
 
 
 @dataclass
+class Stats:
+    """Diagnostics; replies {"steps", "embeds", "jobs", "launches"}: steps run, embeddings and
+    encoder jobs held, and the kernel launches (`LaunchRecord`s) recorded since the last
+    `Stats`. `record` True starts recording launches, False stops, None leaves it as is."""
+
+    record: bool | None = None
+
+
+@dataclass
 class Stop:
     pass
 
 
 COMMANDS = (Profile, Allocate, Capture, Encode, StartEncode, AdvanceEncode, FinishEncode,
-            Embeds, Release, Step, Stop)
-REPLIES = (Profile, Capture)  # the commands a worker answers
+            Embeds, Release, Step, Stats, Stop)
+REPLIES = (Profile, Capture, Stats)  # the commands a worker answers
 
 
 def dumps(obj: Any) -> bytes:

@@ -101,6 +101,31 @@ class TensorParallelRunner:
         self._keys: dict[int, tuple[int, MultiModalData]] = {}
         self._next_key = 0
 
+    @classmethod
+    def for_engine(cls, config: Any, *, path: str | None = None,
+                   model_config: dict[str, Any] | None = None, seed: int = 0,
+                   attention_backend: str = "triton", dtype: Any = None, device: Any = None
+                   ) -> TensorParallelRunner:
+        """The runner of an `EngineConfig` (its ``tensor_parallel_size`` and, for the
+        co-located modes, its partition fields) over a checkpoint `path` or random weights of
+        `model_config` (a config dict) drawn with `seed`. `device` None: CUDA when present."""
+        dev = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and dev.index not in (None, 0)):
+            raise ValueError(f"device={device!r}: a tensor-parallel group runs on 'cpu' or on "
+                             "'cuda' (rank r on GPU r of the visible ones)")
+        if dtype is not None and not isinstance(dtype, str):
+            dtype = str(dtype).removeprefix("torch.")
+        source = P.ModelSource(path=None if path is None else os.fspath(path),
+                               config=model_config, seed=seed,
+                               attention_backend=attention_backend, dtype=dtype,
+                               device=dev.type)
+        partitions = None
+        if config.mode != "temporal":
+            partitions = P.PartitionSpec(config.mode, config.encoder_sms, config.encoder_splits,
+                                         config.green_contexts, config.programs_per_sm)
+        return cls(source, config.tensor_parallel_size, partitions=partitions)
+
     # -- budgets (set by the co-located modes' partitions) ----------------------------------
     @property
     def encoder_num_sms(self) -> int | None:
@@ -261,6 +286,12 @@ class TensorParallelRunner:
                           self._budgets()))
         comm = self.comms.get(stage, self.comms["decoder"])
         return self._run(self.local.run_step, step, comm=comm)
+
+    def worker_stats(self, record: bool | None = None) -> list[dict[str, Any]]:
+        """Each worker's diagnostics (`protocol.Stats`): steps run, embeddings and encoder jobs
+        held, and the launches recorded since the last call (`record` switches recording)."""
+        self._send(P.Stats(record))
+        return self._replies()
 
     # -- shutdown ----------------------------------------------------------------------------
     def worker_pids(self) -> list[int]:

@@ -61,6 +61,8 @@ class WorkerState:
         self.by_budgets = {} if partitions is None else {
             (p.encoder_sms, p.decoder_sms): p for p in partitions.partitions()}
         self.num_steps = 0
+        self._recorder: Any = None  # record_launches() context while recording
+        self._launches: list[Any] = []
 
     # -- partitions and budgets ----------------------------------------------------------
     def _scope(self, budgets: P.Budgets, kind: str) -> contextlib.AbstractContextManager:
@@ -128,6 +130,8 @@ class WorkerState:
         if isinstance(cmd, P.Allocate):
             r.allocate_kv_cache(cmd.num_blocks, cmd.limits)
             return NO_REPLY
+        if isinstance(cmd, P.Stats):
+            return self._stats(cmd.record)
         if isinstance(cmd, P.Profile):
             peak = r.profile_peak_bytes(cmd.limits, cmd.max_encoder_tokens)
             free = torch.cuda.mem_get_info(r.device)[0] if r.device.type == "cuda" else 0
@@ -168,6 +172,21 @@ class WorkerState:
             for k in ([key] if key is not None else getattr(cmd, "keys", [])):
                 self.jobs.pop(k, None)
                 self.embeds.pop(k, None)
+
+    def _stats(self, record: bool | None) -> dict[str, Any]:
+        from spaceserve.kernels import record_launches
+
+        launches = list(self._launches)
+        self._launches.clear()
+        if record is not None and (self._recorder is not None) != record:
+            if record:
+                self._recorder = record_launches()
+                self._launches = self._recorder.__enter__()
+            else:
+                self._recorder.__exit__(None, None, None)
+                self._recorder, self._launches = None, []
+        return {"steps": self.num_steps, "embeds": len(self.embeds), "jobs": len(self.jobs),
+                "launches": launches}
 
     def close(self) -> None:
         if self.pset is not None:
