@@ -118,16 +118,10 @@ class Engine(EngineFrontends):
             raise ValueError(f"attention_backend={attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
         tokenizer, processor = load_processor(path)
-        if cfg.tensor_parallel_size > 1:
-            from .tp import TensorParallelRunner
+        from .qwen2_vl_runner import load_runner
 
-            runner: Any = TensorParallelRunner.for_engine(
-                cfg, path=path, attention_backend=attention_backend, dtype=dtype, device=device)
-        else:
-            from .qwen2_vl_runner import Qwen2VLRunner
-
-            runner = Qwen2VLRunner.from_pretrained(path, attention_backend=attention_backend,
-                                                   dtype=dtype, device=device)
+        runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
+                             device=device)
         try:
             return cls(runner, cfg, tokenizer=tokenizer, processor=processor)
         except BaseException:
