@@ -118,7 +118,7 @@ class Engine(EngineFrontends):
             raise ValueError(f"attention_backend={attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
         tokenizer, processor = load_processor(path)
-        from .qwen2_vl_runner import load_runner
+        from .runners import load_runner
 
         runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
                              device=device)

@@ -60,21 +60,6 @@ def _eos_ids(config: Any, path: str | None) -> tuple[int, ...]:
     return tuple(int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids]))
 
 
-def load_runner(path: str | os.PathLike, config: Any, *, attention_backend: str = "triton",
-                dtype: Any = None, device: Any = None) -> Any:
-    """The runner of a checkpoint directory for an `EngineConfig`: a `Qwen2VLRunner`, or at
-    ``tensor_parallel_size`` > 1 a `tp.TensorParallelRunner` (worker processes started; close
-    it when done)."""
-    if config.tensor_parallel_size > 1:
-        from .tp import TensorParallelRunner
-
-        return TensorParallelRunner.for_engine(config, path=os.fspath(path),
-                                               attention_backend=attention_backend, dtype=dtype,
-                                               device=device)
-    return Qwen2VLRunner.from_pretrained(path, attention_backend=attention_backend, dtype=dtype,
-                                         device=device)
-
-
 class Qwen2VLRunner:
     """Runs a loaded `Qwen2VL` for the engine (see `ModelRunner` for the call order)."""
 

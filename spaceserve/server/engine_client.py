@@ -296,7 +296,7 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
 
     from spaceserve.runtime.engine import Engine, EngineConfig
     from spaceserve.runtime.inputs import ChatPreprocessor
-    from spaceserve.runtime.qwen2_vl_runner import load_runner
+    from spaceserve.runtime.runners import load_runner
 
     from .tiny import resolve_model
 

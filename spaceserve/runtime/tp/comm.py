@@ -15,12 +15,15 @@ the decode CUDA graphs like any kernel; the communicator is connected eagerly at
 written for the GPU image (torch 2.11) and cannot run on this project's CPU-only CI.
 
 Every operation has the group's timeout (gloo's default is 30 minutes); the process layer
-(`group.py`) watches the workers and turns a dead peer into an error long before that.
+(`group.py`) watches the workers and turns a dead peer into an error long before that. NCCL
+groups abort their communicators on an error rather than tear the process down
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless set otherwise): rank 0 is the engine's process.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
 import torch
@@ -92,6 +95,9 @@ def _process_group(backend: str, store: Any, rank: int, size: int, timeout_s: fl
         return dist.ProcessGroupGloo(store, rank, size, opts)
     from torch.distributed import ProcessGroupNCCL  # CUDA builds only
 
+    # On an error or timeout abort the communicators and raise in the waiting thread (2,
+    # "CleanUpOnly"), rather than tear the process down: rank 0 is the engine's process.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return ProcessGroupNCCL(store, rank, size, opts)

@@ -98,6 +98,7 @@ class WorkerGroup:
         self.conns: list[Any] = []
         self.pids: list[int] = []
         self._failure: str | None = None
+        self._primary: int | None = None
         self._closing = False
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
@@ -192,32 +193,60 @@ class WorkerGroup:
             if self._wake_r in ready:
                 return
             for s in ready:
-                i = sentinels.pop(s)
-                if not self._closing:
-                    self._fail(i)
+                sentinels.pop(s, None)
+            if not self._closing:
+                self._fail()
 
-    def _fail(self, i: int) -> None:
-        if self._failure is None:
+    def _fail(self) -> None:
+        """Record the failure (once): of the workers dead by now, the one that died first in
+        all likelihood - killed by a signal, else exited without reporting an error, else the
+        first to report one (the others' collectives then failed on its account)."""
+        dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
+        if self._failure is None and dead:
+            for i in dead:
+                self.procs[i].join(0.1)
+                self._drain(i)
+
+            def rank(i: int) -> tuple[int, int]:
+                code = self.procs[i].exitcode
+                return (0 if code is not None and code < 0 else 1 if i not in self._errors
+                        else 2, i)
+
+            i = min(dead, key=rank)
             proc = self.procs[i]
-            proc.join(0.1)
             self._failure = (f"tensor-parallel worker rank {i + 1} (pid {proc.pid}) "
                              f"{_describe_exit(proc)}")
+            self._primary = i
         for hook in list(self.on_failure):
             with contextlib.suppress(Exception):
                 hook()
 
+    def _drain(self, i: int) -> None:
+        """Read what a dead worker left in its pipe (its error report)."""
+        if i in self._errors:
+            return
+        with contextlib.suppress(Exception):
+            while self.conns[i].poll():
+                if self._recv(i) is None:
+                    break
+
     def failure(self) -> str | None:
-        """What went wrong, or None: the first worker to die, with its traceback's last line."""
+        """What went wrong, or None: the worker that died first (with its error's last line),
+        then the others that have exited since."""
         if self._failure is None:
             return None
-        for i, conn in enumerate(self.conns):  # a dead worker's last words
-            if i not in self._errors and not self.procs[i].is_alive():
-                with contextlib.suppress(Exception):
-                    if conn.poll():
-                        self._recv(i)
-        detail = "; ".join(f"rank {i + 1}: {text.strip().splitlines()[-1]}"
-                           for i, text in sorted(self._errors.items()))
-        return self._failure + (f" ({detail})" if detail else "")
+        primary = self._primary
+        if primary is None:
+            return self._failure
+        self._drain(primary)
+        text = self._failure
+        if primary in self._errors:
+            text += f" ({self._errors[primary].strip().splitlines()[-1]})"
+        others = [f"rank {i + 1} {_describe_exit(p)}" for i, p in enumerate(self.procs)
+                  if i != primary and not p.is_alive()]
+        if others:
+            text += "; then " + ", ".join(others)
+        return text
 
     def check(self) -> None:
         if self._failure is not None:
@@ -228,10 +257,8 @@ class WorkerGroup:
         (`cause`), first give the monitor `DEATH_GRACE_S` to notice which one."""
         deadline = time.monotonic() + DEATH_GRACE_S
         while self._failure is None and time.monotonic() < deadline:
-            for i, proc in enumerate(self.procs):
-                if not proc.is_alive():
-                    self._fail(i)
-                    break
+            if any(not p.is_alive() for p in self.procs):
+                self._fail()
             else:
                 time.sleep(0.05)
         why = self.failure()

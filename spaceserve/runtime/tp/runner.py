@@ -57,7 +57,8 @@ class _Job:
 
 class TensorParallelRunner:
     """Rank 0 of a tensor-parallel group of `size` ranks (module docstring). `partitions` is
-    set for the co-located modes (every rank builds the same partition set)."""
+    set for the co-located modes (every rank builds the same partition set); `env` is set in
+    every rank's environment before its group is created (NCCL's knobs, for instance)."""
 
     def __init__(self, source: P.ModelSource, size: int, *,
                  partitions: P.PartitionSpec | None = None, timeout_s: float | None = None,
@@ -79,6 +80,7 @@ class TensorParallelRunner:
         self.group = WorkerGroup(size, source, timeout_s=timeout_s or collective_timeout_s(),
                                  stages=stages, partitions=partitions,
                                  num_threads=torch.get_num_threads(), env=env)
+        os.environ.update(self.group.spec.env)  # e.g. NCCL's knobs: rank 0 joins with them too
         self.comms: dict[str, Any] = {}
         self._dead = False
         self._lock = threading.Lock()  # keys
