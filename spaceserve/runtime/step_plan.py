@@ -121,9 +121,11 @@ class StepInputs:
         return int(self.rows.size)
 
     def wire(self) -> StepInputs:
-        """A copy without the device-side image pieces, to send to another process."""
-        return StepInputs(self.rows, self.num_cached, self.num_new, self.need_logits,
-                          self.input_ids, self.num_decodes, self.pad_to, self.width, self.sync)
+        """A compact copy to send to another process: int32 arrays, no image pieces."""
+        i32 = np.int32
+        return StepInputs(self.rows.astype(i32), self.num_cached.astype(i32),
+                          self.num_new.astype(i32), self.need_logits, self.input_ids.astype(i32),
+                          self.num_decodes, self.pad_to, self.width, self.sync)
 
 
 class StepPlanner:

@@ -255,6 +255,9 @@ class WorkerGroup:
     def raise_failure(self, cause: BaseException | None = None) -> None:
         """Raise `TensorParallelError` naming the dead worker; after a failed collective
         (`cause`), first give the monitor `DEATH_GRACE_S` to notice which one."""
+        if self._closing and self._failure is None:
+            raise TensorParallelError("the tensor-parallel group is closed (the engine was "
+                                      "closed)") from cause
         deadline = time.monotonic() + DEATH_GRACE_S
         while self._failure is None and time.monotonic() < deadline:
             if any(not p.is_alive() for p in self.procs):
@@ -263,7 +266,11 @@ class WorkerGroup:
                 time.sleep(0.05)
         why = self.failure()
         if why is None:
-            why = f"a tensor-parallel collective failed: {type(cause).__name__}: {cause}"
+            if cause is None:
+                why = ("the tensor-parallel group is stopped (closed, or interrupted inside a "
+                       "step)")
+            else:
+                why = f"a tensor-parallel collective failed: {type(cause).__name__}: {cause}"
             self._failure = why
         raise TensorParallelError(f"{why}; the engine cannot continue (close it and start a "
                                   "new one)") from cause

@@ -174,6 +174,10 @@ class TensorParallelRunner:
                 self._dead = True
                 self.group.raise_failure(exc)
             raise
+        except BaseException:  # interrupted: the workers may be inside a collective now
+            if fatal:
+                self._dead = True
+            raise
 
     def _replies(self) -> list[Any]:
         try:
@@ -302,8 +306,10 @@ class TensorParallelRunner:
     def close(self) -> None:
         """Stop the workers and release the groups (idempotent)."""
         self._dead = True
-        self.group.close()
-        for comm in self.comms.values():
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.close()
+        for comm in getattr(self, "comms", {}).values():
             comm.shutdown()
         self.comms = {}
 
