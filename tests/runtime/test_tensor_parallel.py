@@ -157,3 +157,34 @@ def test_tp4_replicates_kv_heads_and_a_killed_worker_ends_generate(tiny):
         assert killed and time.monotonic() - killed[0] < 30.0
         with pytest.raises(TensorParallelError):  # the engine stays failed, it does not hang
             eng.generate(prompts[:1], GREEDY)
+
+
+def broken_worker(rank, spec, source, conn, parent) -> None:
+    """A worker that fails while loading its shard (module level: spawn pickles it by name)."""
+    import traceback
+
+    conn.send(("hello", rank, os.getpid()))
+    try:
+        raise ValueError("shard 1 of the checkpoint is unreadable")
+    except ValueError:
+        conn.send(("error", rank, traceback.format_exc()))
+    os._exit(1)
+
+
+def test_a_worker_failing_at_start_is_named_at_once(tmp_path):
+    from spaceserve.runtime.tp.group import WorkerGroup
+    from spaceserve.runtime.tp.protocol import ModelSource
+
+    group = WorkerGroup(2, ModelSource(path=str(tmp_path)), timeout_s=60.0, stages=("decoder",),
+                        partitions=None, num_threads=1, target=broken_worker)
+    try:
+        group.expect("hello")
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code 1 "
+                                                      r"\(ValueError: shard 1 of the checkpoint "
+                                                      r"is unreadable\)"):
+            group.expect("ready")
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        group.close()
+    assert group.alive() == []

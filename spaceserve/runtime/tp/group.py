@@ -146,6 +146,31 @@ class WorkerGroup:
             self.pids = [int(got[i][2]) for i in range(len(self.conns))]
         return [got[i] for i in range(len(self.conns))]
 
+    def watched(self, fn: Callable[[], Any], timeout_s: float = STARTUP_TIMEOUT_S) -> Any:
+        """``fn()`` (rank 0 joining the group, which blocks until every rank has) on a helper
+        thread, given up with `TensorParallelError` as soon as a worker exits (a worker that
+        fails reports its error, then exits) instead of after the rendezvous timeout."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name="spaceserve-tp-join", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while thread.is_alive():
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"rank 0 could not join its group within "
+                                          f"{timeout_s:.0f} s")
+            if mpc.wait([p.sentinel for p in self.procs], 0.2):  # a worker exited
+                self.raise_failure()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
     # -- talking ---------------------------------------------------------------------------
     def broadcast(self, cmd: Any) -> None:
         """Send `cmd` to every worker (pickled once)."""

@@ -88,8 +88,9 @@ class TensorParallelRunner:
             self.group.expect("hello")
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            self.comms = connect(0, size, self.group.spec.rendezvous, device, stages,
-                                 self.group.spec.timeout_s)
+            spec = self.group.spec
+            self.comms = self.group.watched(
+                lambda: connect(0, size, spec.rendezvous, device, stages, spec.timeout_s))
             if device.type == "cuda":  # unblock collectives waiting on a dead peer
                 self.group.on_failure.append(self._abort)
             self.local = build_runner(source, 0, size, self.comms["decoder"], device)
