@@ -16,6 +16,7 @@ from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits
 from spaceserve.runtime.runner import NullModelRunner
 from spaceserve.server.app import ServerLimits, ServerThread, create_app
 from spaceserve.server.engine_client import AsyncEngine, load_engine
+from spaceserve.server.tiny import build_tiny_checkpoint
 
 MODEL = "tiny-test"
 
@@ -27,6 +28,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
 
 
 @pytest.fixture(scope="session")
