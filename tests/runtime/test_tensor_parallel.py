@@ -188,3 +188,12 @@ def test_a_worker_failing_at_start_is_named_at_once(tmp_path):
     finally:
         group.close()
     assert group.alive() == []
+
+
+def test_splits_that_cannot_work_are_refused_before_any_process_starts(six):
+    path = six[0]  # 6 query / 2 KV heads
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by "
+                                         "tensor_parallel_size=4"):
+        Engine.from_pretrained(str(path), tensor_parallel_size=4, **FAST)
+    with pytest.raises(ValueError, match="tensor_parallel_size=0 must be an int >= 1"):
+        Engine.from_pretrained(str(path), tensor_parallel_size=0, **FAST)

@@ -123,6 +123,7 @@ class TensorParallelRunner:
                                config=model_config, seed=seed,
                                attention_backend=attention_backend, dtype=dtype,
                                device=dev.type)
+        check_splits(source, config.tensor_parallel_size)
         partitions = None
         if config.mode != "temporal":
             partitions = P.PartitionSpec(config.mode, config.encoder_sms, config.encoder_splits,
@@ -313,6 +314,26 @@ class TensorParallelRunner:
         for comm in getattr(self, "comms", {}).values():
             comm.shutdown()
         self.comms = {}
+
+
+def check_splits(source: P.ModelSource, size: int) -> None:
+    """ValueError, before any process starts, when the model's heads or MLP width do not split
+    over `size` ranks (reads only the checkpoint's config)."""
+    from spaceserve.models.loader import SUPPORTED_MODEL_TYPES, config_class
+    from spaceserve.models.parallel import TensorParallel, check_text_config
+
+    if source.path is not None:
+        import json
+
+        with open(os.path.join(source.path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            return  # from_pretrained says why, on rank 0
+        config = config_class(model_type).from_pretrained(source.path)
+    else:
+        raw = dict(source.config or {})
+        config = config_class(raw.pop("model_type", "qwen2_vl"))(**raw)
+    check_text_config(config.text_config, TensorParallel(0, size))
 
 
 def _collective_error(exc: BaseException) -> bool:
