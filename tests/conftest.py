@@ -27,7 +27,7 @@ def device() -> torch.device:
 @pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory):
     """The `--model tiny` checkpoint (tokenizer, image processor, random weights), built once
-    per session (tests/server/conftest.py still builds its own copy for the server tests)."""
+    per session."""
     from spaceserve.server.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
