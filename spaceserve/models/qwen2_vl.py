@@ -46,7 +46,8 @@ class Qwen2VL:
                              f"text_config.hidden_size={tcfg.hidden_size}")
         head = weight("lm_head.weight")
         self.language = LanguageModel(tcfg, lambda n: weight("language." + n), head,
-                                      config.image_token_id, self.ops, self.backend, device, dtype)
+                                      config.image_token_id, self.ops, self.backend, device, dtype,
+                                      video_token_id=getattr(config, "video_token_id", None))
 
     @property
     def attention_backend(self) -> str:
@@ -59,7 +60,8 @@ class Qwen2VL:
     def encode_images(self, pixel_values: Tensor, image_grid_thw: Tensor | Sequence[Sequence[int]],
                       *, num_sms: int | None = None) -> Tensor:
         """Merged image embeddings ``[image_tokens, text_hidden]`` (transformers' pooler_output),
-        every launch under `num_sms`."""
+        every launch under `num_sms`. Videos go the same way: `image_grid_thw` rows with t > 1
+        temporal patches (transformers' ``pixel_values_videos`` / ``video_grid_thw``)."""
         return self.vision.encode(pixel_values, image_grid_thw, num_sms=self._budget(num_sms))
 
     def start_encode(self, pixel_values: Tensor, image_grid_thw: Any) -> EncoderJob:
@@ -86,9 +88,15 @@ class Qwen2VL:
     __call__ = forward
 
     # -- host helpers ----------------------------------------------------------------------
-    def mrope_positions(self, input_ids: Any, image_grid_thw: Any = None) -> tuple[Tensor, int]:
-        """M-RoPE positions ``[3, L]`` and rope delta of one prompt (see `mrope.py`)."""
-        return mrope_positions(input_ids, image_grid_thw, self.config)
+    def mrope_positions(self, input_ids: Any, image_grid_thw: Any = None, *,
+                        video_grid_thw: Any = None,
+                        second_per_grid_ts: Tensor | Sequence[float] | None = None
+                        ) -> tuple[Tensor, int]:
+        """M-RoPE positions ``[3, L]`` and rope delta of one prompt (see `mrope.py`);
+        `second_per_grid_ts` spaces video frames on Qwen2.5-VL only."""
+        return mrope_positions(input_ids, image_grid_thw, self.config,
+                               video_grid_thw=video_grid_thw,
+                               second_per_grid_ts=second_per_grid_ts)
 
     def image_processor(self, **kwargs: Any) -> Any:
         """transformers' Qwen2VLImageProcessor with this model's patch geometry."""

@@ -50,13 +50,15 @@ class LanguageModel:
 
     def __init__(self, config: Any, weight: Callable[[str], Tensor], lm_head: Tensor,
                  image_token_id: int, ops: TorchOps, backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype,
+                 video_token_id: int | None = None) -> None:
         self.config = config
         self.ops = ops
         self.backend = backend
         self.device = device
         self.dtype = dtype
         self.image_token_id = int(image_token_id)
+        self.video_token_id = None if video_token_id is None else int(video_token_id)
         self.hidden = int(config.hidden_size)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads or self.num_heads)
@@ -118,13 +120,15 @@ class LanguageModel:
         if image_embeds is None:
             return h
         mask = input_ids == self.image_token_id
+        if self.video_token_id is not None:  # video tokens take encoder rows the same way
+            mask |= input_ids == self.video_token_id
         if image_embeds.dim() != 2 or image_embeds.shape[1] != self.hidden:
             raise ValueError(f"image_embeds must be [image_tokens, {self.hidden}], got "
                              f"{tuple(image_embeds.shape)}")
         if input_ids.device.type == "cpu":
             n = int(mask.sum())
             if n != image_embeds.shape[0]:
-                raise ValueError(f"input_ids hold {n} image tokens, image_embeds has "
+                raise ValueError(f"input_ids hold {n} image/video tokens, image_embeds has "
                                  f"{image_embeds.shape[0]} rows")
         return h.masked_scatter(mask.unsqueeze(-1), image_embeds.to(h.dtype))
 

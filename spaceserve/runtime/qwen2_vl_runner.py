@@ -3,7 +3,9 @@
 Per step the engine's `ScheduledBatch` becomes the model's step context through one
 preallocated planner (`runner.StepPlanner` over `models.context.ContextPlanner`: M-RoPE
 positions sliced from each prompt's precomputed table, rope deltas after it, the flattened
-token ids), plus the image-embedding rows of the image tokens the step covers, in token order.
+token ids), plus the embedding rows of the image and video tokens the step covers, in token
+order. A request's images and videos are one encoder job (a video is an item of t temporal
+patches; the vision tower attends within each of them).
 Decode-only steps replay a CUDA graph of the next larger captured batch size when one exists;
 the graphs are captured on the planner's own buffers, so a replay copies nothing.
 Images are encoded one request at a time, so a request's embeddings never depend on which
@@ -59,7 +61,12 @@ class Qwen2VLRunner:
             image_token_id=int(cfg.image_token_id),
             spatial_merge_size=int(vcfg.spatial_merge_size),
             patch_dim=int(vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size ** 2),
+            video_token_id=None if getattr(cfg, "video_token_id", None) is None
+            else int(cfg.video_token_id),
         )
+        self._media_ids = np.array([t for t in (self.info.image_token_id,
+                                                self.info.video_token_id) if t is not None])
+        self._media_set = frozenset(self._media_ids.tolist())
         lm = model.language
         self._lm_shape = (lm.num_layers, lm.num_kv_heads, lm.head_dim)
         self.kv: Any = None
@@ -135,8 +142,14 @@ class Qwen2VLRunner:
         return tuple(sizes)
 
     def prepare_request(self, req: Request) -> None:
-        grid = req.mm.image_grid_thw if req.mm is not None else None
-        req.model_state = self.model.mrope_positions(req.prompt_token_ids, grid)
+        mm = req.mm
+        if mm is None or not mm.num_videos:
+            grid = mm.image_grid_thw if mm is not None else None
+            req.model_state = self.model.mrope_positions(req.prompt_token_ids, grid)
+            return
+        req.model_state = self.model.mrope_positions(
+            req.prompt_token_ids, mm.grid_of("image"), video_grid_thw=mm.grid_of("video"),
+            second_per_grid_ts=list(mm.second_per_grid_ts))
 
     def encode(self, mms: Sequence[MultiModalData]) -> list[torch.Tensor]:
         out = []
@@ -166,11 +179,11 @@ class Qwen2VLRunner:
         return self.model.vision.finish(job, num_sms=self.model._budget(num_sms))
 
     def _image_rows(self, batch: ScheduledBatch, ids: np.ndarray) -> torch.Tensor | None:
-        """One embedding row per image-token id among the step's token ids `ids`, in token
-        order: the encoder's row for a prompt image token, the token's own embedding for a
-        generated one (the model may emit the image token id; it is then plain text)."""
-        img = self.info.image_token_id
-        if not (ids == img).any():
+        """One embedding row per image- or video-token id among the step's token ids `ids`, in
+        token order: the encoder's row for a prompt media token, the token's own embedding for
+        a generated one (the model may emit a media token id; it is then plain text)."""
+        media = self._media_ids
+        if not np.isin(ids, media).any():
             return None
         embeds: list[torch.Tensor] = []
         for req, s, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
@@ -180,10 +193,10 @@ class Qwen2VLRunner:
                 if hi > lo:
                     embeds.append(mm.embeds[lo:hi])
             if s + n > p:
-                k = req.token_ids[max(s, p):s + n].count(img)
-                if k:
-                    row = self.model.language.embed[img]
-                    embeds.append(row.expand(k, row.shape[0]))
+                toks = [t for t in req.token_ids[max(s, p):s + n] if t in self._media_set]
+                if toks:
+                    index = torch.tensor(toks, device=self.model.language.embed.device)
+                    embeds.append(self.model.language.embed.index_select(0, index))
         return torch.cat(embeds) if embeds else None
 
     def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
