@@ -297,6 +297,7 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
         attention_backend = "triton" if str(device).startswith("cuda") else "torch"
     runner = Qwen2VLRunner.from_pretrained(path, attention_backend=attention_backend,
                                            dtype=dtype, device=device)
-    pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id)
+    pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id,
+                                           video_token_id=runner.info.video_token_id)
     engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
     return engine, pre, note
