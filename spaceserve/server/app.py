@@ -4,8 +4,9 @@ Routes: ``POST /v1/chat/completions`` (non-streaming, or SSE with ``stream``), `
 /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every client mistake is an
 OpenAI-style JSON error with a 4xx status: 400 for a malformed body, field or medium, 404 for an
 unknown model, 413 for an oversized body, 503 when the bounded queue is full. Prompt rendering
-and media fetching and decoding run in a worker pool; the engine steps on its own thread. A client that goes
-away (non-streaming or streaming) aborts its request, which frees its KV blocks.
+and media decoding run in a worker pool (remote media fetches on the fetcher's own bounded
+pool); the engine steps on its own thread. A client that goes away (non-streaming or
+streaming) aborts its request, which frees its KV blocks.
 
 A stream sends its first chunk only once the first token exists (so a request that fails
 before generating anything still gets a JSON error and a 4xx), then one chunk per new text,

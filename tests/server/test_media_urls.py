@@ -125,11 +125,11 @@ def test_remote_urls_through_the_server(remote_server, media) -> None:
     assert body["prompt_token_ids"] == _ask(remote_server, inline)[1]["prompt_token_ids"]
     status, body = _ask(remote_server, media.url("/clip.mp4"), "video_url")
     assert status == 200 and body["usage"]["prompt_tokens"] > VIDEO_TOKENS
-    for path, host, kind, match in [
-        ("/img.png", "127.0.0.1", "not_allowed", "are not allowed"),
-        ("/big.png", "localhost", "too_large", "image larger than 200000 bytes"),
-        ("/slow.png", "localhost", "fetch_failed", "timed out"),
-        ("/redirect-out", "localhost", "not_allowed", "'127.0.0.1'"),
+    for path, host, match in [
+        ("/img.png", "127.0.0.1", "are not allowed"),
+        ("/big.png", "localhost", "image larger than 200000 bytes"),
+        ("/slow.png", "localhost", "timed out"),
+        ("/redirect-out", "localhost", "'127.0.0.1'"),
     ]:
         status, body = _ask(remote_server, media.url(path, host=host))
         err = body["error"]
