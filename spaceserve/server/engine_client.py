@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .metrics import ServerMetrics
@@ -300,4 +300,7 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
     pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id,
                                            video_token_id=runner.info.video_token_id)
     engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
+    if pre.video_sampling is not None:  # a video's total token budget is the context at most
+        pre.video_sampling = replace(pre.video_sampling, max_video_tokens=min(
+            pre.video_sampling.max_video_tokens, engine.max_model_len))
     return engine, pre, note
