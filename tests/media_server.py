@@ -106,3 +106,48 @@ class MediaServer:
         self.stop.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def tls_files(tmp_path, name: str = "localhost") -> tuple[str, str, str]:
+    """(CA cert, server cert, server key) PEM paths: a throwaway CA and a leaf for `name`
+    only (no IP in its names), made with `cryptography`."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "media test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(1)
+          .not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(hours=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    leaf = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(2)
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = [str(tmp_path / f) for f in ("ca.pem", "cert.pem", "key.pem")]
+    pem = serialization.Encoding.PEM
+    (tmp_path / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (tmp_path / "cert.pem").write_bytes(leaf.public_bytes(pem))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return paths[0], paths[1], paths[2]
+
+
+def serve_tls(server: MediaServer, cert: str, key: str) -> MediaServer:
+    """Wrap `server`'s socket in TLS with `cert` (before it starts)."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    server.httpd.socket = ctx.wrap_socket(server.httpd.socket, server_side=True)
+    return server

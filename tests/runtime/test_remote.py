@@ -213,3 +213,28 @@ def test_policy_validation() -> None:
                 dict(allowed_domains=("a.com",), max_concurrent=0)]:
         with pytest.raises(ValueError):
             RemotePolicy(**bad)
+
+
+@pytest.mark.parametrize("cert_name, ok", [("localhost", True), ("other.test", False)])
+def test_https_verifies_the_name_while_connecting_to_the_address(tmp_path, cert_name, ok
+                                                                  ) -> None:
+    """TLS to 127.0.0.1 with the name as server name: a certificate for the name passes, one for
+    another name fails (the address alone is never what is verified)."""
+    import ssl
+
+    from tests.media_server import serve_tls, tls_files
+
+    pytest.importorskip("cryptography")
+    ca, cert, key = tls_files(tmp_path, cert_name)
+    ctx = ssl.create_default_context(cafile=ca)
+    with serve_tls(MediaServer(PNG), cert, key) as s:
+        f = RemoteFetcher(policy(), ssl_context=ctx)
+        try:
+            url = f"https://localhost:{s.port}/img.png"
+            if ok:
+                assert get(f, url) == PNG and s.hosts[-1] == f"localhost:{s.port}"
+            else:
+                err = fails("fetch_failed", get, f, url)
+                assert "CERTIFICATE_VERIFY_FAILED" in str(err) or "certificate" in str(err)
+        finally:
+            f.close()

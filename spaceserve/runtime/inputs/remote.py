@@ -126,15 +126,17 @@ class RemoteFetcher:
     """Fetches http(s) media under a `RemotePolicy` on a bounded pool of its own threads.
 
     `fetch` blocks its caller (a preparation worker) until the bytes arrive or the deadline
-    passes; `transport` replaces the network in tests (an ``httpx`` transport).
+    passes. `ssl_context` replaces the default one (the system's CA bundle, via httpx);
+    `transport` replaces the network in tests (an ``httpx`` transport).
     """
 
-    def __init__(self, policy: RemotePolicy, *, transport: Any = None) -> None:
+    def __init__(self, policy: RemotePolicy, *, ssl_context: Any = None,
+                 transport: Any = None) -> None:
         self.policy = policy
         self.transport = transport
         self._pool = ThreadPoolExecutor(max_workers=policy.max_concurrent,
                                         thread_name_prefix="spaceserve-fetch")
-        self._ssl: Any = None
+        self._ssl: Any = ssl_context
         self._lock = threading.Lock()
 
     def close(self) -> None:
