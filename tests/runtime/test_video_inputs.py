@@ -111,6 +111,10 @@ def test_what_is_not_a_video_is_refused() -> None:
         assert str(err).startswith("m[0]: cannot open video") and err.param == "m[0]"
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     fails("unsupported", load_video_url, url, ImageLimits(), VideoLimits(), SMALL)
+    clip = bytearray(encode_clip(flat_frames(12, 60, 90)))  # damaged inside: fails cleanly
+    third = len(clip) // 3
+    clip[third:third + 200] = np.random.default_rng(0).integers(0, 255, 200, np.uint8).tobytes()
+    fails("bad_video", decode_video, bytes(clip), VideoLimits(), SMALL)
     # an HLS playlist naming a local file: no nested opens, no playlist demuxer
     playlist = b"#EXTM3U\n#EXTINF:1.0,\nfile:///etc/hostname\n#EXT-X-ENDLIST\n"
     fails("bad_video", decode_video, playlist, VideoLimits(), SMALL)

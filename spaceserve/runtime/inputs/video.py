@@ -239,8 +239,8 @@ def decode_video(raw: bytes, limits: VideoLimits, sampling: VideoSampling,
     """Encoded video bytes to sampled, resized frames under `limits`; InputError otherwise."""
     import numpy as np
 
-    h, w, fps, total = _header(raw, limits, where)
     try:
+        h, w, fps, total = _header(raw, limits, where)
         for _ in range(2):  # a second pass when the header over-counts the frames
             indices = sampling.sample(total, fps)
             size = sampling.frame_size(h, w, len(indices))
