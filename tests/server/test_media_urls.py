@@ -17,14 +17,17 @@ import pytest
 
 from spaceserve import SamplingParams
 from spaceserve.runtime.inputs import ImageLimits, RemotePolicy
-from spaceserve.server.app import ServerLimits, ServerThread
-from spaceserve.server.protocol import chat_messages, parse_request
 from tests.clips import encode_clip, flat_frames
 from tests.media_server import MediaServer
 
 from .conftest import MODEL, make_app, null_engine, png
 
 pytest.importorskip("av")
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+
+from spaceserve.server.app import ServerLimits, ServerThread  # noqa: E402
+from spaceserve.server.protocol import chat_messages, parse_request  # noqa: E402
 
 # 12 frames of 60x90 at 4 fps = 3 s: 6 frames sampled at 2 fps, resized to 56x84 (4x6 patches):
 # 3 temporal patches x (2x3 merged) = 18 video tokens
