@@ -38,6 +38,7 @@ from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, check_dir
 from . import protocol as P
 from .engine_client import AsyncEngine, QueueFull, RequestHandle
 from .protocol import APIError
+from .replicas.args import add_data_parallel_args
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -88,6 +89,10 @@ async def _next(handle: RequestHandle, gone: asyncio.Task) -> RequestOutput | No
 
 def _error_of(out: RequestOutput) -> APIError:
     msg = out.error or "request failed"
+    status = out.extra.get("status") if out.extra else None
+    if isinstance(status, int):  # the engine client's verdict (503: a replica failed)
+        return APIError(status, msg, type="server_error" if status >= 500 else
+                        "invalid_request_error")
     if msg.startswith("engine step failed"):
         return APIError(500, msg, type="server_error")
     return APIError(400, msg)
@@ -325,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-local-media-path",
                    help="folder file:// image URLs may read from (default: none allowed)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_data_parallel_args(p)
     return p
 
 
