@@ -92,6 +92,14 @@ def alive(pids: set[int]) -> set[int]:
     return out
 
 
+def _term_with_parent() -> None:
+    """In the child: SIGTERM when the test process dies, even by SIGKILL (Linux), so a crashed
+    run leaves no server (and so no Ray cluster: its processes share the server's fate)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Served:
     """The `spaceserve serve -dp 2` process and how to reach it."""
 
@@ -111,7 +119,7 @@ class Served:
                  "--served-model-name", MODEL, "--data-parallel-size", "2", "--port",
                  str(self.port), "--ray-temp-dir", self.temp, "--log-level", "warning"],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                start_new_session=True)
+                start_new_session=True, preexec_fn=_term_with_parent)
         self.ready_s: float | None = None
 
     def tail(self) -> str:
