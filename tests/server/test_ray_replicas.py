@@ -2,7 +2,8 @@
 
 One command (a subprocess, its own Ray cluster in a short temp dir) serves every test of this
 module, in order: 40 requests (text and images, streamed and not) through the official openai
-client all succeed on both replicas and a greedy request's tokens equal the single server's;
+client all succeed on both replicas, a greedy request's tokens equal the single server's, and a
+conversation's second turn goes to the replica that served its picture;
 killing a replica's process mid-load ends every affected request with a clear error or a
 retry, never a hang, and requests after Ray restarted it succeed; SIGTERM stops the replicas and
 the cluster, leaving no Ray process behind (checked again at teardown, also after a failure).
@@ -244,6 +245,16 @@ def test_forty_requests_on_both_replicas_and_greedy_equals_single(dp, single) ->
     assert served_total(text) == 42
     per = {lab: served_total(text, lab) for lab in ("0", "1")}
     assert per["0"] + per["1"] == 42 and min(per.values()) > 0, per
+    # the same picture again (a new one, in a conversation's next turn) goes where it was served
+    turn = image_message(128, 96, seed=77, text="What is in it?")
+    c.chat.completions.create(model=MODEL, messages=turn, max_tokens=4)
+    after_first = {lab: served_total(dp.metrics(), lab) for lab in ("0", "1")}
+    first = next(lab for lab in after_first if after_first[lab] > per[lab])
+    turn += [{"role": "assistant", "content": "A picture."},
+             {"role": "user", "content": "And the colours?"}]
+    c.chat.completions.create(model=MODEL, messages=turn, max_tokens=4)
+    text = dp.metrics()
+    assert served_total(text, first) == after_first[first] + 1, "the second turn moved"
     assert "spaceserve:num_replicas 2.0" in text
     health = httpx.get(dp.url + "/health").json()
     assert health == {"status": "ok", "mode": "temporal", "note": None}
