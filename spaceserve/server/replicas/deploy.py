@@ -143,6 +143,7 @@ class DataParallelServer:
         from .client import ReplicaClient
 
         ray = _import_ray()
+        self._check_engine_kwargs()
         path = resolve_model(self.model)  # the tiny checkpoint is built once, here
         with ThreadPoolExecutor(1, thread_name_prefix="spaceserve-ingress") as pool:
             ingress = pool.submit(self._ingress, path)
@@ -163,6 +164,16 @@ class DataParallelServer:
         self.app = create_app(self.client, pre, model_name=self.model_name, limits=self.limits,
                               root=self.model)
         return self
+
+    def _check_engine_kwargs(self) -> None:
+        """Bad engine settings fail here, at once, not in every replica Ray keeps restarting."""
+        from spaceserve.runtime.config import EngineConfig
+
+        from ..engine_client import resolve_mode
+
+        kw = {k: v for k, v in self.engine_kwargs.items()
+              if k not in ("mode", "device", "dtype", "attention_backend")}
+        EngineConfig(mode=resolve_mode(self.engine_kwargs.get("mode", "temporal"))[0], **kw)
 
     def _ingress(self, path: Any) -> tuple[Any, Any]:
         """(chat preprocessor, routing tracker) of the checkpoint at `path`."""
