@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from spaceserve.runtime.inputs import ImageLimits, to_data_url
-from spaceserve.server.protocol import APIError, ChatCompletionRequest, prepare_chat
+from spaceserve.server.errors import APIError
 
 from .metrics import Result
 from .prompts import prompt_shape
@@ -91,6 +91,9 @@ class InProcessBackend:
             from spaceserve.runtime.inputs import encode_plain_text
 
             return {"prompt_token_ids": encode_plain_text(self.pre.tokenizer, body["prompt"])}
+        # pydantic: chat bodies only
+        from spaceserve.server.protocol import ChatCompletionRequest, prepare_chat
+
         chat = ChatCompletionRequest.model_validate(body | {"stream": False,
                                                             "stream_options": None})
         return prepare_chat(self.pre, chat, self.limits)

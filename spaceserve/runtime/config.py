@@ -36,6 +36,9 @@ class EngineConfig:
 
     `async_scheduling` pipelines ``temporal`` steps: step n+1 is scheduled and launched before
     step n's tokens are read back (see `engine.py`); False runs every step to completion.
+    `tensor_parallel_size` N > 1 splits the decoder over N ranks (one process each, rank 0 in
+    the engine's; see `runtime/tp`); the runner must be a tensor-parallel one of that size
+    (`Engine.from_pretrained` builds it).
     """
 
     mode: str = "temporal"
@@ -61,6 +64,7 @@ class EngineConfig:
     green_contexts: bool = True
     programs_per_sm: int = 1
     async_scheduling: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,7 +74,8 @@ class EngineConfig:
         check_config(self)  # the co-located modes' settings
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_images_per_prompt", "max_encoder_tokens_per_step",
-                     "max_held_embeddings", "num_kv_blocks", "max_model_len"):
+                     "max_held_embeddings", "num_kv_blocks", "max_model_len",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if value is None and name in ("num_kv_blocks", "max_model_len"):
                 continue

@@ -2,11 +2,12 @@
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (completions.py; both
 non-streaming, or SSE with ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
-(Prometheus text). Every client mistake is an
-OpenAI-style JSON error with a 4xx status: 400 for a malformed body, field or image, 404 for an
+(Prometheus text). Every client mistake is an OpenAI-style JSON error with a 4xx status: 400
+for a malformed body, field or medium, 404 for an
 unknown model, 413 for an oversized body, 503 when the bounded queue is full. Prompt rendering
-and image decoding run in a worker pool; the engine steps on its own thread. A client that goes
-away (non-streaming or streaming) aborts its request, which frees its KV blocks.
+and media decoding run in a worker pool (remote media fetches on the fetcher's own bounded
+pool); the engine steps on its own thread. A client that goes away (non-streaming or
+streaming) aborts its request, which frees its KV blocks.
 
 A stream sends its first chunk only once the first token exists (so a request that fails
 before generating anything still gets a JSON error and a 4xx), then one chunk per new text
@@ -34,13 +35,22 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from spaceserve.cli_args import HelpFormatter
-from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, check_dir
+from spaceserve.runtime.inputs import (
+    ChatPreprocessor,
+    ImageLimits,
+    RemoteFetcher,
+    RemotePolicy,
+    VideoLimits,
+    check_dir,
+)
 
 from . import protocol as P
 from .engine_client import AsyncEngine, QueueFull, RequestHandle
 from .http_util import _error_of, _json, _next, _read_body, _until_disconnect
 from .logprobs import TokenText, chat_logprobs
+from .media_args import add_media_args, media_limits
 from .protocol import APIError
+from .replicas.args import add_data_parallel_args
 from .sampling import to_sampling_params
 
 if TYPE_CHECKING:
@@ -51,10 +61,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Bounds on what one request may carry."""
+    """Bounds on what one request may carry; `remote` None refuses http(s) media URLs."""
 
     max_body_bytes: int = 32 * 1024 * 1024
     images: ImageLimits = ImageLimits()
+    videos: VideoLimits = VideoLimits()
+    remote: RemotePolicy | None = None
 
 
 def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_name: str,
@@ -67,6 +79,8 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     limits = limits or ServerLimits()
     app = FastAPI(title="SpaceServe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.client = client
+    # remote media fetches: the server's own bounded pool, off the loop and the step thread
+    fetcher = app.state.fetcher = RemoteFetcher(limits.remote) if limits.remote else None
     created = P.now()
     metrics = client.metrics
 
@@ -90,6 +104,8 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     async def health() -> Response:
         body = {"status": "ok" if client.alive else "dead", "mode": client.mode,
                 "note": client.mode_note}
+        if not client.alive and client.last_error:
+            body["error"] = client.last_error
         return _json(body, 200 if client.alive else 503)
 
     @app.get("/v1/models")
@@ -132,7 +148,8 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
         gone = asyncio.ensure_future(_until_disconnect(request))
         streaming = False
         try:
-            await handle.start(lambda: P.prepare_chat(preprocessor, req, limits.images),
+            await handle.start(lambda: P.prepare_chat(preprocessor, req, limits.images,
+                                                      limits.videos, fetcher=fetcher),
                                lambda prompt: sampling(req, prompt), stream=req.stream)
             first = await _next(handle, gone)
             if first is None:
@@ -248,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
     p.add_argument("--attention-backend",
                    help="triton or torch (default: triton on CUDA, torch on CPU)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the decoder is split over (one process and GPU each)")
     p.add_argument("--max-num-seqs", type=int, default=128,
                    help="requests in the running batch at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -269,8 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-images-per-request", type=int,
                    default=ImageLimits.max_images_per_request, help="images per request at most")
     p.add_argument("--allowed-local-media-path",
-                   help="folder file:// image URLs may read from (default: none allowed)")
+                   help="folder file:// image and video URLs may read from (default: none "
+                        "allowed)")
+    add_media_args(p)
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_data_parallel_args(p)
     return p
 
 
@@ -278,21 +300,28 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import uvicorn
 
+    from spaceserve.runtime.tp.group import TensorParallelError
+
     from .engine_client import load_engine
 
     try:
+        videos, remote = media_limits(args)
         limits = ServerLimits(args.max_body_bytes, ImageLimits(
             args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
-            check_dir(args.allowed_local_media_path)))
+            check_dir(args.allowed_local_media_path)), videos, remote)
         engine, pre, note = load_engine(
             args.model, mode=args.mode, device=args.device, dtype=args.dtype,
             attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len, seed=args.seed,
-            max_images_per_prompt=args.max_images_per_request)
+            max_images_per_prompt=args.max_images_per_request,
+            tensor_parallel_size=args.tensor_parallel_size)
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2
+    except TensorParallelError as exc:  # a worker failed to start
+        print(f"spaceserve serve: {exc}", file=sys.stderr)
+        return 1
     if note:
         print(f"spaceserve serve: {note}", file=sys.stderr)
     client = AsyncEngine(engine, max_pending=args.max_pending, mode_note=note)
@@ -304,4 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         client.close()
+        engine.close()  # partitions, and a tensor-parallel group's workers
+        if app.state.fetcher is not None:
+            app.state.fetcher.close()
     return 0

@@ -1,4 +1,6 @@
-"""The error every client mistake becomes: an OpenAI-style JSON body with an HTTP status."""
+"""`APIError`: an error answered as OpenAI-style JSON with an HTTP status. Kept apart from the
+request models (protocol.py, pydantic) so that the engine client and the in-process serving
+benchmark import without pydantic, which the GPU image lacks."""
 
 from __future__ import annotations
 

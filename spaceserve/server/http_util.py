@@ -53,6 +53,10 @@ async def _next(handle: RequestHandle, gone: asyncio.Task) -> RequestOutput | No
 
 def _error_of(out: RequestOutput) -> APIError:
     msg = out.error or "request failed"
+    status = out.extra.get("status") if out.extra else None
+    if isinstance(status, int):  # the engine client's verdict (503: a replica failed)
+        return APIError(status, msg, type="server_error" if status >= 500 else
+                        "invalid_request_error")
     if msg.startswith("engine step failed"):
         return APIError(500, msg, type="server_error")
     return APIError(400, msg)
