@@ -96,3 +96,22 @@ def test_held_prefix_and_min_tokens(tok) -> None:
     det = Detokenizer(make_decoder(tok), ids, 0, stops=["stop"], stop_at=first + 1)
     feed(det, ids, 0)
     assert det.stop == "stop" and det.text() == "stop here please "
+
+
+def test_a_streamed_output_pickles_as_its_own_items() -> None:
+    """An output sent to another process (a replica's answer over Ray) carries its views as
+    plain values: what it showed when made, not the request's whole growing lists."""
+    import pickle
+
+    from spaceserve.runtime.request import RequestMetrics, RequestOutput, SeqView, TextSnapshot
+
+    ids, parts = [1, 2, 3, 4, 5], ["a", "b", "c"]
+    out = RequestOutput("r", [1, 2], SeqView(ids, 2, 4), [4], False, None, None,
+                        RequestMetrics(0.0, None, (), None), delta_text="b",
+                        logprobs=SeqView(parts, 0, 1), text_source=TextSnapshot(parts, 2))
+    ids.append(6)
+    parts.append("d")
+    back = pickle.loads(pickle.dumps(out))
+    assert back.token_ids == [3, 4] and type(back.token_ids) is list
+    assert back.logprobs == ["a"] and back.text == "ab" and back.delta_text == "b"
+    assert type(back.logprobs) is list and type(back.text_source) is str
