@@ -103,7 +103,7 @@ class RowSync:
     (row, first column, ids)."""
 
     resets: list[tuple[int, int, np.ndarray | None]] = field(default_factory=list)
-    writes: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    writes: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -180,6 +180,11 @@ class StepPlanner:
         # bumped whenever a table row changes (shared by planners sharing rows)
         self._version = share_rows_with._version if share_rows_with else [0]
         self._dec_array = np.zeros(0, dtype=np.int64)  # the last decode-only step's slots
+        self._dec_key = b""  # and their bytes (a cheap comparison)
+        self._row_list: list[int] = []  # the slots of the last prepared batch, and as an array
+        self._row_array = np.zeros(0, dtype=np.int64)
+        self._ones = np.ones(limits.max_num_seqs, dtype=np.int64)
+        self._ones.flags.writeable = False
         self._dec_serial = 0  # bumped when those slots or a slot's rope state change
         self._seen_version = 0  # the table version after this planner's last sync
         self._changed: list[int] = []  # slots whose tables the last sync changed
@@ -206,7 +211,7 @@ class StepPlanner:
                     pos = core.prompt_positions[r.row]
                     sync.resets.append((r.row, int(delta), None if pos is None
                                         else pos.astype(np.int32)))
-                ids_new = np.asarray(r.block_ids[s:], dtype=np.int32)
+                ids_new = r.block_ids[s:]
                 table[r.row, s:k] = ids_new
                 sync.writes.append((r.row, s, ids_new))
                 r.synced_blocks = k
@@ -219,12 +224,15 @@ class StepPlanner:
         if pad_to is None and nd == nb and buckets and nb <= buckets[-1]:
             pad_to = next(x for x in buckets if x >= nb)
         width = self.limits.max_blocks_per_seq if pad_to is not None else None
-        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        row_list = [r.row for r in reqs]
+        if row_list != self._row_list:  # the same slots as last time: the same (shared) array
+            self._row_list, self._row_array = row_list, np.array(row_list, dtype=np.int64)
+        rows = self._row_array
         cached = np.array(batch.num_cached, dtype=np.int64)
         if nd == nb:  # decode-only: one token each, logits for all
             ids = None if len(pending) == nd else \
                 np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
-            return StepInputs(rows, cached, np.ones(nb, dtype=np.int64), None, ids, nd, pad_to,
+            return StepInputs(rows, cached, self._ones[:nb], None, ids, nd, pad_to,
                               width, sync, pending=list(pending), source=batch.input_source)
         ids_l = [r.token_ids[-1] for r in reqs[:nd]]
         t = nd
@@ -251,7 +259,7 @@ class StepPlanner:
         for row, delta, pos in sync.resets:
             self.core.set_row(row, rope_delta=delta, mrope_positions=pos)
         for row, start, ids in sync.writes:
-            self.table[row, start:start + ids.size] = ids
+            self.table[row, start:start + len(ids)] = ids
         self._note(sync)
 
     def _note(self, sync: RowSync) -> None:
@@ -260,9 +268,11 @@ class StepPlanner:
         sharing the rows wrote them since this one last looked."""
         if self._version[0] != self._seen_version or sync.resets:
             self._dec_serial += 1
-        self._changed = [row for row, _, _ in sync.writes]
         if sync.writes:
+            self._changed = [row for row, _, _ in sync.writes]
             self._version[0] += 1
+        elif self._changed:
+            self._changed = []
         self._seen_version = self._version[0]
 
     def plan_inputs(self, inputs: StepInputs) -> StepPlan:
@@ -293,9 +303,11 @@ class StepPlanner:
         from spaceserve.models.decode_plan import plan_decode
 
         rows = inputs.rows
-        if not np.array_equal(rows, self._dec_array):
-            self._dec_array = rows
-            self._dec_serial += 1
+        if rows is not self._dec_array:  # else `prepare` found the same slots
+            key = rows.tobytes()
+            if key != self._dec_key:
+                self._dec_serial += 1
+            self._dec_array, self._dec_key = rows, key
         return plan_decode(self.core, self._dec_array, inputs.num_cached,
                            input_ids=inputs.input_ids, pad_seqs_to=inputs.pad_to,
                            width=inputs.width, plan_attention=inputs.pad_to is None,
