@@ -92,18 +92,44 @@ class InProcessBackend:
         return res
 
 
+class Unreachable(Exception):
+    """The server did not answer (connection refused, DNS, timeout): the benchmark stops."""
+
+
 class HttpBackend:
-    """Requests to a running server's /v1/chat/completions, streamed."""
+    """Requests to a running server's /v1/chat/completions, streamed. `poll_metrics`: the
+    benchmark scrapes /metrics for the SM split timeline while it runs."""
 
     name = "http"
 
-    def __init__(self, base_url: str, model: str, timeout: float = 600.0) -> None:
+    def __init__(self, base_url: str, model: str, timeout: float = 600.0, *,
+                 poll_metrics: bool = True) -> None:
         import httpx
 
         self.base_url, self.model = base_url.rstrip("/"), model
+        self.poll_metrics = poll_metrics
         self.http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout,
                                       limits=httpx.Limits(max_connections=1024,
                                                           max_keepalive_connections=1024))
+
+    async def info(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The served model names and the device (``/v1/models``, ``/health``); raises
+        `Unreachable` with the connection error when the server does not answer."""
+        import httpx
+
+        try:
+            models = await self.http.get("/v1/models", timeout=timeout)
+            health = await self.http.get("/health", timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise Unreachable(f"cannot reach the server at {self.base_url}: "
+                              f"{type(exc).__name__}: {exc}") from None
+        out: dict[str, Any] = {"models": [], "device": None}
+        try:
+            out["models"] = [m["id"] for m in models.json().get("data", [])]
+            out["device"] = health.json().get("device")
+        except (ValueError, AttributeError, KeyError, TypeError):
+            pass  # not a SpaceServe server: no device named
+        return out
 
     def body(self, req: BenchRequest, model: str) -> dict[str, Any]:
         return chat_body(req, model)

@@ -24,14 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .block_manager import BlockManager
-from .encoder_stage import TemporalEncoderStage
+from .encoder_chunked import TEMPORAL_MODES, temporal_stage
 from .memory import GRAPH_RESERVE_BYTES, max_sequence_len, plan_kv_cache
 from .request import Request, RequestOutput, SamplingParams, Status, process_prompt
 from .runner import ModelRunner, StepLimits
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .slo import DEFAULT_SLO, Slo
 
-MODES = ("temporal", "shared", "spatial-static", "spatial")
+MODES = ("temporal", "temporal-chunked", "shared", "spatial-static", "spatial")
 ATTENTION_BACKENDS = ("triton", "torch")
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -52,8 +53,11 @@ class EngineConfig:
     "compute" or "decode"; `encoder_driver` "cooperative" or "thread" (the cooperative one
     launches encoder layers for `encoder_launch_budget_s` of host time per step, while the
     decode step runs, at least one layer per step; `encoder_window_s` is TWSRFT's grant
-    window); `green_contexts` False
+    window, and ``temporal-chunked``'s encoder chunk between decode steps, see
+    `encoder_chunked.py`); `green_contexts` False
     forces kernel budgets alone; `programs_per_sm` applies inside green partitions only.
+    `slo`: the latency SLO requests are judged by (`slo.py`; an `Slo` or its text such as
+    ``"ttft:2000,tpot:50"``, the default).
     """
 
     mode: str = "temporal"
@@ -78,10 +82,15 @@ class EngineConfig:
     encoder_launch_budget_s: float = 0.003
     green_contexts: bool = True
     programs_per_sm: int = 1
+    slo: Slo | str = DEFAULT_SLO
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not available; modes: {', '.join(MODES)}")
+        try:
+            object.__setattr__(self, "slo", Slo.of(self.slo))
+        except ValueError as exc:
+            raise ValueError(f"slo={self.slo!r}: {exc}") from None
         from .epd import check_config
 
         check_config(self)  # the co-located modes' settings
@@ -132,11 +141,9 @@ class Engine:
         self.block_manager = BlockManager(self.memory.num_blocks, bs)
         self.spatial: Any = None  # the co-located modes' step runtime (epd.py)
         self.encoder: Any
-        if config.mode == "temporal":
+        if config.mode in TEMPORAL_MODES:
             self.graph_batch_sizes = runner.capture_decode_graphs(sizes)
-            self.encoder = TemporalEncoderStage(
-                runner, max_tokens_per_step=config.max_encoder_tokens_per_step,
-                max_held=config.max_held_embeddings)
+            self.encoder = temporal_stage(runner, config, clock=clock or time.monotonic)
         else:
             from .epd import build_spatial
 

@@ -31,6 +31,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spaceserve.runtime.request import RequestOutput, SamplingParams
+from spaceserve.runtime.slo import DEFAULT_SLO_TEXT
 
 from . import protocol as P
 from .chat import ChatPreprocessor
@@ -133,7 +134,7 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     @app.get("/health")
     async def health() -> Response:
         body = {"status": "ok" if client.alive else "dead", "mode": client.mode,
-                "note": client.mode_note}
+                "note": client.mode_note, "device": client.device}
         return _json(body, 200 if client.alive else 503)
 
     @app.get("/v1/models")
@@ -287,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--mode", default="temporal",
-                   help="engine mode: temporal, spatial, spatial-static, shared")
+                   help="engine mode: temporal, temporal-chunked, spatial, spatial-static, shared")
     p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
     p.add_argument("--attention-backend", help="triton or torch (default by device)")
@@ -306,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-local-media-path",
                    help="folder file:// image URLs may read from (default: none allowed)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--slo", default=DEFAULT_SLO_TEXT,
+                   help="latency SLO finished requests are judged by (/metrics "
+                        "request_slo_total), ms: any of ttft, tpot, itl (p99 per request), "
+                        f"e2el (default {DEFAULT_SLO_TEXT})")
+    p.add_argument("--encoder-window-ms", type=float, default=20.0,
+                   help="encoder time window: temporal-chunked's chunk between decode steps, "
+                        "TWSRFT's grant in the spatial modes")
     return p
 
 
@@ -324,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len, seed=args.seed,
-            max_images_per_prompt=args.max_images_per_request)
+            max_images_per_prompt=args.max_images_per_request, slo=args.slo,
+            encoder_window_s=args.encoder_window_ms / 1e3)
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2
@@ -333,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     client = AsyncEngine(engine, max_pending=args.max_pending, mode_note=note)
     app = create_app(client, pre, model_name=args.served_model_name or args.model,
                      limits=limits, root=args.model)
-    print(f"spaceserve serve: {args.model} ({client.mode}) on http://{args.host}:{args.port}",
-          file=sys.stderr)
+    print(f"spaceserve serve: {args.model} ({client.mode}, SLO {engine.config.slo}) on "
+          f"http://{args.host}:{args.port}", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

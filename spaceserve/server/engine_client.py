@@ -23,11 +23,12 @@ from typing import Any
 
 from spaceserve.runtime.engine import Engine
 from spaceserve.runtime.request import RequestOutput, SamplingParams
+from spaceserve.runtime.slo import DEFAULT_SLO
 
 from .metrics import ServerMetrics
 from .protocol import APIError
 
-KNOWN_MODES = ("temporal", "spatial", "spatial-static", "shared")
+KNOWN_MODES = ("temporal", "temporal-chunked", "spatial", "spatial-static", "shared")
 
 
 class QueueFull(Exception):
@@ -116,7 +117,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_pending = max_pending
         self.mode_note = mode_note
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(getattr(getattr(engine, "config", None), "slo", DEFAULT_SLO))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spaceserve-prep")
         self.timeline: deque[SplitSample] = deque(maxlen=timeline_len)
         self.last_error: str | None = None
@@ -126,6 +127,10 @@ class AsyncEngine:
         self._closing = False
         self._ids = 0
         self._device_sms = _device_sms(engine)
+        try:
+            self.device = device_label(engine.runner.device)
+        except Exception:  # a stand-in engine without a torch device
+            self.device = None
         self._thread = threading.Thread(target=self._run, name="spaceserve-engine", daemon=True)
         self._thread.start()
 
@@ -250,6 +255,19 @@ class AsyncEngine:
             self._cond.notify_all()
         self._thread.join(timeout=10)
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def device_label(device: Any) -> str:
+    """``"NVIDIA H200 (132 SMs)"`` for a CUDA device, ``"CPU (16 cores)"`` otherwise."""
+    import os
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} ({props.multi_processor_count} SMs)"
+    return f"{device.type.upper()} ({os.cpu_count()} cores)"
 
 
 def _device_sms(engine: Engine) -> int:
