@@ -18,7 +18,7 @@ CUT = "unfinished at the time limit"
 
 
 async def _poll_split(backend: HttpBackend, samples: list[dict[str, float]], t0: float,
-                      period: float = 0.1) -> None:
+                      period: float | None = None) -> None:
     from spaceserve.server.metrics import parse_gauges
 
     while True:
@@ -29,7 +29,7 @@ async def _poll_split(backend: HttpBackend, samples: list[dict[str, float]], t0:
                             "decoder_sms": g.get("spaceserve:decoder_sms", math.nan)})
         except Exception:  # a missed scrape is a gap in the timeline, not a failure
             pass
-        await asyncio.sleep(period)
+        await asyncio.sleep(period or backend.POLL_S)
 
 
 def _thin(samples: list[dict[str, float]], period: float = 0.1) -> list[dict[str, float]]:

@@ -174,5 +174,5 @@ def test_bench_fails_fast_against_an_unreachable_server(tmp_path, capsys) -> Non
                "--out", str(tmp_path / "never")])
     err = capsys.readouterr().err
     assert rc == 1 and "cannot reach the server at http://127.0.0.1:9" in err
-    assert "ConnectError" in err and time.monotonic() - t0 < 15
+    assert "Connect" in err and time.monotonic() - t0 < 15  # the connection error itself
     assert not (tmp_path / "never").exists()
