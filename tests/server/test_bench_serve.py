@@ -176,3 +176,56 @@ def test_bench_fails_fast_against_an_unreachable_server(tmp_path, capsys) -> Non
     assert rc == 1 and "cannot reach the server at http://127.0.0.1:9" in err
     assert "Connect" in err and time.monotonic() - t0 < 15  # the connection error itself
     assert not (tmp_path / "never").exists()
+
+
+def test_http_client_against_a_server_of_known_timing(tmp_path) -> None:
+    """The aiohttp client against bench/sse_stub.py: every token and the usage counted, TTFT
+    and E2EL never below what the stub guarantees; and the aiperf trace the comparison script
+    writes holds the benchmark's own requests."""
+    import asyncio
+    import socket
+    import subprocess
+    import sys
+
+    from bench.compare_aiperf import write_trace
+    from spaceserve.bench.backends import HttpBackend
+    from spaceserve.bench.schedule import run_one
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stub = subprocess.Popen([sys.executable, "-m", "bench.sse_stub", "--port", str(port),
+                             "--ttft-ms", "30", "--itl-ms", "2"])
+    w = ServeWorkload(request_rate=20.0, duration_s=0.5, image_mix={"112x112": 1.0},
+                      output_len=6, seed=2)
+
+    async def go():
+        backend = HttpBackend(f"http://127.0.0.1:{port}", "tiny")
+        for _ in range(200):  # the stub is starting
+            try:
+                await backend.info(timeout=1.0)
+                break
+            except Exception:
+                await asyncio.sleep(0.05)
+        try:
+            return await run_one(backend, w, "tiny", Slo(ttft=2000), drain_s=5.0)
+        finally:
+            await backend.close()
+
+    try:
+        run = asyncio.run(go())
+    finally:
+        stub.terminate()
+        stub.wait(timeout=10)
+    assert run["metrics"]["failed"] == 0 and run["num_requests"] == len(build_requests(w)) > 3
+    for r in run["results"]:
+        assert r.output_tokens == 6 and len(r.token_times) == 6 and r.prompt_tokens == 50
+        assert r.first_token - r.send >= 0.030 and r.finish - r.send >= 0.030 + 5 * 0.002
+    n = write_trace(w, tmp_path / "trace.jsonl")
+    lines = [json.loads(x) for x in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    reqs = build_requests(w)
+    assert n == len(lines) == len(reqs)
+    assert [x["timestamp"] for x in lines] == [round(r.arrival * 1e3, 3) for r in reqs]
+    assert [x["text"] for x in lines] == [r.prompt for r in reqs]
+    assert all(x["image"].startswith("data:image/png;base64,") and x["output_length"] == 6
+               for x in lines)
