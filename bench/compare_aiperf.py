@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="the served model name")
     p.add_argument("--tokenizer", help="aiperf's tokenizer (default: the tiny checkpoint's)")
     p.add_argument("--mode", default="temporal", help="engine mode of the started server")
-    p.add_argument("--port", type=int, default=8321)
+    p.add_argument("--port", type=int, default=0, help="of the started server (0: a free one)")
     p.add_argument("--rate", type=float, default=4.0)
     p.add_argument("--requests", type=int, default=60, help="about this many per run")
     p.add_argument("--output-len", type=int, default=32)
@@ -141,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     server = None
     if args.base_url is None:
+        if not args.port:
+            import socket
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                args.port = sock.getsockname()[1]
         server = start_server(args.port, args.mode, args.out / "server.log")
         args.base_url = f"http://127.0.0.1:{args.port}"
     if args.tokenizer is None:
