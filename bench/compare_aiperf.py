@@ -9,8 +9,10 @@ with its fixed schedule. Each client scrapes /metrics as it does by default. The
 machine hits both. Reported: per client the median over rounds of
 its mean TTFT, TPOT and E2EL (aiperf: time to first token, inter-token latency = (latency -
 TTFT) / (output - 1), request latency) and the ratio benchmark / aiperf, which should stay
-within 10% (exit 1 otherwise). aiperf is optional (not in CI): install it in its own
-environment, e.g.
+within 10% (exit 1 otherwise). Around each client run the script reads the server's own
+latency histograms (engine timestamps): how fast the server itself was meanwhile, so a shared
+machine's drift shows as what it is, and each client's own time (client - server). aiperf is
+optional (not in CI): install it in its own environment, e.g.
 
     python3 -m venv ~/venvs/aiperf && ~/venvs/aiperf/bin/pip install aiperf
     python -m bench.compare_aiperf --aiperf ~/venvs/aiperf/bin/aiperf --out runs/aiperf
@@ -36,15 +38,59 @@ from spaceserve.bench.workload import ServeWorkload, build_requests
 METRICS = (("ttft", "mean_ttft_ms", "time_to_first_token"),
            ("tpot", "mean_tpot_ms", "inter_token_latency"),
            ("e2el", "mean_e2el_ms", "request_latency"))
+# the server's own histograms of the same quantities (engine timestamps), by metric
+SERVER = {"ttft": "time_to_first_token_seconds", "tpot": "time_per_output_token_seconds",
+          "e2el": "e2e_request_latency_seconds"}
 
 
-def start_server(port: int, mode: str, log: Path) -> subprocess.Popen:
-    """`spaceserve serve --model tiny` on loopback; returns once /health answers."""
+def server_sums(base_url: str) -> dict[str, tuple[float, float]] | None:
+    """(sum, count) of the server's latency histograms; None when it has none (not SpaceServe)."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    out = {}
+    for metric, hist in SERVER.items():
+        try:
+            out[metric] = (float(values[f"spaceserve:{hist}_sum"]),
+                           float(values[f"spaceserve:{hist}_count"]))
+        except (KeyError, ValueError):
+            return None
+    return out
+
+
+def measured(run, base_url: str, settle_s: float = 0.0) -> dict[str, float]:
+    """A client's run (after `settle_s` of quiet), with what the server itself measured
+    meanwhile (``server_<metric>``, ms): the engine's view, whose drift is the machine's, not
+    the client's."""
+    time.sleep(settle_s)
+    before = server_sums(base_url)
+    got = run()
+    after = server_sums(base_url)
+    if before and after:
+        for metric in SERVER:
+            (s0, n0), (s1, n1) = before[metric], after[metric]
+            if n1 > n0:
+                got[f"server_{metric}"] = 1e3 * (s1 - s0) / (n1 - n0)
+    return got
+
+
+def start_server(port: int, mode: str, log: Path, threads: int) -> subprocess.Popen:
+    """`spaceserve serve --model tiny` on loopback; returns once /health answers. `threads`:
+    torch's intra-op threads (a tiny model needs one; on a CPU shared with other work, more
+    threads wait on each other whenever one is descheduled, which swamps the comparison)."""
     import httpx
 
     cmd = [sys.executable, "-m", "spaceserve.cli", "serve", "--model", "tiny", "--port",
            str(port), "--mode", mode, "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -122,10 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="aiperf's tokenizer (default: the tiny checkpoint's)")
     p.add_argument("--mode", default="temporal", help="engine mode of the started server")
     p.add_argument("--port", type=int, default=0, help="of the started server (0: a free one)")
+    p.add_argument("--threads", type=int, default=1, help="the started server's torch threads")
     p.add_argument("--rate", type=float, default=4.0)
     p.add_argument("--requests", type=int, default=60, help="about this many per run")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--settle", type=float, default=5.0, help="seconds of quiet before a run")
     p.add_argument("--out", type=Path, default=Path("runs/aiperf-compare"))
     p.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[],
                    help="extra `bench serve` arguments (last on the line)")
@@ -147,24 +195,33 @@ def main(argv: list[str] | None = None) -> int:
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 args.port = sock.getsockname()[1]
-        server = start_server(args.port, args.mode, args.out / "server.log")
+        server = start_server(args.port, args.mode, args.out / "server.log", args.threads)
         args.base_url = f"http://127.0.0.1:{args.port}"
     if args.tokenizer is None:
         from spaceserve.server.tiny import resolve_model
 
         args.tokenizer = str(resolve_model("tiny"))
     try:
+        # a fresh server's first requests pay one-off costs (first image decode, allocations):
+        # a short unmeasured run first, then a pause before each measured run so the previous
+        # client's processes (aiperf's services) have exited
+        warm = argparse.Namespace(**(vars(args) | {"requests": max(4, int(args.rate * 3))}))
+        run_bench(warm, 999, args.out / "warmup")
         rows = []
         for i in range(args.rounds):  # who goes first alternates, so drift hits both
             runs = [lambda i=i: run_bench(args, i, args.out / f"bench-{i}"),
                     lambda i=i: run_aiperf(args, i, args.out / f"aiperf-{i}")]
-            got = [f() for f in (runs if i % 2 == 0 else runs[::-1])]
+            got = [measured(f, args.base_url, args.settle)
+                   for f in (runs if i % 2 == 0 else runs[::-1])]
             b, a = got if i % 2 == 0 else got[::-1]
             rows.append({"round": i, "bench": b, "aiperf": a})
             print(f"round {i}: " + "  ".join(
                 f"{n} {b[n]:.1f}/{a[n]:.1f}" for n, _, _ in METRICS) +
                 f"  (bench/aiperf ms; {b['requests']:g}/{a['requests']:g} requests, prompt "
                 f"{b['prompt_tokens']:g}/{a['prompt_tokens']:g} tokens)", flush=True)
+            if "server_tpot" in b and "server_tpot" in a:
+                print("  the server itself meanwhile: " + "  ".join(
+                    f"{n} {b['server_' + n]:.1f}/{a['server_' + n]:.1f}" for n in SERVER))
     finally:
         if server is not None:
             server.terminate()
@@ -177,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = {"bench_ms": b, "aiperf_ms": a, "ratio": b / a}
         verdict = "ok" if abs(b / a - 1) <= 0.10 else "OFF BY MORE THAN 10%"
         print(f"  {name:<5}{b:9.2f}{a:9.2f}{b / a:8.3f}  {verdict}")
+    if all(f"server_{n}" in r[c] for r in rows for c in ("bench", "aiperf") for n in SERVER):
+        print("each client's own time (client mean - server mean), median of rounds (ms):")
+        for name in SERVER:
+            own = {c: statistics.median(r[c][name] - r[c][f"server_{name}"] for r in rows)
+                   for c in ("bench", "aiperf")}
+            summary[name] |= {f"{c}_own_ms": v for c, v in own.items()}
+            print(f"  {name:<5}{own['bench']:9.2f}{own['aiperf']:9.2f}")
     (args.out / "compare.json").write_text(json.dumps(
         {"config": {k: str(v) for k, v in vars(args).items()}, "rounds": rows,
          "summary": summary}, indent=1))

@@ -26,11 +26,10 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def chat_body(req: BenchRequest, model: str, *, stream: bool = True) -> dict[str, Any]:
-    content: list[dict[str, Any]] = []
-    if req.kind == "image":
+    content: list[dict[str, Any]] = [{"type": "text", "text": req.prompt}]
+    if req.kind == "image":  # after the text, as vLLM's benchmark and aiperf send it
         url = to_data_url(image_png(req.resolution, req.image_seed))
         content.append({"type": "image_url", "image_url": {"url": url}})
-    content.append({"type": "text", "text": req.prompt})
     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}],
                             "max_tokens": req.max_tokens, "temperature": 0.0,
                             "ignore_eos": True, "stream": stream}
