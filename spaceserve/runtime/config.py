@@ -38,8 +38,8 @@ class EngineConfig:
     `slo`: the latency SLO requests are judged by (`slo.py`; an `Slo` or its text such as
     ``"ttft:2000,tpot:50"``, the default).
 
-    `async_scheduling` pipelines the temporal modes' steps: step n+1 is scheduled and launched before
-    step n's tokens are read back (see `engine.py`); False runs every step to completion.
+    `async_scheduling` pipelines the temporal modes' steps: step n+1 is scheduled and launched
+    before step n's tokens are read back (see `engine.py`); False runs every step to completion.
     `tensor_parallel_size` N > 1 splits the decoder over N ranks (one process each, rank 0 in
     the engine's; see `runtime/tp`); the runner must be a tensor-parallel one of that size
     (`Engine.from_pretrained` builds it).
