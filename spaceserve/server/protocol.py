@@ -79,13 +79,23 @@ class ChatCompletionRequest(_Model):
 
 
 class APIError(Exception):
-    """An error answered as OpenAI-style JSON with an HTTP status."""
+    """An error answered as OpenAI-style JSON with an HTTP status; `retry_after` (seconds)
+    becomes a ``Retry-After`` header, which every 503 and 429 carries."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = \
             status, message, type, param, code
+        if retry_after is None and status in (429, 503):
+            retry_after = 1
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, int(-(-self.retry_after // 1))))}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -148,10 +158,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-# InputError kind -> HTTP status (OpenAI answers every client input error with a 400)
+# InputError kind -> HTTP status (OpenAI answers client input errors with a 400; a request
+# over its pixel budget is 413, one the server is too busy to decode now 429 + Retry-After)
 INPUT_ERROR_STATUS: dict[str, int] = {
     "invalid": 400,
     "too_large": 400,
+    "over_budget": 413,
+    "busy": 429,
     "bad_image": 400,
     "not_allowed": 400,
     "not_found": 400,
@@ -161,7 +174,11 @@ INPUT_ERROR_STATUS: dict[str, int] = {
 
 def input_error(exc: InputError) -> APIError:
     """The OpenAI-style error answering an input-processing error."""
-    return APIError(INPUT_ERROR_STATUS.get(exc.kind, 400), str(exc), param=exc.param)
+    status = INPUT_ERROR_STATUS.get(exc.kind, 400)
+    return APIError(status, str(exc), param=exc.param,
+                    type="server_error" if status == 429 else "invalid_request_error",
+                    code="server_busy" if status == 429 else None,
+                    retry_after=exc.retry_after)
 
 
 def prepare_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest,

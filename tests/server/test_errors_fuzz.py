@@ -83,11 +83,11 @@ CASES = [
      "base64"),
     ("not an image", OK | {"messages": image_msg("data:image/png;base64," +
                                                  base64.b64encode(b"hello").decode())},
-     None, 400, "cannot decode"),
+     None, 400, "not a PNG, JPEG, WebP, GIF or BMP image"),
     ("remote url", OK | {"messages": image_msg("https://example.com/a.png")}, None, 400,
      "remote"),
     ("file outside", OK | {"messages": image_msg("file:///etc/passwd")}, None, 400,
-     "outside"),
+     "not allowed or not found"),
     ("too many pixels", OK | {"messages": image_msg(flat_png_url(400, 400))}, None, 400,
      "pixels"),
     ("too many images", OK | {"messages": [{"role": "user", "content": [

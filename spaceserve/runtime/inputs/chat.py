@@ -10,17 +10,30 @@ the engine's pre-tokenised prompt form. It also answers the engine's processor c
 ``{"prompt", "images"}`` and the server build the very same token ids. Errors are `InputError`s
 naming the part of the messages at fault; a new content type (video) is one more branch of
 `render` and a loader beside `load_image_url`.
+
+Cheap checks come before expensive work. `plan` bounds the messages' text by bytes (what the
+context can hold) before the template or the tokenizer sees it, reads every image's header
+and checks its pixels, and the request's pixels against its budget, before any image is
+decoded; `finish` then decodes (one image at a time, checking a deadline between them) and
+tokenises. Text from the client is tokenised with its special tokens as plain text (`text`):
+only the template writes control tokens, so a placeholder typed into a message never changes
+the image count.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .errors import InputError
-from .images import load_image_url
+from .errors import InputError, safe_detail
+from .images import load_rgb, open_image
 from .limits import ImageLimits
+from .media import data_url_mime, load_url_bytes
+from .pool import DeadlineExceeded
+from .text import check_text_size, encode_marked, mark_plain
 
 
 class MediaRef(NamedTuple):
@@ -29,6 +42,20 @@ class MediaRef(NamedTuple):
     modality: str
     url: Any
     where: str
+
+
+@dataclass
+class ChatPlan:
+    """Chat messages checked and ready to decode: the rendered prompt (client control tokens
+    marked as text), the media, their header-read images and decoded pixel count; `prompt` is
+    already the engine prompt when there is nothing to decode."""
+
+    text: str
+    media: list[MediaRef] = field(default_factory=list)
+    images: list[Any] = field(default_factory=list)
+    pixels: int = 0
+    text_bytes: int = 0
+    prompt: dict[str, Any] | None = None
 
 
 class ChatPreprocessor:
@@ -71,13 +98,16 @@ class ChatPreprocessor:
         return {"input_ids": ids, "pixel_values": prompt.get("pixel_values"),
                 "image_grid_thw": prompt.get("image_grid_thw")}
 
-    def encode(self, text: str, images: Sequence[Any]) -> dict[str, Any]:
-        """Tokenise `text` (holding one image placeholder per image) and expand placeholders
-        into the image tokens of the decoded `images`; the engine's pre-tokenised prompt."""
+    def encode(self, text: str, images: Sequence[Any], *,
+               deadline: float | None = None) -> dict[str, Any]:
+        """Tokenise `text` (holding one image placeholder per image; control tokens that
+        `mark_plain` marked count as text) and expand placeholders into the image tokens of
+        the decoded `images`; the engine's pre-tokenised prompt. Images are preprocessed one
+        at a time; past `deadline` (monotonic clock) DeadlineExceeded."""
         if self.tokenizer is None:
             raise InputError("this checkpoint has no tokenizer: send prompt_token_ids",
                              kind="unsupported")
-        ids = list(self.tokenizer(text)["input_ids"])
+        ids = encode_marked(self.tokenizer, text)
         tok = self.image_token_id
         slots = [i for i, t in enumerate(ids) if t == tok] if tok is not None else []
         if len(slots) != len(images):
@@ -85,15 +115,7 @@ class ChatPreprocessor:
                              f"{len(images)} images")
         if not images:
             return {"prompt_token_ids": ids}
-        if self.image_processor is None:
-            raise InputError("this model's checkpoint has no image processor: images are "
-                             "not accepted", kind="unsupported")
-        try:
-            enc = self.image_processor(images=list(images), return_tensors="pt")
-        except Exception as exc:  # e.g. an image smaller than one patch
-            raise InputError(f"images cannot be preprocessed ({type(exc).__name__}: {exc})",
-                             kind="bad_image") from None
-        grid = enc["image_grid_thw"]
+        pv, grid = self._pixels(images, deadline)
         counts = (grid.prod(dim=1) // self.merge ** 2).tolist()
         out: list[int] = []
         prev = 0
@@ -102,15 +124,39 @@ class ChatPreprocessor:
             out += [tok] * int(n)
             prev = slot + 1
         out += ids[prev:]
-        return {"prompt_token_ids": out, "pixel_values": enc["pixel_values"],
-                "image_grid_thw": grid}
+        return {"prompt_token_ids": out, "pixel_values": pv, "image_grid_thw": grid}
+
+    def _pixels(self, images: Sequence[Any], deadline: float | None) -> tuple[Any, Any]:
+        """(pixel_values, image_grid_thw) of decoded images, one image processor call per
+        image (the same rows as one call for all), so one full-size image is alive at once."""
+        import torch
+
+        if self.image_processor is None:
+            raise InputError("this model's checkpoint has no image processor: images are "
+                             "not accepted", kind="unsupported")
+        pvs, grids = [], []
+        for img in images:
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeadlineExceeded("preprocessing did not finish before its deadline")
+            try:
+                enc = self.image_processor(images=[img], return_tensors="pt")
+            except Exception as exc:  # e.g. an image smaller than one patch
+                raise InputError(f"images cannot be preprocessed ({safe_detail(exc)})",
+                                 kind="bad_image") from None
+            pvs.append(enc["pixel_values"])
+            grids.append(enc["image_grid_thw"])
+        return torch.cat(pvs), torch.cat(grids)
 
     # Chat messages.
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[MediaRef]]:
-        """(templated prompt text, the media the messages refer to, in order)."""
+    def render(self, messages: Sequence[Mapping[str, Any]], *, max_text_bytes: int | None = None,
+               context_len: int | None = None) -> tuple[str, list[MediaRef]]:
+        """(templated prompt text, the media the messages refer to, in order). The client's
+        text is checked against `max_text_bytes` first and its control tokens marked as text
+        (`text.mark_plain`)."""
         rendered: list[dict[str, Any]] = []
         media: list[MediaRef] = []
+        texts: list[str] = []
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise InputError(f"messages[{i}]: a message needs a 'role' string",
@@ -118,13 +164,19 @@ class ChatPreprocessor:
             raw = m.get("content")
             if raw is None or isinstance(raw, str):
                 content: Any = raw or ""
+                texts.append(content)
             else:
                 content = []
                 for j, part in enumerate(raw):
                     where = f"messages[{i}].content[{j}]"
                     kind = part.get("type") if isinstance(part, Mapping) else None
                     if kind == "text":
-                        content.append({"type": "text", "text": part.get("text", "")})
+                        text = part.get("text", "")
+                        if not isinstance(text, str):
+                            raise InputError(f"{where}.text must be a string",
+                                             param=f"{where}.text")
+                        content.append({"type": "text", "text": text})
+                        texts.append(text)
                     elif kind == "image_url":
                         url = part.get("image_url")
                         url = url.get("url") if isinstance(url, Mapping) else url
@@ -134,21 +186,32 @@ class ChatPreprocessor:
                         raise InputError(f"{where}: content part of type {kind!r} is not "
                                          "supported", kind="unsupported", param=where)
             rendered.append({"role": m["role"], "content": content})
+        if max_text_bytes is not None:
+            check_text_size(texts, max_text_bytes, context_len=context_len)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InputError("this model has no chat template", kind="unsupported")
+        for m in rendered:
+            if isinstance(m["content"], str):
+                m["content"] = mark_plain(self.tokenizer, m["content"])
+            else:
+                for part in m["content"]:
+                    if part["type"] == "text":
+                        part["text"] = mark_plain(self.tokenizer, part["text"])
         try:
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
                                                       tokenize=False)
         except Exception as exc:  # a template may raise on odd conversations
-            raise InputError(f"messages: the chat template rejected them ({exc})",
-                             param="messages") from None
+            raise InputError(f"messages: the chat template rejected them "
+                             f"({safe_detail(exc)})", param="messages") from None
         return text, media
 
-    def prepare(self, messages: Sequence[Mapping[str, Any]], limits: ImageLimits
-                ) -> dict[str, Any]:
-        """The engine prompt of chat `messages` (blocking: image decoding; run it off an event
-        loop). InputError on anything the caller got wrong."""
-        text, media = self.render(messages)
+    def plan(self, messages: Sequence[Mapping[str, Any]], limits: ImageLimits, *,
+             max_text_bytes: int | None = None, context_len: int | None = None) -> ChatPlan:
+        """The cheap half of `prepare`: text bounds, template, image bytes and headers, the
+        per-image and per-request pixel limits; nothing decoded. A text-only request comes
+        back tokenised (`ChatPlan.prompt`). InputError on anything the caller got wrong."""
+        text, media = self.render(messages, max_text_bytes=max_text_bytes,
+                                  context_len=context_len)
         if media and self.image_token_id is None:
             raise InputError("this model does not take images", kind="unsupported",
                              param="messages")
@@ -156,10 +219,47 @@ class ChatPreprocessor:
             raise InputError(f"messages: {len(media)} images; at most "
                              f"{limits.max_images_per_request} per request", kind="too_large",
                              param="messages")
-        images = [load_image_url(ref.url, limits, ref.where) for ref in media]
+        plan = ChatPlan(text, media)
+        for ref in media:
+            raw = load_url_bytes(ref.url, where=ref.where, max_bytes=limits.max_image_bytes,
+                                 allowed_local_dir=limits.allowed_local_dir, media="image")
+            img = open_image(raw, limits.max_image_pixels, ref.where,
+                             mime=data_url_mime(ref.url))
+            plan.images.append(img)
+            plan.pixels += img.size[0] * img.size[1]
+        if plan.pixels > limits.max_request_pixels:
+            raise InputError(f"messages: the images decode to {plan.pixels} pixels; at most "
+                             f"{limits.max_request_pixels} per request", kind="over_budget",
+                             param="messages")
+        if not media:
+            plan.prompt = self._encode_chat(text, [])
+        return plan
+
+    def finish(self, plan: ChatPlan, *, deadline: float | None = None) -> dict[str, Any]:
+        """The engine prompt of a `plan`: images decoded one at a time (DeadlineExceeded past
+        `deadline`, monotonic clock), preprocessed, the prompt tokenised."""
+        if plan.prompt is not None:
+            return plan.prompt
+        images = []
+        for img, ref in zip(plan.images, plan.media, strict=True):
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeadlineExceeded("preprocessing did not finish before its deadline")
+            images.append(load_rgb(img, ref.where))
+        return self._encode_chat(plan.text, images, deadline)
+
+    def _encode_chat(self, text: str, images: list[Any], deadline: float | None = None
+                     ) -> dict[str, Any]:
         try:
-            return self.encode(text, images)
+            return self.encode(text, images, deadline=deadline)
         except InputError as exc:
             raise exc.with_prefix("messages", "messages") from None
         except ValueError as exc:
-            raise InputError(f"messages: {exc}", param="messages") from None
+            raise InputError(f"messages: {safe_detail(exc)}", param="messages") from None
+
+    def prepare(self, messages: Sequence[Mapping[str, Any]], limits: ImageLimits, *,
+                max_text_bytes: int | None = None, context_len: int | None = None
+                ) -> dict[str, Any]:
+        """The engine prompt of chat `messages` (blocking: image decoding; run it off an event
+        loop): `plan` then `finish`. InputError on anything the caller got wrong."""
+        return self.finish(self.plan(messages, limits, max_text_bytes=max_text_bytes,
+                                     context_len=context_len))

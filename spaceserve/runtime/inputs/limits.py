@@ -1,8 +1,9 @@
 """Bounds on what one request's inputs may carry.
 
 Limits are plain frozen dataclasses validated at construction (ValueError names the field), so
-a server, a benchmark or an offline caller can build them from flags or config. Text and video
-bounds join `ImageLimits` here as their loaders arrive.
+a server, a benchmark or an offline caller can build them from flags or config. Video bounds
+join `ImageLimits` here as their loaders arrive; text is bounded by the context length
+(`text.text_byte_limit`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ def check_positive_ints(obj: object, names: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """Per-image and per-request bounds; `allowed_local_dir` None refuses every file://."""
+    """Per-image and per-request bounds; `allowed_local_dir` None refuses every file://.
+
+    `max_request_pixels` is the per-request budget of decoded pixels (all images of one
+    request together), checked from the images' headers before any is decoded."""
 
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
     max_images_per_request: int = 8
     allowed_local_dir: str | None = None
+    max_request_pixels: int = 2 * 4096 * 4096
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_image_bytes", "max_image_pixels",
-                                   "max_images_per_request"))
+                                   "max_images_per_request", "max_request_pixels"))
