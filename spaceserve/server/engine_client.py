@@ -3,11 +3,14 @@
 `AsyncEngine` owns one `Engine`. A daemon thread runs ``engine.step()`` whenever requests are
 active and sleeps on a condition otherwise; requests enter through `reserve` (admission against
 a bounded number of in-flight requests: `QueueFull` when full) and `RequestHandle.start`, which
-runs prompt preparation and ``add_request`` in a worker pool. The engine's per-request sink
-hands each output to the request's asyncio queue with ``call_soon_threadsafe``. Closing a handle
-before its final output (a client went away) aborts the request, which frees its KV blocks and
-embeddings at the next step. After every step the thread samples the SM split and the queue
-depths: the gauges of ``/metrics`` and the benchmark's split timeline.
+runs prompt preparation and ``add_request`` in a lane of the preprocessing pool
+(`PreprocessPool`: light and heavy lanes, bounded queues, deadlines), with the server's budget
+of decoded pixels beside it (`pixels`). The engine's per-request sink hands each output to the
+request's asyncio queue with ``call_soon_threadsafe``. Closing a handle before its final output
+(a client went away) aborts the request, which frees its KV blocks and embeddings at the next
+step; `abort_all` ends every live request with a reason (a shutdown), waking whoever waits on
+it. After every step the thread samples the SM split and the queue depths: the gauges of
+``/metrics`` and the benchmark's split timeline.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
 
 from .metrics import ServerMetrics
 from .protocol import APIError
@@ -33,6 +37,10 @@ KNOWN_MODES = ("temporal", "spatial", "spatial-static", "shared")
 
 class QueueFull(Exception):
     """Too many requests in flight; answered with 503."""
+
+
+class Cancelled(Exception):
+    """The request was ended by the server (`AsyncEngine.abort_all`); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,8 @@ class RequestHandle:
         self.added = False
         self.finished = False
         self.closed = False
+        self.cancelled = asyncio.Event()
+        self.cancel_reason = ""
         self._lock = threading.Lock()  # orders adding against closing
 
     def _sink(self, out: RequestOutput) -> None:
@@ -69,14 +79,18 @@ class RequestHandle:
             pass
 
     async def start(self, prepare: Callable[[], Any], params: SamplingParams | Callable[
-            [Any], SamplingParams], *, stream: bool) -> Any:
-        """Run ``prepare()`` (blocking prompt work) in the pool, then add the request; returns
-        the prepared prompt. `params` may be a function of it (limits known only then)."""
+            [Any], SamplingParams], *, stream: bool, lane: str = "light", cost: float = 0.0,
+            deadline: float | None = None, on_done: Callable[[], Any] | None = None) -> Any:
+        """Run ``prepare()`` (blocking prompt work) in the pool's `lane`, then add the request;
+        returns the prepared prompt. `params` may be a function of it (limits known only
+        then). `deadline` (monotonic clock) bounds the wait (DeadlineExceeded); `on_done()`
+        runs when the job is over, however it ends. Cancelled if the server ends the request
+        meanwhile."""
         def job() -> Any:
             prompt = prepare()
             sp = params(prompt) if callable(params) else params
             with self._lock:
-                if self.closed:
+                if self.closed or self.cancelled.is_set():
                     return prompt
                 try:
                     self.client.engine.add_request(prompt, sp, request_id=self.request_id,
@@ -87,12 +101,42 @@ class RequestHandle:
             self.client.wake()
             return prompt
 
-        return await self.loop.run_in_executor(self.client.pool, job)
+        return await self.wait(self.client.pool.run(job, lane=lane, cost=cost,
+                                                    deadline=deadline, on_done=on_done))
+
+    async def wait(self, aw: Awaitable[Any]) -> Any:
+        """`aw`'s result, or Cancelled as soon as the server ends this request."""
+        task = asyncio.ensure_future(aw)
+        if self.cancelled.is_set():
+            task.cancel()
+            raise Cancelled(self.cancel_reason)
+        stop = asyncio.ensure_future(self.cancelled.wait())
+        try:
+            await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        raise Cancelled(self.cancel_reason)
 
     async def next(self) -> RequestOutput:
         out = await self.queue.get()
         self.finished = out.finished
         return out
+
+    def cancel(self, reason: str) -> None:
+        """End the request from the server's side (event loop only): whoever waits on it
+        gets Cancelled(reason); the engine request is aborted."""
+        if self.cancelled.is_set() or self.closed:
+            return
+        self.cancel_reason = reason
+        self.cancelled.set()
+        with self._lock:
+            abort = self.added and not self.finished
+        if abort:
+            self.client.engine.abort(self.request_id)
+            self.client.wake()
 
     def close(self) -> None:
         """Release the admission slot; abort the request when it has not finished."""
@@ -104,13 +148,15 @@ class RequestHandle:
         if abort:
             self.client.engine.abort(self.request_id)
             self.client.wake()
-        self.client._release()
+        self.client._release(self)
 
 
 class AsyncEngine:
-    """See the module docstring. `max_pending` bounds requests admitted and not yet closed."""
+    """See the module docstring. `max_pending` bounds requests admitted and not yet closed;
+    `pool` runs their preprocessing and `pixels` bounds the decoded pixels in it."""
 
-    def __init__(self, engine: Engine, *, max_pending: int = 256, workers: int = 4,
+    def __init__(self, engine: Engine, *, max_pending: int = 256,
+                 pool: PreprocessPool | None = None, pixels: PixelBudget | None = None,
                  mode_note: str | None = None, timeline_len: int = 200_000) -> None:
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending={max_pending!r} must be an int >= 1")
@@ -118,7 +164,10 @@ class AsyncEngine:
         self.max_pending = max_pending
         self.mode_note = mode_note
         self.metrics = ServerMetrics()
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spaceserve-prep")
+        self.pool = pool or PreprocessPool()
+        self.pixels = pixels or PixelBudget(4 * 4096 * 4096)
+        self.draining = False
+        self._handles: set[RequestHandle] = set()
         self.timeline: deque[SplitSample] = deque(maxlen=timeline_len)
         self.last_error: str | None = None
         self._cond = threading.Condition()
@@ -145,11 +194,21 @@ class AsyncEngine:
             self._pending += 1
             self._ids += 1
             rid = request_id or f"srv-{self._ids}"
-        return RequestHandle(self, rid)
+        handle = RequestHandle(self, rid)
+        self._handles.add(handle)
+        return handle
 
-    def _release(self) -> None:
+    def _release(self, handle: RequestHandle) -> None:
         with self._plock:
             self._pending -= 1
+        self._handles.discard(handle)
+
+    def abort_all(self, reason: str) -> int:
+        """End every live request (event loop only): see `RequestHandle.cancel`; how many."""
+        live = [h for h in self._handles if not h.closed]
+        for h in live:
+            h.cancel(reason)
+        return len(live)
 
     # The engine thread.
 
@@ -222,6 +281,8 @@ class AsyncEngine:
             "encoder_held": int(getattr(enc, "num_held", 0)),
             "active": int(eng.num_active),
             "pending": self._pending,
+            "preprocess_pixels": self.pixels.in_use,
+            **{f"preprocess_{k}": v for k, v in self.pool.depth().items()},
             "kv_blocks_free": int(getattr(bm, "num_free", 0)),
             "kv_blocks_total": int(getattr(eng.memory, "num_blocks", 0)),
         }
@@ -234,6 +295,10 @@ class AsyncEngine:
             ("num_requests_waiting", "Requests waiting to be scheduled.", g["waiting"]),
             ("num_requests_running", "Requests in the running batch.", g["running"]),
             ("num_requests_in_flight", "Requests admitted by the server.", g["pending"]),
+            ("preprocess_queue_depth", "Requests waiting for preprocessing.",
+             g["preprocess_light_queued"] + g["preprocess_heavy_queued"]),
+            ("preprocess_pixels", "Decoded image pixels held by preprocessing.",
+             g["preprocess_pixels"]),
             ("encoder_queue_depth", "Image requests waiting for the encoder.",
              g["encoder_pending"]),
             ("encoder_embeddings_held", "Encoded images held for prefill.", g["encoder_held"]),
@@ -250,7 +315,7 @@ class AsyncEngine:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
 
 def _device_sms(engine: Engine) -> int:

@@ -12,12 +12,16 @@ add latency.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, InputError
+from spaceserve.runtime.inputs import ChatPlan, ChatPreprocessor, ImageLimits, InputError
+
+MAX_JSON_DEPTH = 32  # an OpenAI request nests about 6 deep
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Model(BaseModel):
@@ -84,18 +88,21 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, headers: dict[str, str] | None = None
+                 ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = \
             status, message, type, param, code
         if retry_after is None and status in (429, 503):
             retry_after = 1
         self.retry_after = retry_after
+        self.extra_headers = dict(headers or {})
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after is None:
-            return {}
-        return {"Retry-After": str(max(1, int(-(-self.retry_after // 1))))}
+        out = dict(self.extra_headers)
+        if self.retry_after is not None:
+            out["Retry-After"] = str(max(1, int(-(-self.retry_after // 1))))
+        return out
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -118,12 +125,42 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def parse_request(body: bytes) -> ChatCompletionRequest:
+def check_json(data: Any) -> None:
+    """APIError 400 for JSON nested deeper than `MAX_JSON_DEPTH` or holding a lone UTF-16
+    surrogate (``"\\ud800"``: not Unicode text) in any string, key or value, naming where."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        obj, where, depth = stack.pop()
+        if isinstance(obj, str):
+            if not obj.isascii() and (m := _SURROGATE.search(obj)):
+                where = _SURROGATE.sub("?", where)
+                raise APIError(400, f"{where or 'body'}: a lone UTF-16 surrogate "
+                               f"(U+{ord(m.group()):04X}) at character {m.start()} is not "
+                               "valid Unicode text", param=where or None)
+            continue
+        if depth > MAX_JSON_DEPTH and isinstance(obj, (dict, list)):
+            raise APIError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                path = f"{where}.{key}" if where else str(key)
+                stack.append((key, path if len(path) < 200 else "body", depth))
+                stack.append((value, path if len(path) < 200 else "body", depth + 1))
+        elif isinstance(obj, list):
+            for i, value in enumerate(obj):
+                stack.append((value, f"{where}[{i}]" if len(where) < 200 else "body",
+                              depth + 1))
+
+
+def parse_request(body: bytes | bytearray) -> ChatCompletionRequest:
     """Bytes to a validated request; APIError 400 naming the first bad field otherwise."""
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise APIError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels"
+                       ) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    check_json(data)
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:
@@ -182,11 +219,28 @@ def input_error(exc: InputError) -> APIError:
 
 
 def prepare_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest,
-                 limits: ImageLimits) -> dict[str, Any]:
+                 limits: ImageLimits, **bounds: Any) -> dict[str, Any]:
     """A request's engine prompt (blocking: run it off the event loop); APIError on anything
-    the client got wrong."""
+    the client got wrong. `bounds`: `ChatPreprocessor.plan`'s text bounds."""
+    return finish_chat(preprocessor, plan_chat(preprocessor, req, limits, **bounds))
+
+
+def plan_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest, limits: ImageLimits,
+              *, max_text_bytes: int | None = None, context_len: int | None = None
+              ) -> ChatPlan:
+    """The cheap, checking half of preprocessing (`ChatPreprocessor.plan`); APIError."""
     try:
-        return preprocessor.prepare(chat_messages(req), limits)
+        return preprocessor.plan(chat_messages(req), limits, max_text_bytes=max_text_bytes,
+                                 context_len=context_len)
+    except InputError as exc:
+        raise input_error(exc) from None
+
+
+def finish_chat(preprocessor: ChatPreprocessor, plan: ChatPlan,
+                deadline: float | None = None) -> dict[str, Any]:
+    """The decoding half (`ChatPreprocessor.finish`); APIError."""
+    try:
+        return preprocessor.finish(plan, deadline=deadline)
     except InputError as exc:
         raise input_error(exc) from None
 

@@ -98,13 +98,13 @@ def test_preprocessing_runs_off_the_event_loop(slow_server, monkeypatch) -> None
     engine, client, server = slow_server
     import spaceserve.runtime.inputs.chat as chat
 
-    original = chat.ChatPreprocessor.prepare
+    original = chat.ChatPreprocessor.plan
 
-    def slow_prepare(self, req, limits):
+    def slow_plan(self, req, limits, **kw):
         time.sleep(0.8)  # a huge image being decoded
-        return original(self, req, limits)
+        return original(self, req, limits, **kw)
 
-    monkeypatch.setattr(chat.ChatPreprocessor, "prepare", slow_prepare)
+    monkeypatch.setattr(chat.ChatPreprocessor, "plan", slow_plan)
 
     async def go():
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:

@@ -122,21 +122,31 @@ class PreprocessPool:
         self._seq = itertools.count()
 
     def submit(self, fn: Callable[[], Any], *, lane: str = "light", cost: float = 0.0,
-               deadline: float | None = None) -> Future:
+               deadline: float | None = None, on_done: Callable[[], Any] | None = None
+               ) -> Future:
         """Queue `fn` on `lane`; its Future. QueueFull when the lane's queue is full.
-        `deadline` is on `time.monotonic()`'s clock (None: none)."""
+        `deadline` is on `time.monotonic()`'s clock (None: none). `on_done()` runs once the
+        job is over however it ends (run, failed, dropped, refused), e.g. to free a budget
+        its inputs hold."""
         if lane not in self.lanes:
             raise ValueError(f"lane={lane!r} is not one of {', '.join(LANES)}")
         job = _Job(fn, float(cost), float("inf") if deadline is None else deadline,
                    next(self._seq))
-        self.lanes[lane].put(job)
+        if on_done is not None:
+            job.future.add_done_callback(lambda _: on_done())
+        try:
+            self.lanes[lane].put(job)
+        except QueueFull:
+            job.future.cancel()
+            raise
         return job.future
 
     async def run(self, fn: Callable[[], Any], *, lane: str = "light", cost: float = 0.0,
-                  deadline: float | None = None) -> Any:
+                  deadline: float | None = None, on_done: Callable[[], Any] | None = None
+                  ) -> Any:
         """`fn()`'s result from a worker of `lane`; DeadlineExceeded once `deadline` passes
         (a queued job is then dropped; a running one finishes unobserved)."""
-        fut = self.submit(fn, lane=lane, cost=cost, deadline=deadline)
+        fut = self.submit(fn, lane=lane, cost=cost, deadline=deadline, on_done=on_done)
         waiter = asyncio.wrap_future(fut)
         if deadline is None:
             return await waiter
