@@ -83,6 +83,7 @@ def test_full_queue_answers_503_and_recovers(slow_server) -> None:
             busy = await http.post("/v1/chat/completions", json=LONG)
             assert busy.status_code == 503
             assert busy.json()["error"]["code"] == "queue_full"
+            assert busy.headers["retry-after"] == "1"
             assert (await http.get("/health")).status_code == 200
             engine.runner.gate.set()
             done = await asyncio.gather(*held)
