@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--preprocess-timeout", type=float, default=ServerLimits.preprocess_timeout_s,
                    help="seconds a request's preprocessing may take, queueing included "
                         "(then 503)")
-    h.add_argument("--preprocess-queue", type=int, default=64,
+    h.add_argument("--preprocess-queue", type=int, default=256,
                    help="requests waiting per preprocessing lane (light, heavy) before 503")
     h.add_argument("--max-connections", type=int, default=1000,
                    help="open connections; a request on one beyond gets 503 with Retry-After")

@@ -88,21 +88,27 @@ class RequestHandle:
         meanwhile."""
         def job() -> Any:
             prompt = prepare()
-            sp = params(prompt) if callable(params) else params
-            with self._lock:
-                if self.closed or self.cancelled.is_set():
-                    return prompt
-                try:
-                    self.client.engine.add_request(prompt, sp, request_id=self.request_id,
-                                                   sink=self._sink, stream=stream)
-                except ValueError as exc:  # a caller mistake the engine refused
-                    raise APIError(400, str(exc)) from None
-                self.added = True
-            self.client.wake()
+            self.add(prompt, params, stream=stream)
             return prompt
 
         return await self.wait(self.client.pool.run(job, lane=lane, cost=cost,
                                                     deadline=deadline, on_done=on_done))
+
+    def add(self, prompt: Any, params: SamplingParams | Callable[[Any], SamplingParams], *,
+            stream: bool) -> None:
+        """Add the prepared `prompt` to the engine now (any thread; blocking: validation),
+        unless the request was closed or cancelled meanwhile."""
+        sp = params(prompt) if callable(params) else params
+        with self._lock:
+            if self.closed or self.cancelled.is_set():
+                return
+            try:
+                self.client.engine.add_request(prompt, sp, request_id=self.request_id,
+                                               sink=self._sink, stream=stream)
+            except ValueError as exc:  # a caller mistake the engine refused
+                raise APIError(400, str(exc)) from None
+            self.added = True
+        self.client.wake()
 
     async def wait(self, aw: Awaitable[Any]) -> Any:
         """`aw`'s result, or Cancelled as soon as the server ends this request."""

@@ -45,7 +45,7 @@ class GuardLimits:
 
     max_body_bytes: int = 32 * 1024 * 1024
     small_body_bytes: int = 64 * 1024
-    body_budget_bytes: int = 128 * 1024 * 1024
+    body_budget_bytes: int = 64 * 1024 * 1024
     body_wait_s: float = 2.0
     body_idle_timeout_s: float = 10.0
     body_timeout_s: float = 60.0

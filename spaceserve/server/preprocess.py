@@ -29,14 +29,17 @@ async def prepare_chat_request(client: AsyncEngine, preprocessor: Any,
     now, Cancelled if the server ends the request meanwhile. Afterwards the request's message
     text is dropped and `on_body_done()` called (the body's memory is free)."""
     deadline = time.monotonic() + timeout_s
+
+    def plan_job() -> Any:
+        plan = P.plan_chat(preprocessor, req, limits, max_text_bytes=max_text_bytes,
+                           context_len=context_len)
+        if plan.prompt is not None:  # text only: tokenised already, add it in the same job
+            handle.add(plan.prompt, params, stream=req.stream)
+        return plan
+
     try:
-        plan = await handle.wait(client.pool.run(
-            lambda: P.plan_chat(preprocessor, req, limits, max_text_bytes=max_text_bytes,
-                                context_len=context_len),
-            lane="light", deadline=deadline))
+        plan = await handle.wait(client.pool.run(plan_job, lane="light", deadline=deadline))
         if plan.prompt is not None:
-            prompt = plan.prompt
-            await handle.start(lambda: prompt, params, stream=req.stream, deadline=deadline)
             return
         try:
             lease = client.pixels.acquire(plan.pixels)

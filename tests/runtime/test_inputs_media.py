@@ -189,7 +189,7 @@ def test_per_image_processing_equals_one_call() -> None:
     pre = ChatPreprocessor(_Tok(), proc, image_token="<img>")
     rng = np.random.default_rng(1)
     imgs = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
-            for h, w in ((60, 90), (200, 120), (33, 57))]
+            for h, w in ((60, 90), (700, 1000), (33, 57))]  # 700x1000: resized first
     pv, grid = pre._pixels(imgs, None)
     ref = proc(images=imgs, return_tensors="pt")
     assert (grid == ref["image_grid_thw"]).all()

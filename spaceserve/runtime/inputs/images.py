@@ -87,7 +87,7 @@ def load_rgb(img: Any, where: str = "image") -> Any:
     data is damaged."""
     try:
         img.load()
-        return img.convert("RGB")
+        return img if img.mode == "RGB" else img.convert("RGB")  # no copy of a large image
     except Exception as exc:  # truncated or corrupt data: PIL raises many types
         raise ImageError(f"{where}: cannot decode the image ({safe_detail(exc)})",
                          kind="bad_image", param=where) from None

@@ -111,7 +111,7 @@ class _Lane:
 class PreprocessPool:
     """See the module docstring."""
 
-    def __init__(self, *, light_workers: int = 2, heavy_workers: int = 2, max_queue: int = 64,
+    def __init__(self, *, light_workers: int = 2, heavy_workers: int = 2, max_queue: int = 256,
                  aging_s: float = 1.0) -> None:
         for name, v in (("light_workers", light_workers), ("heavy_workers", heavy_workers),
                         ("max_queue", max_queue)):
