@@ -117,7 +117,8 @@ class RSSWatch:
 
 
 class Probe:
-    """Sends "hi" every `interval` s on its own keep-alive connection while open; records
+    """Sends "hi" every `interval` s while open, from its own process (bench/attack_probe.py)
+    on its own keep-alive connection, so the attack's client work never delays it; records
     latencies (an error counts as infinitely slow)."""
 
     def __init__(self, ctx: Ctx, interval: float = 0.25) -> None:
@@ -125,32 +126,24 @@ class Probe:
         self.latencies: list[float] = []
         self.errors: list[str] = []
 
-    async def _run(self, client: httpx.AsyncClient) -> None:
-        while True:
-            t0 = time.monotonic()
-            try:
-                r = await client.post("/v1/chat/completions", json=self.ctx.hi())
-                if r.status_code != 200:
-                    self.errors.append(f"{r.status_code}")
-            except httpx.HTTPError as exc:
-                self.errors.append(type(exc).__name__)
-            self.latencies.append(time.monotonic() - t0)
-            await asyncio.sleep(self.interval)
-
     async def __aenter__(self) -> Probe:
-        self._client = httpx.AsyncClient(base_url=self.ctx.url, timeout=30)
-        await self._client.post("/v1/chat/completions", json=self.ctx.hi())  # connect first
-        self._task = asyncio.ensure_future(self._run(self._client))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.attack_probe", self.ctx.host, str(self.ctx.port),
+             self.ctx.model, str(self.interval)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True)
+        first = await asyncio.to_thread(self._proc.stdout.readline)  # connected and served
+        if not first:
+            raise RuntimeError("the probe did not start")
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await asyncio.sleep(self.interval)  # at least one probe after the attack's end
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        await self._client.aclose()
+        out, _ = await asyncio.to_thread(self._proc.communicate, "", 60)
+        for line in out.splitlines():
+            seconds, status = json.loads(line)
+            self.latencies.append(seconds)
+            if status != 200:
+                self.errors.append(str(status))
 
     @property
     def worst(self) -> float:

@@ -174,6 +174,7 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
                 first = await next_output(handle, gone)
             except Cancelled as exc:
                 raise shutdown_error(exc) from None
+            handle.release_held()  # an output exists: the images are encoded
             if first is None:
                 return Response(status_code=499)
             if first.finish_reason in ("error", "abort") and not first.token_ids:

@@ -68,6 +68,7 @@ class RequestHandle:
         self.closed = False
         self.cancelled = asyncio.Event()
         self.cancel_reason = ""
+        self._held: list[Any] = []  # pixel leases until the images are encoded
         self._lock = threading.Lock()  # orders adding against closing
 
     def _sink(self, out: RequestOutput) -> None:
@@ -126,6 +127,22 @@ class RequestHandle:
         task.cancel()
         raise Cancelled(self.cancel_reason)
 
+    def hold(self, lease: Any) -> None:
+        """Keep `lease` (anything with ``release()``) until `release_held` or `close`; at once
+        released if the handle is closed already (any thread)."""
+        with self._lock:
+            if not self.closed:
+                self._held.append(lease)
+                return
+        lease.release()
+
+    def release_held(self) -> None:
+        """Release the held leases (the request's images are encoded: it has an output)."""
+        with self._lock:
+            held, self._held = self._held, []
+        for lease in held:
+            lease.release()
+
     async def next(self) -> RequestOutput:
         out = await self.queue.get()
         self.finished = out.finished
@@ -154,6 +171,7 @@ class RequestHandle:
         if abort:
             self.client.engine.abort(self.request_id)
             self.client.wake()
+        self.release_held()
         self.client._release(self)
 
 

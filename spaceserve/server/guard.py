@@ -180,10 +180,15 @@ class AdmissionMiddleware:
                 complete = True
             await send(message)
 
+        # A response before an unread body keeps the connection: uvicorn then reads the rest
+        # and drops it (bounded by the header deadline), so the client can finish sending and
+        # read the answer instead of meeting a reset.
+        unread = scope.get("method") in BODY_METHODS and headers.get(b"content-length") != b"0"
         if self.draining() and scope.get("path") != "/health":
             self.on_error(503)
             await send_error(tracked_send, 503, "the server is shutting down; retry on another "
-                             "replica or later", "draining", rid, retry_after=1, close=True)
+                             "replica or later", "draining", rid, retry_after=1,
+                             close=not unread)
             return
         lease = None
         if scope.get("method") in BODY_METHODS:
@@ -192,7 +197,7 @@ class AdmissionMiddleware:
                 self.on_error(503)
                 await send_error(tracked_send, 503, "the server is reading as many request "
                                  "bodies as it buffers at once; retry later", "server_busy",
-                                 rid, retry_after=1, close=True)
+                                 rid, retry_after=1)
                 return
             state["body_lease"] = lease
         try:

@@ -2,7 +2,9 @@
 of the pool (text bounds, template, image headers and the per-request pixel budget), then, for
 requests with images, a lease on the server's pixel budget (429 when taken) and decoding in
 the heavy lane, ordered by pixel cost; all under one deadline from the request's arrival
-(503 when it passes or a lane's queue is full)."""
+(503 when it passes or a lane's queue is full). The part of the lease its pixel values need
+stays held by the request's handle until its first output (its images are encoded then) or
+its end."""
 
 from __future__ import annotations
 
@@ -16,6 +18,12 @@ from spaceserve.runtime.inputs import QueueFull as PoolFull
 from . import protocol as P
 from .engine_client import AsyncEngine, RequestHandle
 from .protocol import APIError
+
+
+def held_pixels(prompt: dict[str, Any]) -> int:
+    """Pixel-equivalents a prompt's preprocessed pixel values hold (values over 3 channels)."""
+    pv = prompt.get("pixel_values")
+    return int(pv.numel()) // 3 if pv is not None else 0
 
 
 async def prepare_chat_request(client: AsyncEngine, preprocessor: Any,
@@ -45,9 +53,15 @@ async def prepare_chat_request(client: AsyncEngine, preprocessor: Any,
             lease = client.pixels.acquire(plan.pixels)
         except InputError as exc:
             raise P.input_error(exc) from None
-        await handle.start(lambda: P.finish_chat(preprocessor, plan, deadline), params,
-                           stream=req.stream, lane="heavy", cost=plan.pixels,
-                           deadline=deadline, on_done=lease.release)
+
+        def finish_job() -> Any:
+            prompt = P.finish_chat(preprocessor, plan, deadline)
+            # until they are encoded, the pixel values stay on the budget (values / 3 channels)
+            handle.hold(lease.split(held_pixels(prompt)))
+            return prompt
+
+        await handle.start(finish_job, params, stream=req.stream, lane="heavy",
+                           cost=plan.pixels, deadline=deadline, on_done=lease.release)
     except DeadlineExceeded:
         raise APIError(503, f"preprocessing did not finish within {timeout_s:g} s; retry "
                        "later", type="server_error", code="preprocess_timeout") from None

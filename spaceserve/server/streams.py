@@ -38,8 +38,7 @@ async def read_body(request: Request, limit: int) -> bytearray:
     body = bytearray()
     async for part in request.stream():
         if len(body) + len(part) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes",
-                           headers={"Connection": "close"})
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
         body += part
     return body
 

@@ -294,3 +294,43 @@ def test_drain_ends_streams_with_an_error_event_and_refuses_new_work(preprocesso
         assert not server.thread.is_alive() and time.monotonic() - t0 < 4.0
     assert wait_until(lambda: engine.num_active == 0 and client.num_pending == 0, 3)
     client.close()
+
+
+def test_pixel_values_stay_on_the_budget_until_encoded(preprocessor) -> None:
+    engine, client, app = build(preprocessor, pixels=1000 * 1000)
+    engine.runner.gate.clear()  # no step runs: the request waits for the encoder
+    try:
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://t", timeout=30) as c:
+                first = asyncio.ensure_future(c.post("/v1/chat/completions",
+                                                     json=images(flat_png(1000, 1000), 1)))
+                # decoded: 10^6 pixels; then its pixel values, 448x448 twice (the temporal
+                # patch) over 3 channels, stay held until the encoder takes them
+                assert await asyncio.to_thread(
+                    wait_until, lambda: client.pixels.in_use == 2 * 448 * 448, 10)
+                held = client.pixels.in_use
+                busy = await c.post("/v1/chat/completions", json=images(flat_png(1000, 1000),
+                                                                        1))
+                engine.runner.gate.set()
+                return held, busy, await first
+
+        held, busy, first = asyncio.run(go())
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+        assert first.status_code == 200
+        assert wait_until(lambda: client.pixels.in_use == 0, 3)
+    finally:
+        engine.runner.gate.set()
+        client.close()
+
+
+def test_pixel_lease_split_moves_part_without_a_capacity_check() -> None:
+    budget = PixelBudget(100)
+    lease = budget.acquire(80)
+    part = lease.split(30)
+    assert (lease.pixels, part.pixels, budget.in_use) == (50, 30, 80)
+    lease.release()
+    assert budget.in_use == 30
+    assert lease.split(10).pixels == 0  # nothing left to move from a released lease
+    part.release()
+    assert budget.in_use == 0

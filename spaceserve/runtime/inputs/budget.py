@@ -1,10 +1,12 @@
-"""The server's budget of decoded pixels in preprocessing.
+"""The server's budget of image pixels in preprocessing and waiting for the encoder.
 
 Every request with images holds, from the moment its image headers are read until its
-preprocessing ends, a lease on as many pixels as its images decode to. A request that would
-push the total over the capacity is refused at once (InputError "busy", with the seconds after
-which to retry) instead of queueing: decoding memory stays bounded by the capacity, however
-many image requests arrive together.
+preprocessing ends, a lease on as many pixels as its images decode to; then, until its images
+are encoded, a lease on what its preprocessed pixel values hold (`PixelLease.split`: values
+over three channels, no more than it had). A request that would push the total over the
+capacity is refused at once (InputError "busy", with the seconds after which to retry) instead
+of queueing: decoding memory and the pixel values awaiting the encoder stay bounded by the
+capacity, however many image requests arrive together.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ class PixelLease:
             if self._held:
                 self._held = False
                 self.budget._used -= self.pixels
+
+    def split(self, pixels: int) -> PixelLease:
+        """A new lease on `pixels` (at most this one's) moved out of this one, with no
+        capacity check: this lease keeps the rest. For holding part of a budget longer."""
+        with self.budget._lock:
+            pixels = max(0, min(int(pixels), self.pixels if self._held else 0))
+            self.pixels -= pixels
+            return PixelLease(self.budget, pixels)
 
     def __enter__(self) -> PixelLease:
         return self
