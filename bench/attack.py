@@ -47,10 +47,17 @@ from typing import Any
 import httpx
 
 HI_LIMIT_S = 2.0
-# Server RSS above its idle baseline at default flags (README, "Serving under attack"): bodies
-# (64 MiB budget, parsed at most ~2.5x) + decoding (two heavy workers, one 16.8 Mpx image each
-# at ~7 B/px) + 1000 connections' buffers.
-RSS_BOUND_MB = 1024
+
+
+def rss_bound_mb(body_budget: int = 64 << 20, connections: int = 1000,
+                 pixels: int = 4 * 4096 * 4096) -> float:
+    """The README's bound on server RSS above idle ("Serving under attack"): bodies parsed at
+    most ~3x, each connection's buffers and small body (~208 KiB), 12 bytes per pixel of the
+    server's pixel budget (float32 pixel values of 3 channels). Defaults: the server's."""
+    return (3 * body_budget + connections * 208 * 1024 + 12 * pixels) / 2**20
+
+
+RSS_BOUND_MB = round(rss_bound_mb())
 
 
 @dataclass
