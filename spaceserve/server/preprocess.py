@@ -1,7 +1,8 @@
 """A chat request's preprocessing, as the server runs it: cheap checks first, in the light lane
 of the pool (text bounds, template, image headers and the per-request pixel budget), then, for
 requests with images, a lease on the server's pixel budget (429 when taken) and decoding in
-the heavy lane, ordered by pixel cost; all under one deadline from the request's arrival
+the heavy lane, ordered by pixel cost (text longer than 64 KiB is tokenised there too,
+weighted by its bytes); all under one deadline from the request's arrival
 (503 when it passes or a lane's queue is full). The part of the lease its pixel values need
 stays held by the request's handle until its first output (its images are encoded then) or
 its end."""
@@ -18,6 +19,11 @@ from spaceserve.runtime.inputs import QueueFull as PoolFull
 from . import protocol as P
 from .engine_client import AsyncEngine, RequestHandle
 from .protocol import APIError
+
+LIGHT_TEXT_BYTES = 64 * 1024  # longer text-only prompts are tokenised in the heavy lane
+# Heavy-lane cost of a byte of text, in pixels: tokenising a byte takes about as long as
+# decoding and resizing this many pixels (CPU, tiny tokenizer and Qwen2-VL's image processor).
+TEXT_COST = 24
 
 
 def held_pixels(prompt: dict[str, Any]) -> int:
@@ -40,7 +46,7 @@ async def prepare_chat_request(client: AsyncEngine, preprocessor: Any,
 
     def plan_job() -> Any:
         plan = P.plan_chat(preprocessor, req, limits, max_text_bytes=max_text_bytes,
-                           context_len=context_len)
+                           context_len=context_len, light_text_bytes=LIGHT_TEXT_BYTES)
         if plan.prompt is not None:  # text only: tokenised already, add it in the same job
             handle.add(plan.prompt, params, stream=req.stream)
         return plan
@@ -48,6 +54,11 @@ async def prepare_chat_request(client: AsyncEngine, preprocessor: Any,
     try:
         plan = await handle.wait(client.pool.run(plan_job, lane="light", deadline=deadline))
         if plan.prompt is not None:
+            return
+        if not plan.pixels:  # a long text: tokenised in the heavy lane, by its size
+            await handle.start(lambda: P.finish_chat(preprocessor, plan, deadline), params,
+                               stream=req.stream, lane="heavy", cost=TEXT_COST * plan.text_bytes,
+                               deadline=deadline)
             return
         try:
             lease = client.pixels.acquire(plan.pixels)

@@ -226,12 +226,11 @@ def prepare_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest,
 
 
 def plan_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest, limits: ImageLimits,
-              *, max_text_bytes: int | None = None, context_len: int | None = None
-              ) -> ChatPlan:
-    """The cheap, checking half of preprocessing (`ChatPreprocessor.plan`); APIError."""
+              **bounds: Any) -> ChatPlan:
+    """The cheap, checking half of preprocessing (`ChatPreprocessor.plan`, given `bounds`);
+    APIError."""
     try:
-        return preprocessor.plan(chat_messages(req), limits, max_text_bytes=max_text_bytes,
-                                 context_len=context_len)
+        return preprocessor.plan(chat_messages(req), limits, **bounds)
     except InputError as exc:
         raise input_error(exc) from None
 

@@ -334,3 +334,30 @@ def test_pixel_lease_split_moves_part_without_a_capacity_check() -> None:
     assert lease.split(10).pixels == 0  # nothing left to move from a released lease
     part.release()
     assert budget.in_use == 0
+
+
+def test_long_text_is_tokenised_in_the_heavy_lane(preprocessor, monkeypatch) -> None:
+    import threading
+
+    from spaceserve.server import preprocess
+
+    monkeypatch.setattr(preprocess, "LIGHT_TEXT_BYTES", 1000)
+    engine, client, app = build(preprocessor)
+    lanes = []
+    original = client.pool.run
+
+    async def spy(fn, **kw):
+        lanes.append((kw.get("lane"), threading.current_thread().name))
+        return await original(fn, **kw)
+
+    monkeypatch.setattr(client.pool, "run", spy)
+    try:
+        assert post(app, OK).status_code == 200
+        assert [lane for lane, _ in lanes] == ["light"]  # plan, tokenise and add: one hop
+        lanes.clear()
+        long = OK | {"messages": [{"role": "user", "content": "The street is busy. " * 60}]}
+        r = post(app, long)
+        assert r.status_code == 200, r.text
+        assert [lane for lane, _ in lanes] == ["light", "heavy"]
+    finally:
+        client.close()

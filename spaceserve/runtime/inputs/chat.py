@@ -179,6 +179,11 @@ class ChatPreprocessor:
         """(templated prompt text, the media the messages refer to, in order). The client's
         text is checked against `max_text_bytes` first and its control tokens marked as text
         (`text.mark_plain`)."""
+        text, media, _ = self._render(messages, max_text_bytes, context_len)
+        return text, media
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], max_text_bytes: int | None,
+                context_len: int | None) -> tuple[str, list[MediaRef], int]:
         rendered: list[dict[str, Any]] = []
         media: list[MediaRef] = []
         texts: list[str] = []
@@ -211,8 +216,8 @@ class ChatPreprocessor:
                         raise InputError(f"{where}: content part of type {kind!r} is not "
                                          "supported", kind="unsupported", param=where)
             rendered.append({"role": m["role"], "content": content})
-        if max_text_bytes is not None:
-            check_text_size(texts, max_text_bytes, context_len=context_len)
+        size = check_text_size(texts, max_text_bytes if max_text_bytes is not None else
+                               1 << 62, context_len=context_len)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InputError("this model has no chat template", kind="unsupported")
         for m in rendered:
@@ -228,15 +233,16 @@ class ChatPreprocessor:
         except Exception as exc:  # a template may raise on odd conversations
             raise InputError(f"messages: the chat template rejected them "
                              f"({safe_detail(exc)})", param="messages") from None
-        return text, media
+        return text, media, size
 
     def plan(self, messages: Sequence[Mapping[str, Any]], limits: ImageLimits, *,
-             max_text_bytes: int | None = None, context_len: int | None = None) -> ChatPlan:
+             max_text_bytes: int | None = None, context_len: int | None = None,
+             light_text_bytes: int = 64 * 1024) -> ChatPlan:
         """The cheap half of `prepare`: text bounds, template, image bytes and headers, the
-        per-image and per-request pixel limits; nothing decoded. A text-only request comes
-        back tokenised (`ChatPlan.prompt`). InputError on anything the caller got wrong."""
-        text, media = self.render(messages, max_text_bytes=max_text_bytes,
-                                  context_len=context_len)
+        per-image and per-request pixel limits; nothing decoded. A text-only request of at
+        most `light_text_bytes` comes back tokenised (`ChatPlan.prompt`); longer text is
+        tokenised by `finish`. InputError on anything the caller got wrong."""
+        text, media, size = self._render(messages, max_text_bytes, context_len)
         if media and self.image_token_id is None:
             raise InputError("this model does not take images", kind="unsupported",
                              param="messages")
@@ -244,7 +250,7 @@ class ChatPreprocessor:
             raise InputError(f"messages: {len(media)} images; at most "
                              f"{limits.max_images_per_request} per request", kind="too_large",
                              param="messages")
-        plan = ChatPlan(text, media)
+        plan = ChatPlan(text, media, text_bytes=size)
         for ref in media:
             raw = load_url_bytes(ref.url, where=ref.where, max_bytes=limits.max_image_bytes,
                                  allowed_local_dir=limits.allowed_local_dir, media="image")
@@ -256,7 +262,7 @@ class ChatPreprocessor:
             raise InputError(f"messages: the images decode to {plan.pixels} pixels; at most "
                              f"{limits.max_request_pixels} per request", kind="over_budget",
                              param="messages")
-        if not media:
+        if not media and size <= light_text_bytes:
             plan.prompt = self._encode_chat(text, [])
         return plan
 
@@ -265,6 +271,8 @@ class ChatPreprocessor:
         `deadline`, monotonic clock), preprocessed, the prompt tokenised."""
         if plan.prompt is not None:
             return plan.prompt
+        if not plan.media:  # long text only
+            return self._encode_chat(plan.text, [], deadline)
         images = []
         for i, ref in enumerate(plan.media):  # one full-size image alive at a time
             if deadline is not None and time.monotonic() > deadline:
