@@ -361,3 +361,30 @@ def test_long_text_is_tokenised_in_the_heavy_lane(preprocessor, monkeypatch) -> 
         assert [lane for lane, _ in lanes] == ["light", "heavy"]
     finally:
         client.close()
+
+
+def test_second_signal_exits_at_once(preprocessor) -> None:
+    import signal
+
+    engine = null_engine(preprocessor, delay=0.01, max_model_len=512)
+    client = AsyncEngine(engine)
+    app = create_app(client, preprocessor, model_name=MODEL)
+    long = OK | {"max_tokens": 400, "ignore_eos": True, "stream": True}
+    with ServerThread(app, client=client, graceful_timeout_s=30) as server:
+        async def go():
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+                async with http.stream("POST", "/v1/chat/completions", json=long) as r:
+                    lines = r.aiter_lines()
+                    assert (await anext(lines)).startswith("data: {")
+                    server.server.handle_exit(signal.SIGTERM, None)  # drain: 30 s allowed
+                    await asyncio.sleep(0.3)
+                    assert server.thread.is_alive() and client.draining
+                    t0 = time.monotonic()
+                    server.server.handle_exit(signal.SIGINT, None)  # now
+                    await asyncio.to_thread(server.thread.join, 5)
+                    return time.monotonic() - t0
+
+        took = asyncio.run(go())
+        assert not server.thread.is_alive() and took < 2.0
+    assert wait_until(lambda: engine.num_active == 0, 3)
+    client.close()
