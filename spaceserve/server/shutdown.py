@@ -9,7 +9,8 @@ timeouts. `DrainingServer` replaces uvicorn's signal handling:
 2. When none is left, or `graceful_timeout_s` after the signal, the server stops. At the
    deadline, requests still running are ended: a stream gets a final SSE error event (then
    ``data: [DONE]``), a waiting non-streaming request a 503 with ``Retry-After``; their KV
-   blocks are freed. The process exits within about ``graceful_timeout_s + 2`` seconds.
+   blocks are freed. The process exits about half a second after the deadline (at most
+   ~4 s more when final events are slow to go out: ABORT_GRACE_S, then uvicorn's own 2 s).
 3. A second SIGTERM or SIGINT exits at once.
 
 The exit code is 0 after a drain (the signal is not re-raised, unlike plain uvicorn).
