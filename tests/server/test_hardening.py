@@ -230,6 +230,8 @@ def test_stalled_body_is_408_and_closes(live) -> None:
 
 
 def test_body_budget_admits_before_reading_and_small_bodies_pass(live) -> None:
+    import threading
+
     _, _, server = live
     held = []
     for _ in range(2):  # two 1 MiB bodies take the 2 MiB budget while they trickle
@@ -237,16 +239,29 @@ def test_body_budget_admits_before_reading_and_small_bodies_pass(live) -> None:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
                   b"application/json\r\nContent-Length: 1048576\r\n\r\n{")
         held.append(s)
-    time.sleep(0.1)
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
-    conn.request("POST", "/v1/chat/completions", body=b"x" * 200_000,
-                 headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 503 and resp.getheader("retry-after") == "1"
-    assert json.loads(resp.read())["error"]["code"] == "server_busy"
-    assert keepalive(server, [json.dumps(OK).encode()])[0][0] == 200  # small: no wait
-    for s in held:
-        s.close()
+    stop = threading.Event()
+
+    def trickle() -> None:  # a byte now and then: within the body idle timeout
+        while not stop.wait(0.15):
+            for s in held:
+                s.sendall(b" ")
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        conn.request("POST", "/v1/chat/completions", body=b"x" * 200_000,
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 503 and resp.getheader("retry-after") == "1"
+        assert json.loads(resp.read())["error"]["code"] == "server_busy"
+        assert keepalive(server, [json.dumps(OK).encode()])[0][0] == 200  # small: no wait
+    finally:
+        stop.set()
+        thread.join()
+        for s in held:
+            s.close()
 
 
 def test_connection_cap_answers_503_with_retry_after(live) -> None:
@@ -266,7 +281,7 @@ def test_connection_cap_answers_503_with_retry_after(live) -> None:
 
 
 def test_drain_ends_streams_with_an_error_event_and_refuses_new_work(preprocessor) -> None:
-    engine = null_engine(preprocessor, delay=0.01, max_model_len=512)
+    engine = null_engine(preprocessor, delay=0.02, max_model_len=512)
     client = AsyncEngine(engine)
     app = create_app(client, preprocessor, model_name=MODEL)
     long = OK | {"max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -290,8 +305,8 @@ def test_drain_ends_streams_with_an_error_event_and_refuses_new_work(preprocesso
         assert new.json()["error"]["code"] == "draining"
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2][6:])["error"]["code"] == "shutdown"
-        server.thread.join(timeout=5)
-        assert not server.thread.is_alive() and time.monotonic() - t0 < 4.0
+        server.thread.join(timeout=5)  # the stream alone would take over 8 s
+        assert not server.thread.is_alive() and time.monotonic() - t0 < 6.0
     assert wait_until(lambda: engine.num_active == 0 and client.num_pending == 0, 3)
     client.close()
 
