@@ -151,5 +151,5 @@ def test_offline_images_and_process_prompt_share_the_module() -> None:
     assert load_image(raw, 0).size == (4, 3)
     assert load_image("data:image/png;base64," + base64.b64encode(raw).decode(), 1).size == (4, 3)
     err = fails("bad_image", load_image, b"junk", 2)
-    assert str(err).startswith("images[2]: not a PNG, JPEG, WebP, GIF or BMP image")
+    assert str(err) == "images[2] cannot be decoded: not a PNG, JPEG, WebP, GIF or BMP image"
     assert process_prompt.__module__ == "spaceserve.runtime.inputs.prompt"

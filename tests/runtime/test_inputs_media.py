@@ -230,15 +230,17 @@ def test_pool_runs_cheapest_first_and_ages_the_rest() -> None:
         assert order == [1, 5, 50, 500]
     finally:
         pool.shutdown()
-    aged = PreprocessPool(light_workers=1, heavy_workers=1, aging_s=0.01)
+    aged = PreprocessPool(light_workers=1, heavy_workers=1, aging_s=0.1)
     gate, order = threading.Event(), []
     try:
         aged.submit(gate.wait, lane="heavy")
         while aged.depth()["heavy_running"] == 0:
             time.sleep(0.001)
         old = aged.submit(lambda: order.append("old"), lane="heavy", cost=100)
-        time.sleep(0.5)  # waited 50 aging periods: counts as ~2
-        new = aged.submit(lambda: order.append("new"), lane="heavy", cost=10)
+        # old waits 5 aging periods more than new: 100/6 counts less than 60 (and stays
+        # less as long as the worker wakes within 0.65 s of new's arrival)
+        time.sleep(0.5)
+        new = aged.submit(lambda: order.append("new"), lane="heavy", cost=60)
         gate.set()
         old.result(timeout=5), new.result(timeout=5)
         assert order == ["old", "new"]

@@ -135,7 +135,12 @@ def load_image(item: Any, index: int) -> Any:
         raise ImageError(f"{where} cannot be decoded: {type(exc).__name__}: "
                          f"{safe_detail(exc)}", kind="bad_image", param=where) from exc
     mime = data_url_mime(item) if isinstance(item, str) else None
-    return decode_image(raw, 1 << 62, where, mime=mime)
+    try:
+        return decode_image(raw, 1 << 62, where, mime=mime)
+    except ImageError as exc:
+        detail = str(exc).removeprefix(f"{where}: ")
+        raise ImageError(f"{where} cannot be decoded: {detail}", kind=exc.kind,
+                         param=where) from None
 
 
 __all__ = ["FORMAT_NAMES", "IMAGE_FORMATS", "ImageError", "ImageLimits", "InputError",
