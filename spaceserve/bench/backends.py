@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from spaceserve.runtime.inputs import ImageLimits, to_data_url
-from spaceserve.server.protocol import APIError, ChatCompletionRequest, prepare_chat
+from spaceserve.server.errors import APIError
 
 from .metrics import Result
 from .prompts import prompt_shape
@@ -57,6 +57,9 @@ class InProcessBackend:
     def _prepare(self, body: Any) -> Any:
         if self.prompts is not None:
             return body
+        # pydantic: chat bodies only
+        from spaceserve.server.protocol import ChatCompletionRequest, prepare_chat
+
         chat = ChatCompletionRequest.model_validate(body | {"stream": False,
                                                             "stream_options": None})
         return prepare_chat(self.pre, chat, self.limits)

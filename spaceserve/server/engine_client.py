@@ -2,45 +2,42 @@
 
 `AsyncEngine` owns one `Engine`. A daemon thread runs ``engine.step()`` whenever requests are
 active and sleeps on a condition otherwise; requests enter through `reserve` (admission against
-a bounded number of in-flight requests: `QueueFull` when full) and `RequestHandle.start`, which
-runs prompt preparation and ``add_request`` in a lane of the preprocessing pool
-(`PreprocessPool`: light and heavy lanes, bounded queues, deadlines), with the server's budget
-of decoded pixels beside it (`pixels`). The engine's per-request sink hands each output to the
-request's asyncio queue with ``call_soon_threadsafe``. Closing a handle before its final output
-(a client went away) aborts the request, which frees its KV blocks and embeddings at the next
-step; `abort_all` ends every live request with a reason (a shutdown), waking whoever waits on
-it. After every step the thread samples the SM split and the queue depths: the gauges of
-``/metrics`` and the benchmark's split timeline.
+a bounded number of in-flight requests: `QueueFull` when full; `handles.Admission`, shared with
+the replica client) and `RequestHandle.start`, which runs prompt preparation and
+``add_request`` in a lane of the preprocessing pool (`PreprocessPool`: light and heavy lanes,
+bounded queues, deadlines), with the server's budget of decoded pixels beside it (`pixels`).
+The engine's per-request sink hands each output to the request's asyncio queue with
+``call_soon_threadsafe``. Closing a handle before its final output (a client went away) aborts
+the request, which frees its KV blocks and embeddings at the next step; `abort_all` ends every
+live request with a reason (a shutdown), waking whoever waits on it. A step that leaves the
+engine unable to run (a tensor-parallel group that lost a worker) marks it dead, with the
+reason in `last_error`. After every step the thread samples the SM split and the queue depths:
+the gauges of ``/metrics`` and the benchmark's split timeline.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
 
+from .errors import APIError
+from .handles import Admission, Cancelled, Handle, QueueFull
 from .metrics import ServerMetrics
-from .protocol import APIError
+
+__all__ = ["AsyncEngine", "Cancelled", "QueueFull", "RequestHandle", "SplitSample",
+           "cap_video_tokens", "load_engine", "resolve_mode"]
 
 if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
     from spaceserve.runtime.engine import Engine
     from spaceserve.runtime.request import RequestOutput, SamplingParams
 
 KNOWN_MODES = ("temporal", "spatial", "spatial-static", "shared")
-
-
-class QueueFull(Exception):
-    """Too many requests in flight; answered with 503."""
-
-
-class Cancelled(Exception):
-    """The request was ended by the server (`AsyncEngine.abort_all`); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -55,21 +52,10 @@ class SplitSample:
     encoder_pending: int
 
 
-class RequestHandle:
+class RequestHandle(Handle):
     """One admitted request: start it, iterate its outputs, close it (aborts if unfinished)."""
 
-    def __init__(self, client: AsyncEngine, request_id: str) -> None:
-        self.client = client
-        self.request_id = request_id
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
-        self.added = False
-        self.finished = False
-        self.closed = False
-        self.cancelled = asyncio.Event()
-        self.cancel_reason = ""
-        self._held: list[Any] = []  # pixel leases until the images are encoded
-        self._lock = threading.Lock()  # orders adding against closing
+    client: AsyncEngine
 
     def _sink(self, out: RequestOutput) -> None:
         if out.finished:
@@ -78,22 +64,6 @@ class RequestHandle:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
         except RuntimeError:  # the loop is gone: nobody listens any more
             pass
-
-    async def start(self, prepare: Callable[[], Any], params: SamplingParams | Callable[
-            [Any], SamplingParams], *, stream: bool, lane: str = "light", cost: float = 0.0,
-            deadline: float | None = None, on_done: Callable[[], Any] | None = None) -> Any:
-        """Run ``prepare()`` (blocking prompt work) in the pool's `lane`, then add the request;
-        returns the prepared prompt. `params` may be a function of it (limits known only
-        then). `deadline` (monotonic clock) bounds the wait (DeadlineExceeded); `on_done()`
-        runs when the job is over, however it ends. Cancelled if the server ends the request
-        meanwhile."""
-        def job() -> Any:
-            prompt = prepare()
-            self.add(prompt, params, stream=stream)
-            return prompt
-
-        return await self.wait(self.client.pool.run(job, lane=lane, cost=cost,
-                                                    deadline=deadline, on_done=on_done))
 
     def add(self, prompt: Any, params: SamplingParams | Callable[[Any], SamplingParams], *,
             stream: bool) -> None:
@@ -111,134 +81,38 @@ class RequestHandle:
             self.added = True
         self.client.wake()
 
-    async def wait(self, aw: Awaitable[Any]) -> Any:
-        """`aw`'s result, or Cancelled as soon as the server ends this request."""
-        task = asyncio.ensure_future(aw)
-        if self.cancelled.is_set():
-            task.cancel()
-            raise Cancelled(self.cancel_reason)
-        stop = asyncio.ensure_future(self.cancelled.wait())
-        try:
-            await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        raise Cancelled(self.cancel_reason)
-
-    def hold(self, lease: Any) -> None:
-        """Keep `lease` (anything with ``release()``) until `release_held` or `close`; at once
-        released if the handle is closed already (any thread)."""
-        with self._lock:
-            if not self.closed:
-                self._held.append(lease)
-                return
-        lease.release()
-
-    def release_held(self) -> None:
-        """Release the held leases (the request's images are encoded: it has an output)."""
-        with self._lock:
-            held, self._held = self._held, []
-        for lease in held:
-            lease.release()
-
-    async def next(self) -> RequestOutput:
-        out = await self.queue.get()
-        self.finished = out.finished
-        return out
-
-    def cancel(self, reason: str) -> None:
-        """End the request from the server's side (event loop only): whoever waits on it
-        gets Cancelled(reason); the engine request is aborted."""
-        if self.cancelled.is_set() or self.closed:
-            return
-        self.cancel_reason = reason
-        self.cancelled.set()
-        with self._lock:
-            abort = self.added and not self.finished
-        if abort:
-            self.client.engine.abort(self.request_id)
-            self.client.wake()
-
-    def close(self) -> None:
-        """Release the admission slot; abort the request when it has not finished."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            abort = self.added and not self.finished
-        if abort:
-            self.client.engine.abort(self.request_id)
-            self.client.wake()
-        self.release_held()
-        self.client._release(self)
+    def _stop(self) -> None:
+        self.client.engine.abort(self.request_id)
+        self.client.wake()
 
 
-class AsyncEngine:
+class AsyncEngine(Admission):
     """See the module docstring. `max_pending` bounds requests admitted and not yet closed;
     `pool` runs their preprocessing and `pixels` bounds the decoded pixels in it."""
+
+    handle_class = RequestHandle
 
     def __init__(self, engine: Engine, *, max_pending: int = 256,
                  pool: PreprocessPool | None = None, pixels: PixelBudget | None = None,
                  mode_note: str | None = None, timeline_len: int = 200_000) -> None:
-        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"max_pending={max_pending!r} must be an int >= 1")
+        super().__init__(max_pending=max_pending, pool=pool, pixels=pixels)
         self.engine = engine
-        self.max_pending = max_pending
         self.mode_note = mode_note
         self.metrics = ServerMetrics()
-        self.pool = pool or PreprocessPool()
-        self.pixels = pixels or PixelBudget(4 * 4096 * 4096)
-        self.draining = False
-        self._handles: set[RequestHandle] = set()
         self.timeline: deque[SplitSample] = deque(maxlen=timeline_len)
         self.last_error: str | None = None
         self._cond = threading.Condition()
-        self._pending = 0
-        self._plock = threading.Lock()
         self._closing = False
-        self._ids = 0
+        self._dead = False
         self._device_sms = _device_sms(engine)
         self._thread = threading.Thread(target=self._run, name="spaceserve-engine", daemon=True)
         self._thread.start()
-
-    # Admission.
-
-    @property
-    def num_pending(self) -> int:
-        return self._pending
-
-    def reserve(self, request_id: str | None = None) -> RequestHandle:
-        """Admit one request or raise QueueFull; call inside the event loop."""
-        with self._plock:
-            if self._pending >= self.max_pending:
-                raise QueueFull(f"{self._pending} requests in flight (max_pending="
-                                f"{self.max_pending})")
-            self._pending += 1
-            self._ids += 1
-            rid = request_id or f"srv-{self._ids}"
-        handle = RequestHandle(self, rid)
-        self._handles.add(handle)
-        return handle
-
-    def _release(self, handle: RequestHandle) -> None:
-        with self._plock:
-            self._pending -= 1
-        self._handles.discard(handle)
-
-    def abort_all(self, reason: str) -> int:
-        """End every live request (event loop only): see `RequestHandle.cancel`; how many."""
-        live = [h for h in self._handles if not h.closed]
-        for h in live:
-            h.cancel(reason)
-        return len(live)
 
     # The engine thread.
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closing
+        return self._thread.is_alive() and not self._closing and not self._dead
 
     def wake(self) -> None:
         with self._cond:
@@ -258,6 +132,9 @@ class AsyncEngine:
             except Exception as exc:  # end every request with the reason instead of hanging
                 self.last_error = f"engine step failed: {type(exc).__name__}: {exc}"
                 eng.fail_all(self.last_error)
+                if _engine_dead(exc):  # nothing can run any more: /health says so
+                    self._dead = True
+                    return
             self._sample()
             if eng.num_steps == before:
                 time.sleep(0.0005)  # nothing could run (only drains): do not spin
@@ -342,6 +219,14 @@ class AsyncEngine:
         self.pool.shutdown()
 
 
+def _engine_dead(exc: BaseException) -> bool:
+    """Whether a step's exception leaves the engine unable to run any step (a tensor-parallel
+    group that lost a worker)."""
+    from spaceserve.runtime.tp.group import TensorParallelError
+
+    return isinstance(exc, TensorParallelError)
+
+
 def _device_sms(engine: Engine) -> int:
     try:
         return int(engine.device_sms)
@@ -373,7 +258,7 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
 
     from spaceserve.runtime.engine import Engine, EngineConfig
     from spaceserve.runtime.inputs import ChatPreprocessor
-    from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
+    from spaceserve.runtime.runners import load_runner
 
     from .tiny import resolve_model
 
@@ -384,8 +269,23 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if attention_backend is None:
         attention_backend = "triton" if str(device).startswith("cuda") else "torch"
-    runner = Qwen2VLRunner.from_pretrained(path, attention_backend=attention_backend,
-                                           dtype=dtype, device=device)
-    pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id)
-    engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
+    runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
+                         device=device)
+    try:
+        pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id,
+                                               video_token_id=runner.info.video_token_id)
+        engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
+    except BaseException:
+        close = getattr(runner, "close", None)  # a tensor-parallel runner's workers
+        if close is not None:
+            close()
+        raise
+    cap_video_tokens(pre, engine.max_model_len)
     return engine, pre, note
+
+
+def cap_video_tokens(pre: Any, max_model_len: int) -> None:
+    """A video's total token budget is the context at most (frames get smaller to fit)."""
+    if getattr(pre, "video_sampling", None) is not None:
+        pre.video_sampling = replace(pre.video_sampling, max_video_tokens=min(
+            pre.video_sampling.max_video_tokens, max_model_len))

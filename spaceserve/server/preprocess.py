@@ -1,23 +1,25 @@
 """A chat request's preprocessing, as the server runs it: cheap checks first, in the light lane
-of the pool (text bounds, template, image headers and the per-request pixel budget), then, for
-requests with images, a lease on the server's pixel budget (429 when taken) and decoding in
-the heavy lane, ordered by pixel cost (text longer than 64 KiB is tokenised there too,
-weighted by its bytes); all under one deadline from the request's arrival
-(503 when it passes or a lane's queue is full). The part of the lease its pixel values need
-stays held by the request's handle until its first output (its images are encoded then) or
-its end."""
+of the pool (text bounds, template, media counts, then media bytes and headers and the
+per-request pixel budget), then, for requests with images or videos, a lease on the server's
+pixel budget (429 when taken) and decoding in the heavy lane, ordered by decoding work (text
+longer than 64 KiB is tokenised there too, weighted by its bytes); all under one deadline from
+the request's arrival (503 when it passes or a lane's queue is full). Remote media download on
+the fetcher's own threads while the request waits on the event loop, so a slow media host
+never holds a lane's worker. The part of the lease its pixel values need stays held by the
+request's handle until its first output (its media are encoded then) or its end."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
 
-from spaceserve.runtime.inputs import DeadlineExceeded, ImageLimits, InputError
+from spaceserve.runtime.inputs import DeadlineExceeded, ImageLimits, InputError, VideoLimits
 from spaceserve.runtime.inputs import QueueFull as PoolFull
 
 from . import protocol as P
-from .engine_client import AsyncEngine, RequestHandle
+from .handles import Admission, Handle
 from .protocol import APIError
 
 LIGHT_TEXT_BYTES = 64 * 1024  # longer text-only prompts are tokenised in the heavy lane
@@ -27,32 +29,57 @@ TEXT_COST = 24
 
 
 def held_pixels(prompt: dict[str, Any]) -> int:
-    """Pixel-equivalents a prompt's preprocessed pixel values hold (values over 3 channels)."""
-    pv = prompt.get("pixel_values")
-    return int(pv.numel()) // 3 if pv is not None else 0
+    """Pixel-equivalents a prompt's preprocessed pixel values hold (values over 3 channels),
+    images and videos."""
+    return sum(int(pv.numel()) // 3 for pv in (prompt.get("pixel_values"),
+                                               prompt.get("pixel_values_videos"))
+               if pv is not None)
 
 
-async def prepare_chat_request(client: AsyncEngine, preprocessor: Any,
-                               req: P.ChatCompletionRequest, handle: RequestHandle,
+async def _fetched(plan: Any, deadline: float) -> None:
+    """Wait (on the event loop) until the plan's remote media have arrived; DeadlineExceeded
+    when the deadline passes first."""
+    pending = [asyncio.wrap_future(f) for f in plan.fetching]
+    if not pending:
+        return
+    _, late = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+    if late:
+        raise DeadlineExceeded("preprocessing did not finish before its deadline")
+
+
+async def prepare_chat_request(client: Admission, preprocessor: Any,
+                               req: P.ChatCompletionRequest, handle: Handle,
                                limits: ImageLimits, params: Callable[[Any], Any], *,
                                timeout_s: float, max_text_bytes: int | None,
                                context_len: int | None,
+                               video_limits: VideoLimits | None = None, fetcher: Any = None,
                                on_body_done: Callable[[], Any] = lambda: None) -> None:
     """Preprocess `req` and add it to the engine through `handle` (`params(prompt)` gives its
     sampling parameters); APIError for what the client got wrong or the server cannot take
-    now, Cancelled if the server ends the request meanwhile. Afterwards the request's message
-    text is dropped and `on_body_done()` called (the body's memory is free)."""
+    now, Cancelled if the server ends the request meanwhile. http(s) media go to `fetcher`
+    (refused without one). Afterwards the request's message text is dropped and
+    `on_body_done()` called (the body's memory is free)."""
     deadline = time.monotonic() + timeout_s
+    plan = None
 
-    def plan_job() -> Any:
-        plan = P.plan_chat(preprocessor, req, limits, max_text_bytes=max_text_bytes,
-                           context_len=context_len, light_text_bytes=LIGHT_TEXT_BYTES)
+    def read_job(plan: Any) -> Any:
+        P.read_chat(preprocessor, plan, light_text_bytes=LIGHT_TEXT_BYTES)
         if plan.prompt is not None:  # text only: tokenised already, add it in the same job
             handle.add(plan.prompt, params, stream=req.stream)
         return plan
 
+    def start_job() -> Any:
+        nonlocal plan
+        plan = P.start_chat(preprocessor, req, limits, video_limits, fetcher=fetcher,
+                            max_text_bytes=max_text_bytes, context_len=context_len)
+        return plan if plan.fetching else read_job(plan)
+
     try:
-        plan = await handle.wait(client.pool.run(plan_job, lane="light", deadline=deadline))
+        plan = await handle.wait(client.pool.run(start_job, lane="light", deadline=deadline))
+        if plan.fetching:  # remote media on their way: wait here, not in a lane
+            await handle.wait(_fetched(plan, deadline))
+            await handle.wait(client.pool.run(lambda: read_job(plan), lane="light",
+                                              deadline=deadline))
         if plan.prompt is not None:
             return
         if not plan.pixels:  # a long text: tokenised in the heavy lane, by its size
@@ -61,7 +88,7 @@ async def prepare_chat_request(client: AsyncEngine, preprocessor: Any,
                                deadline=deadline)
             return
         try:
-            lease = client.pixels.acquire(plan.pixels)
+            lease = client.pixels.acquire(plan.pixels, what=plan.describe())
         except InputError as exc:
             raise P.input_error(exc) from None
 
@@ -72,7 +99,7 @@ async def prepare_chat_request(client: AsyncEngine, preprocessor: Any,
             return prompt
 
         await handle.start(finish_job, params, stream=req.stream, lane="heavy",
-                           cost=plan.pixels, deadline=deadline, on_done=lease.release)
+                           cost=plan.work, deadline=deadline, on_done=lease.release)
     except DeadlineExceeded:
         raise APIError(503, f"preprocessing did not finish within {timeout_s:g} s; retry "
                        "later", type="server_error", code="preprocess_timeout") from None
@@ -80,5 +107,7 @@ async def prepare_chat_request(client: AsyncEngine, preprocessor: Any,
         raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
                        code="queue_full", retry_after=exc.retry_after) from None
     finally:
+        if plan is not None:
+            plan.close()  # remote fetches still running, if the request ends early
         req.messages.clear()  # the prompt holds what is needed: drop the body's text
         on_body_done()

@@ -14,11 +14,20 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from spaceserve.runtime.inputs import ChatPlan, ChatPreprocessor, ImageLimits, InputError
+from spaceserve.runtime.inputs import (
+    ChatPlan,
+    ChatPreprocessor,
+    ImageLimits,
+    InputError,
+    VideoLimits,
+)
+
+from .errors import APIError  # noqa: F401  (re-exported)
 
 MAX_JSON_DEPTH = 32  # an OpenAI request nests about 6 deep
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -43,7 +52,16 @@ class ImagePart(_Model):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Model):
+    url: str = Field(min_length=1)
+
+
+class VideoPart(_Model):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Model):
@@ -82,33 +100,6 @@ class ChatCompletionRequest(_Model):
             else self.max_tokens
 
 
-class APIError(Exception):
-    """An error answered as OpenAI-style JSON with an HTTP status; `retry_after` (seconds)
-    becomes a ``Retry-After`` header, which every 503 and 429 carries."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None, headers: dict[str, str] | None = None
-                 ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = \
-            status, message, type, param, code
-        if retry_after is None and status in (429, 503):
-            retry_after = 1
-        self.retry_after = retry_after
-        self.extra_headers = dict(headers or {})
-
-    def headers(self) -> dict[str, str]:
-        out = dict(self.extra_headers)
-        if self.retry_after is not None:
-            out["Retry-After"] = str(max(1, int(-(-self.retry_after // 1))))
-        return out
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
 def _loc(loc: tuple[Any, ...]) -> str:
     """pydantic's error location as a field path; union branch and tag names dropped."""
     out = ""
@@ -117,7 +108,7 @@ def _loc(loc: tuple[Any, ...]) -> str:
             out += f"[{part}]"
         elif "[" in str(part) or "-" in str(part) or part == "str":
             continue  # a union branch, not a field
-        elif part in ("text", "image_url") and i and isinstance(loc[i - 1], int) \
+        elif part in ("text", "image_url", "video_url") and i and isinstance(loc[i - 1], int) \
                 and i + 1 < len(loc):
             continue  # the tag of a content part, followed by its field
         else:
@@ -182,14 +173,14 @@ def parse_request(body: bytes | bytearray) -> ChatCompletionRequest:
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """A validated request's messages as the plain dicts input processing takes (no copy of
-    the image URLs)."""
+    the media URLs)."""
     out: list[dict[str, Any]] = []
     for m in req.messages:
         if m.content is None or isinstance(m.content, str):
             content: Any = m.content
         else:
             content = [{"type": "text", "text": part.text} if part.type == "text" else
-                       {"type": "image_url", "image_url": {"url": part.image_url.url}}
+                       {"type": part.type, part.type: {"url": getattr(part, part.type).url}}
                        for part in m.content]
         out.append({"role": m.role, "content": content})
     return out
@@ -203,7 +194,9 @@ INPUT_ERROR_STATUS: dict[str, int] = {
     "over_budget": 413,
     "busy": 429,
     "bad_image": 400,
+    "bad_video": 400,
     "not_allowed": 400,
+    "fetch_failed": 400,
     "not_found": 400,
     "unsupported": 400,
 }
@@ -218,30 +211,51 @@ def input_error(exc: InputError) -> APIError:
                     retry_after=exc.retry_after)
 
 
+def _answer(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """`fn(*args, **kw)`, its InputError answered as an APIError."""
+    try:
+        return fn(*args, **kw)
+    except InputError as exc:
+        raise input_error(exc) from None
+
+
 def prepare_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest,
-                 limits: ImageLimits, **bounds: Any) -> dict[str, Any]:
-    """A request's engine prompt (blocking: run it off the event loop); APIError on anything
-    the client got wrong. `bounds`: `ChatPreprocessor.plan`'s text bounds."""
-    return finish_chat(preprocessor, plan_chat(preprocessor, req, limits, **bounds))
+                 limits: ImageLimits, video_limits: VideoLimits | None = None, *,
+                 fetcher: Any = None, **bounds: Any) -> dict[str, Any]:
+    """A request's engine prompt (blocking: run it off the event loop; remote media through
+    `fetcher`); APIError on anything the client got wrong. `bounds`:
+    `ChatPreprocessor.plan`'s text bounds."""
+    return finish_chat(preprocessor, plan_chat(preprocessor, req, limits, video_limits,
+                                               fetcher=fetcher, **bounds))
 
 
 def plan_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest, limits: ImageLimits,
+              video_limits: VideoLimits | None = None, *, fetcher: Any = None,
               **bounds: Any) -> ChatPlan:
     """The cheap, checking half of preprocessing (`ChatPreprocessor.plan`, given `bounds`);
     APIError."""
-    try:
-        return preprocessor.plan(chat_messages(req), limits, **bounds)
-    except InputError as exc:
-        raise input_error(exc) from None
+    return _answer(preprocessor.plan, chat_messages(req), limits, video_limits,
+                   fetcher=fetcher, **bounds)
+
+
+def start_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest, limits: ImageLimits,
+               video_limits: VideoLimits | None = None, *, fetcher: Any = None,
+               **bounds: Any) -> ChatPlan:
+    """`ChatPreprocessor.start_plan` (text bounds, template, counts; remote fetches started);
+    APIError."""
+    return _answer(preprocessor.start_plan, chat_messages(req), limits, video_limits,
+                   fetcher=fetcher, **bounds)
+
+
+def read_chat(preprocessor: ChatPreprocessor, plan: ChatPlan, **kw: Any) -> ChatPlan:
+    """`ChatPreprocessor.read_media` (bytes, headers, the per-request budget); APIError."""
+    return _answer(preprocessor.read_media, plan, **kw)
 
 
 def finish_chat(preprocessor: ChatPreprocessor, plan: ChatPlan,
                 deadline: float | None = None) -> dict[str, Any]:
     """The decoding half (`ChatPreprocessor.finish`); APIError."""
-    try:
-        return preprocessor.finish(plan, deadline=deadline)
-    except InputError as exc:
-        raise input_error(exc) from None
+    return _answer(preprocessor.finish, plan, deadline=deadline)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .engine_client import Cancelled, RequestHandle
-from .protocol import APIError
+from .errors import APIError
+from .handles import Cancelled, Handle
 
 if TYPE_CHECKING:
     from spaceserve.runtime.request import RequestOutput
@@ -48,7 +48,7 @@ async def until_disconnect(request: Request) -> None:
         pass
 
 
-async def next_output(handle: RequestHandle, gone: asyncio.Task) -> RequestOutput | None:
+async def next_output(handle: Handle, gone: asyncio.Task) -> RequestOutput | None:
     """The request's next output, or None once the client has disconnected; Cancelled when
     the server ended the request (shutdown)."""
     get = asyncio.ensure_future(handle.next())
@@ -75,6 +75,10 @@ def shutdown_error(exc: Cancelled) -> APIError:
 
 def error_of(out: RequestOutput) -> APIError:
     msg = out.error or "request failed"
+    status = out.extra.get("status") if out.extra else None
+    if isinstance(status, int):  # the engine client's verdict (503: a replica failed)
+        return APIError(status, msg, type="server_error" if status >= 500 else
+                        "invalid_request_error")
     if msg.startswith("engine step failed"):
         return APIError(500, msg, type="server_error")
     return APIError(400, msg)

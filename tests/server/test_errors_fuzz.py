@@ -9,7 +9,9 @@ import base64
 import httpx
 import pytest
 
-from spaceserve.runtime.inputs import ImageLimits
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+
+from spaceserve.runtime.inputs import ImageLimits  # noqa: E402
 from spaceserve.server.app import ServerLimits
 
 from .conftest import MODEL, make_app, null_engine, png

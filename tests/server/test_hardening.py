@@ -122,7 +122,7 @@ def test_unexpected_exception_is_json_500_with_request_id(live, monkeypatch, cap
     def boom(*a, **k):
         raise TypeError("secret <object at 0x7f00deadbeef>")
 
-    monkeypatch.setattr(P, "plan_chat", boom)
+    monkeypatch.setattr(P, "start_chat", boom)  # the server's first step
     with caplog.at_level(logging.ERROR):
         got = keepalive(server, [json.dumps(OK | {"max_tokens": 1}).encode()] * 2)
     for status, headers, body in got:
@@ -158,8 +158,8 @@ def test_preprocessing_deadline_is_503_with_retry_after(preprocessor, monkeypatc
     import spaceserve.runtime.inputs.chat as chat
 
     engine, client, app = build(preprocessor, timeout_s=0.3)
-    original = chat.ChatPreprocessor.plan
-    monkeypatch.setattr(chat.ChatPreprocessor, "plan",
+    original = chat.ChatPreprocessor.start_plan  # the server's first preprocessing step
+    monkeypatch.setattr(chat.ChatPreprocessor, "start_plan",
                         lambda *a, **k: time.sleep(1.0) or original(*a, **k))
     try:
         t0 = time.monotonic()

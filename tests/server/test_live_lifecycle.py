@@ -12,6 +12,9 @@ import time
 import httpx
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+
 from spaceserve.server.app import ServerThread
 
 from .conftest import MODEL, make_app, null_engine, wait_until
@@ -99,13 +102,13 @@ def test_preprocessing_runs_off_the_event_loop(slow_server, monkeypatch) -> None
     engine, client, server = slow_server
     import spaceserve.runtime.inputs.chat as chat
 
-    original = chat.ChatPreprocessor.plan
+    original = chat.ChatPreprocessor.start_plan  # the server's first preprocessing step
 
-    def slow_plan(self, req, limits, **kw):
+    def slow_plan(self, req, limits, *args, **kw):
         time.sleep(0.8)  # a huge image being decoded
-        return original(self, req, limits, **kw)
+        return original(self, req, limits, *args, **kw)
 
-    monkeypatch.setattr(chat.ChatPreprocessor, "plan", slow_plan)
+    monkeypatch.setattr(chat.ChatPreprocessor, "start_plan", slow_plan)
 
     async def go():
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:

@@ -41,7 +41,7 @@ def expected(tiny_engine):
 
 @pytest.fixture(scope="module")
 def openai_client(live_tiny):
-    import openai
+    openai = pytest.importorskip("openai", reason="the serve extra is not installed")
 
     return openai.OpenAI(base_url=live_tiny[1].url + "/v1", api_key="unused", max_retries=0)
 

@@ -1,9 +1,10 @@
-"""The server's budget of image pixels in preprocessing and waiting for the encoder.
+"""The server's budget of image and video pixels in preprocessing and waiting for the encoder.
 
-Every request with images holds, from the moment its image headers are read until its
-preprocessing ends, a lease on as many pixels as its images decode to; then, until its images
-are encoded, a lease on what its preprocessed pixel values hold (`PixelLease.split`: values
-over three channels, no more than it had). A request that would push the total over the
+Every request with media holds, from the moment its headers are read until its preprocessing
+ends, a lease on as many pixels as its media decode to (a video: its sampled frames,
+`video.OpenedVideo.pixels`); then, until its media are encoded, a lease on what its
+preprocessed pixel values hold (`PixelLease.split`: values over three channels, no more than
+it had). A request that would push the total over the
 capacity is refused at once (InputError "busy", with the seconds after which to retry) instead
 of queueing: decoding memory and the pixel values awaiting the encoder stay bounded by the
 capacity, however many image requests arrive together.
@@ -59,17 +60,19 @@ class PixelBudget:
     def in_use(self) -> int:
         return self._used
 
-    def acquire(self, pixels: int, param: str = "messages") -> PixelLease:
-        """A lease on `pixels`, or InputError: "over_budget" when they exceed the whole
-        capacity, "busy" when other requests hold too much of it now."""
+    def acquire(self, pixels: int, param: str = "messages", what: str = "images"
+                ) -> PixelLease:
+        """A lease on `pixels` (of `what`, as messages word it), or InputError: "over_budget"
+        when they exceed the whole capacity, "busy" when other requests hold too much of it
+        now."""
         if pixels > self.capacity:
-            raise InputError(f"{param}: the images decode to {pixels} pixels; the server "
+            raise InputError(f"{param}: the {what} decode to {pixels} pixels; the server "
                              f"preprocesses at most {self.capacity} at once",
                              kind="over_budget", param=param)
         with self._lock:
             if self._used + pixels > self.capacity:
                 raise InputError(f"{param}: the server is decoding {self._used} of its "
-                                 f"{self.capacity} image pixels; these images need {pixels} "
+                                 f"{self.capacity} pixels; these {what} need {pixels} "
                                  "more; retry later", kind="busy", param=param,
                                  retry_after=self.retry_after)
             self._used += pixels

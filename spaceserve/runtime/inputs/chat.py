@@ -1,43 +1,49 @@
-"""Chat messages to engine prompts: chat template, image loading, image-token expansion.
+"""Chat messages to engine prompts: chat template, media loading, media-token expansion.
 
-`ChatPreprocessor` holds a checkpoint's tokenizer and image processor. It renders OpenAI-style
-chat messages (plain dicts: ``{"role", "content": str | [{"type": "text", "text"},
-{"type": "image_url", "image_url": {"url"}}]}``) with the tokenizer's chat template (an image
-part becomes the template's image placeholder), loads the images under `ImageLimits`, and
-expands every ``<|image_pad|>`` into as many image tokens as the image's grid gives, yielding
-the engine's pre-tokenised prompt form. It also answers the engine's processor call
-(``processor(text=[...], images=[...], return_tensors="pt")``), so `Engine.generate` with
-``{"prompt", "images"}`` and the server build the very same token ids. Errors are `InputError`s
-naming the part of the messages at fault; a new content type (video) is one more branch of
-`render` and a loader beside `load_image_url`.
+`ChatPreprocessor` is a `PromptEncoder` (a checkpoint's tokenizer, image processor and video
+settings; the engine's processor call) that also takes OpenAI-style chat messages (plain dicts:
+``{"role", "content": str | [{"type": "text", "text"}, {"type": "image_url", "image_url":
+{"url"}}, {"type": "video_url", "video_url": {"url"}}]}``): it renders them with the tokenizer's
+chat template (a media part becomes the template's image or video placeholder), loads the media
+under `ImageLimits` and `VideoLimits` (remote URLs through a fetcher when one is given, a
+request's fetches started together) and encodes the result. Errors are `InputError`s naming
+the part of the messages at fault.
 
-Cheap checks come before expensive work. `plan` bounds the messages' text by bytes (what the
-context can hold) before the template or the tokenizer sees it, reads every image's header
-and checks its pixels, and the request's pixels against its budget, before any image is
-decoded; `finish` then decodes (one image at a time, checking a deadline between them) and
-tokenises. Text from the client is tokenised with its special tokens as plain text (`text`):
-only the template writes control tokens, so a placeholder typed into a message never changes
-the image count.
+Cheap checks come before expensive work, in stages a server can run apart (`prepare` runs them
+all). `start_plan` bounds the messages' text by bytes (what the context can hold) before the
+template or the tokenizer sees it, checks the media counts and starts fetching the request's
+remote media; `read_media` reads every medium's bytes and header (an image's size, a video's
+container: frame size, frame count, the frames sampling keeps) and checks the per-item limits
+and the request's pixel budget, before anything is decoded (`plan` is both); `finish` then
+decodes (one item at a time, checking a deadline between them and between a video's frames)
+and tokenises. Text from the client is tokenised with its special tokens as plain text
+(`text`): only the template writes control tokens, so a placeholder typed into a message
+never changes the image or video count.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .errors import InputError, safe_detail
 from .images import load_rgb, open_image
-from .limits import ImageLimits
-from .media import data_url_mime, load_url_bytes
+from .limits import ImageLimits, VideoLimits
+from .media import load_url_media, mime_source
 from .pool import DeadlineExceeded
-from .text import check_text_size, encode_marked, mark_plain
+from .prompt_encoder import PromptEncoder
+from .text import check_text_size, mark_plain
+from .video import open_video_url
+
+REMOTE = ("http://", "https://")
 
 
 class MediaRef(NamedTuple):
-    """A media item of rendered messages: its kind ("image"), URL and content part."""
+    """A media item of rendered messages: its kind ("image" or "video"), URL and content
+    part."""
 
     modality: str
     url: Any
@@ -47,132 +53,44 @@ class MediaRef(NamedTuple):
 @dataclass
 class ChatPlan:
     """Chat messages checked and ready to decode: the rendered prompt (client control tokens
-    marked as text), the media, their header-read images and decoded pixel count; `prompt` is
-    already the engine prompt when there is nothing to decode."""
+    marked as text), the media and, once read, their opened items (an image with its header
+    read, an `OpenedVideo`), the pixels they count against pixel budgets and the work decoding
+    them takes (a video decodes more frames than it keeps); `prompt` is already the engine
+    prompt when there is nothing to decode. `fetches` holds the request's remote fetches
+    until its media are read."""
 
     text: str
     media: list[MediaRef] = field(default_factory=list)
-    images: list[Any] = field(default_factory=list)
+    items: list[Any] = field(default_factory=list)
     pixels: int = 0
+    work: int = 0
     text_bytes: int = 0
     prompt: dict[str, Any] | None = None
+    fetches: Any = None
+    limits: ImageLimits = field(default_factory=ImageLimits, repr=False)
+    video_limits: VideoLimits = field(default_factory=VideoLimits, repr=False)
+
+    @property
+    def fetching(self) -> list[Future]:
+        """Remote fetches still on their way (wait for them before `read_media`)."""
+        return self.fetches.pending() if self.fetches is not None else []
+
+    def close(self) -> None:
+        """Stop what is still being fetched (idempotent)."""
+        if self.fetches is not None:
+            self.fetches.__exit__(None, None, None)
+            self.fetches = None
+
+    def describe(self) -> str:
+        """What the media are, in words ("images", "video frames", or both)."""
+        kinds = {r.modality for r in self.media}
+        return " and ".join(w for k, w in (("image", "images"), ("video", "video frames"))
+                            if k in kinds) or "media"
 
 
-class ChatPreprocessor:
-    """Tokenizer + image processor of one checkpoint (either may be absent: text only)."""
-
-    def __init__(self, tokenizer: Any, image_processor: Any = None, *,
-                 image_token: str = "<|image_pad|>", image_token_id: int | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        if image_token_id is None and tokenizer is not None:
-            tid = tokenizer.convert_tokens_to_ids(image_token)
-            image_token_id = tid if isinstance(tid, int) and tid != tokenizer.unk_token_id \
-                else None
-        self.image_token_id = image_token_id
-        self.merge = int(getattr(image_processor, "merge_size", 2) or 2)
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, image_token_id: int | None = None
-                        ) -> ChatPreprocessor:
-        """Load both from a local checkpoint directory (no hub access)."""
-        from transformers import AutoImageProcessor, AutoTokenizer
-
-        path = os.fspath(path)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        image_processor = None
-        if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
-            image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
-        return cls(tokenizer, image_processor, image_token_id=image_token_id)
-
-    # The engine's processor interface.
-
-    def __call__(self, text: Sequence[str], images: Sequence[Any] | None = None,
-                 return_tensors: str = "pt") -> dict[str, Any]:
-        import torch
-
-        if len(text) != 1:
-            raise ValueError("one prompt at a time")
-        prompt = self.encode(text[0], list(images or []))
-        ids = torch.tensor([prompt["prompt_token_ids"]], dtype=torch.long)
-        return {"input_ids": ids, "pixel_values": prompt.get("pixel_values"),
-                "image_grid_thw": prompt.get("image_grid_thw")}
-
-    def encode(self, text: str, images: Sequence[Any], *,
-               deadline: float | None = None) -> dict[str, Any]:
-        """Tokenise `text` (holding one image placeholder per image; control tokens that
-        `mark_plain` marked count as text) and expand placeholders into the image tokens of
-        the decoded `images`; the engine's pre-tokenised prompt. Images are preprocessed one
-        at a time; past `deadline` (monotonic clock) DeadlineExceeded."""
-        if self.tokenizer is None:
-            raise InputError("this checkpoint has no tokenizer: send prompt_token_ids",
-                             kind="unsupported")
-        ids = encode_marked(self.tokenizer, text)
-        tok = self.image_token_id
-        slots = [i for i, t in enumerate(ids) if t == tok] if tok is not None else []
-        if len(slots) != len(images):
-            raise InputError(f"the prompt holds {len(slots)} image placeholders for "
-                             f"{len(images)} images")
-        if not images:
-            return {"prompt_token_ids": ids}
-        pv, grid = self._pixels(images, deadline)
-        counts = (grid.prod(dim=1) // self.merge ** 2).tolist()
-        out: list[int] = []
-        prev = 0
-        for slot, n in zip(slots, counts, strict=True):
-            out += ids[prev:slot]
-            out += [tok] * int(n)
-            prev = slot + 1
-        out += ids[prev:]
-        return {"prompt_token_ids": out, "pixel_values": pv, "image_grid_thw": grid}
-
-    def _pixels(self, images: Sequence[Any], deadline: float | None) -> tuple[Any, Any]:
-        """(pixel_values, image_grid_thw) of decoded images, one image processor call per
-        image (the same rows as one call for all), so one full-size image is alive at once."""
-        import torch
-
-        if self.image_processor is None:
-            raise InputError("this model's checkpoint has no image processor: images are "
-                             "not accepted", kind="unsupported")
-        pvs, grids = [], []
-        for img in images:
-            if deadline is not None and time.monotonic() > deadline:
-                raise DeadlineExceeded("preprocessing did not finish before its deadline")
-            try:
-                enc = self.image_processor(images=[self._shrink(img)], return_tensors="pt")
-            except Exception as exc:  # e.g. an image smaller than one patch
-                raise InputError(f"images cannot be preprocessed ({safe_detail(exc)})",
-                                 kind="bad_image") from None
-            pvs.append(enc["pixel_values"])
-            grids.append(enc["image_grid_thw"])
-        return torch.cat(pvs), torch.cat(grids)
-
-    def _shrink(self, img: Any) -> Any:
-        """`img` resized with PIL to the size a Qwen2-VL image processor would resize it to,
-        when that is smaller: the processor's own resize is then the identity (the same
-        pixels), but it no longer converts the full-size image to arrays first (a 4096x4096
-        image: ~100 MB less at its peak). Any other processor gets `img` as it is."""
-        proc = self.image_processor
-        size = getattr(proc, "size", None)
-        lo = getattr(size, "shortest_edge", None) or getattr(proc, "min_pixels", None)
-        hi = getattr(size, "longest_edge", None) or getattr(proc, "max_pixels", None)
-        patch, merge = getattr(proc, "patch_size", None), getattr(proc, "merge_size", None)
-        if not (hasattr(img, "resize") and getattr(proc, "do_resize", False) and lo and hi
-                and patch and merge and getattr(proc, "resample", None) is not None):
-            return img
-        try:
-            from PIL import Image
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-            w, h = img.size
-            rh, rw = smart_resize(h, w, factor=patch * merge, min_pixels=lo, max_pixels=hi)
-            if rh * rw >= h * w:
-                return img
-            return img.resize((rw, rh), resample=Image.Resampling(int(proc.resample)))
-        except (ImportError, ValueError, TypeError):  # not a Qwen2-VL processor after all
-            return img
-
-    # Chat messages.
+class ChatPreprocessor(PromptEncoder):
+    """Tokenizer + image processor + video settings of one checkpoint (any may be absent: text
+    only), and the chat messages' way to the engine prompt."""
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, max_text_bytes: int | None = None,
                context_len: int | None = None) -> tuple[str, list[MediaRef]]:
@@ -207,11 +125,12 @@ class ChatPreprocessor:
                                              param=f"{where}.text")
                         content.append({"type": "text", "text": text})
                         texts.append(text)
-                    elif kind == "image_url":
-                        url = part.get("image_url")
+                    elif kind in ("image_url", "video_url"):
+                        url = part.get(kind)
                         url = url.get("url") if isinstance(url, Mapping) else url
-                        content.append({"type": "image"})
-                        media.append(MediaRef("image", url, f"{where}.image_url"))
+                        modality = kind[:-4]
+                        content.append({"type": modality})
+                        media.append(MediaRef(modality, url, f"{where}.{kind}"))
                     else:
                         raise InputError(f"{where}: content part of type {kind!r} is not "
                                          "supported", kind="unsupported", param=where)
@@ -235,69 +154,122 @@ class ChatPreprocessor:
                              f"({safe_detail(exc)})", param="messages") from None
         return text, media, size
 
-    def plan(self, messages: Sequence[Mapping[str, Any]], limits: ImageLimits, *,
-             max_text_bytes: int | None = None, context_len: int | None = None,
-             light_text_bytes: int = 64 * 1024) -> ChatPlan:
-        """The cheap half of `prepare`: text bounds, template, image bytes and headers, the
-        per-image and per-request pixel limits; nothing decoded. A text-only request of at
-        most `light_text_bytes` comes back tokenised (`ChatPlan.prompt`); longer text is
-        tokenised by `finish`. InputError on anything the caller got wrong."""
+    def start_plan(self, messages: Sequence[Mapping[str, Any]], limits: ImageLimits,
+                   video_limits: VideoLimits | None = None, *, fetcher: Any = None,
+                   max_text_bytes: int | None = None, context_len: int | None = None
+                   ) -> ChatPlan:
+        """The first, cheapest part of `plan`: text bounds, template, media counts; the
+        request's http(s) media start downloading together through `fetcher` (a
+        `remote.RemoteFetcher`; refused without one). Nothing is read yet."""
         text, media, size = self._render(messages, max_text_bytes, context_len)
-        if media and self.image_token_id is None:
+        vlimits = video_limits or VideoLimits()
+        count = {"image": 0, "video": 0}
+        for ref in media:
+            count[ref.modality] += 1
+        if count["image"] and self.image_token_id is None:
             raise InputError("this model does not take images", kind="unsupported",
                              param="messages")
-        if len(media) > limits.max_images_per_request:
-            raise InputError(f"messages: {len(media)} images; at most "
-                             f"{limits.max_images_per_request} per request", kind="too_large",
+        if count["video"] and (self.video_token_id is None or self.video_sampling is None):
+            raise InputError("this model does not take videos", kind="unsupported",
                              param="messages")
-        plan = ChatPlan(text, media, text_bytes=size)
-        for ref in media:
-            raw = load_url_bytes(ref.url, where=ref.where, max_bytes=limits.max_image_bytes,
-                                 allowed_local_dir=limits.allowed_local_dir, media="image")
-            img = open_image(raw, limits.max_image_pixels, ref.where,
-                             mime=data_url_mime(ref.url))
-            plan.images.append(img)
-            plan.pixels += img.size[0] * img.size[1]
-        if plan.pixels > limits.max_request_pixels:
-            raise InputError(f"messages: the images decode to {plan.pixels} pixels; at most "
-                             f"{limits.max_request_pixels} per request", kind="over_budget",
-                             param="messages")
-        if not media and size <= light_text_bytes:
-            plan.prompt = self._encode_chat(text, [])
+        for kind, most in (("image", limits.max_images_per_request),
+                           ("video", vlimits.max_videos_per_request)):
+            if count[kind] > most:
+                raise InputError(f"messages: {count[kind]} {kind}s; at most {most} per request",
+                                 kind="too_large", param="messages")
+        plan = ChatPlan(text, media, text_bytes=size, limits=limits, video_limits=vlimits)
+        size_of = {"image": limits.max_image_bytes, "video": vlimits.max_video_bytes}
+        remote = [(r.url, r.where, r.modality, size_of[r.modality]) for r in media
+                  if isinstance(r.url, str) and r.url.startswith(REMOTE)]
+        if fetcher is not None and remote:
+            plan.fetches = fetcher.batch(remote)
         return plan
 
+    def read_media(self, plan: ChatPlan, *, light_text_bytes: int = 64 * 1024) -> ChatPlan:
+        """The rest of `plan`: every medium's bytes (a remote one once fetched) and header,
+        the per-item limits and the request's pixel budget; nothing decoded. A text-only
+        request of at most `light_text_bytes` comes back tokenised (`ChatPlan.prompt`)."""
+        limits, vlimits = plan.limits, plan.video_limits
+        try:
+            for ref in plan.media:
+                if ref.modality == "video":
+                    video = open_video_url(ref.url, limits, vlimits, self.video_sampling,
+                                           ref.where, fetcher=plan.fetches)
+                    plan.items.append(video)
+                    plan.pixels += video.pixels
+                    plan.work += video.work
+                    continue
+                raw, mime = load_url_media(ref.url, where=ref.where,
+                                           max_bytes=limits.max_image_bytes,
+                                           allowed_local_dir=limits.allowed_local_dir,
+                                           media="image", fetcher=plan.fetches)
+                img = open_image(raw, limits.max_image_pixels, ref.where, mime=mime,
+                                 declared_by=mime_source(ref.url))
+                plan.items.append(img)
+                plan.pixels += img.size[0] * img.size[1]
+                plan.work += img.size[0] * img.size[1]
+        finally:
+            plan.close()
+        if plan.pixels > limits.max_request_pixels:
+            raise InputError(f"messages: the {plan.describe()} decode to {plan.pixels} pixels; "
+                             f"at most {limits.max_request_pixels} per request",
+                             kind="over_budget", param="messages")
+        if not plan.media and plan.text_bytes <= light_text_bytes:
+            plan.prompt = self._encode_chat(plan.text, [])
+        return plan
+
+    def plan(self, messages: Sequence[Mapping[str, Any]], limits: ImageLimits,
+             video_limits: VideoLimits | None = None, *, fetcher: Any = None,
+             max_text_bytes: int | None = None, context_len: int | None = None,
+             light_text_bytes: int = 64 * 1024) -> ChatPlan:
+        """The cheap half of `prepare` (blocking while remote media download): `start_plan`
+        then `read_media`. InputError on anything the caller got wrong."""
+        plan = self.start_plan(messages, limits, video_limits, fetcher=fetcher,
+                               max_text_bytes=max_text_bytes, context_len=context_len)
+        return self.read_media(plan, light_text_bytes=light_text_bytes)
+
     def finish(self, plan: ChatPlan, *, deadline: float | None = None) -> dict[str, Any]:
-        """The engine prompt of a `plan`: images decoded one at a time (DeadlineExceeded past
-        `deadline`, monotonic clock), preprocessed, the prompt tokenised."""
+        """The engine prompt of a read `plan`: images and videos decoded one at a time
+        (DeadlineExceeded past `deadline`, monotonic clock), preprocessed, the prompt
+        tokenised."""
         if plan.prompt is not None:
             return plan.prompt
         if not plan.media:  # long text only
-            return self._encode_chat(plan.text, [], deadline)
-        images = []
-        for i, ref in enumerate(plan.media):  # one full-size image alive at a time
+            return self._encode_chat(plan.text, [], (), deadline)
+        images, videos = [], []
+        for i, ref in enumerate(plan.media):  # one full-size item alive at a time
             if deadline is not None and time.monotonic() > deadline:
                 raise DeadlineExceeded("preprocessing did not finish before its deadline")
-            img, plan.images[i] = plan.images[i], None
-            rgb = load_rgb(img, ref.where)
+            item, plan.items[i] = plan.items[i], None
+            if ref.modality == "video":
+                videos.append(item.decode(deadline))
+                continue
+            rgb = load_rgb(item, ref.where)
             images.append(self._shrink(rgb))
-            if images[-1] is not img:
-                img.close()  # the full-size pixels go now, not when the request ends
-            del rgb, img
-        return self._encode_chat(plan.text, images, deadline)
+            if images[-1] is not item:
+                item.close()  # the full-size pixels go now, not when the request ends
+            del rgb, item
+        return self._encode_chat(plan.text, images, videos, deadline)
 
-    def _encode_chat(self, text: str, images: list[Any], deadline: float | None = None
-                     ) -> dict[str, Any]:
+    def _encode_chat(self, text: str, images: list[Any], videos: Sequence[Any] = (),
+                     deadline: float | None = None) -> dict[str, Any]:
         try:
-            return self.encode(text, images, deadline=deadline)
+            return self.encode(text, images, videos, deadline=deadline)
         except InputError as exc:
             raise exc.with_prefix("messages", "messages") from None
         except ValueError as exc:
             raise InputError(f"messages: {safe_detail(exc)}", param="messages") from None
 
-    def prepare(self, messages: Sequence[Mapping[str, Any]], limits: ImageLimits, *,
+    def prepare(self, messages: Sequence[Mapping[str, Any]], limits: ImageLimits,
+                video_limits: VideoLimits | None = None, *, fetcher: Any = None,
                 max_text_bytes: int | None = None, context_len: int | None = None
                 ) -> dict[str, Any]:
-        """The engine prompt of chat `messages` (blocking: image decoding; run it off an event
-        loop): `plan` then `finish`. InputError on anything the caller got wrong."""
-        return self.finish(self.plan(messages, limits, max_text_bytes=max_text_bytes,
-                                     context_len=context_len))
+        """The engine prompt of chat `messages` (blocking: fetching and decoding; run it off
+        an event loop): `plan` then `finish`. http(s) media URLs go to `fetcher` (a
+        `remote.RemoteFetcher`; refused without one). InputError on anything the caller got
+        wrong."""
+        return self.finish(self.plan(messages, limits, video_limits, fetcher=fetcher,
+                                     max_text_bytes=max_text_bytes, context_len=context_len))
+
+
+__all__ = ["ChatPlan", "ChatPreprocessor", "MediaRef", "REMOTE"]

@@ -15,16 +15,18 @@ import re
 # kind -> what it means; a new loader adds its kind here (and the server maps it to a status).
 KINDS: dict[str, str] = {
     "invalid": "malformed input (messages, placeholders, template)",
-    "too_large": "over a size limit (bytes, pixels, number of images, text the context "
-                 "cannot hold)",
+    "too_large": "over a size limit (bytes, pixels, frames, number of images or videos, text "
+                 "the context cannot hold)",
     "over_budget": "the request's media together are over the per-request pixel budget",
     "busy": "the server's preprocessing budget is taken now; retry after `retry_after` s",
     "bad_image": "not a decodable or usable image",
-    "not_allowed": "refused by policy (file:// outside the allowed folder or missing, remote "
-                   "URLs)",
+    "bad_video": "not a decodable or usable video",
+    "not_allowed": "refused by policy (file:// outside the allowed folder or missing, a remote "
+                   "URL off the allowed domains or resolving to a non-public address)",
+    "fetch_failed": "an allowed remote URL could not be fetched (connection, timeout, status)",
     "not_found": "a referenced resource does not exist",
-    "unsupported": "something this model or build does not take (images, a URL scheme, an "
-                   "image format)",
+    "unsupported": "something this model or build does not take (images, videos, a URL scheme, "
+                   "a media format)",
 }
 
 

@@ -3,21 +3,24 @@
 
 Only PNG, JPEG, WebP, GIF (first frame) and BMP are ever decoded: PIL is asked for those
 formats alone (``Image.open(..., formats=...)``), so no other plugin parses untrusted bytes
-(EPS, which would hand PostScript to Ghostscript, never runs). A ``data:`` URL's media type
-must name one of them and match what the bytes are. `open_image` reads only the header, so
-sizes are checked (per image here, per request and per server by the caller) before any pixel
-is decoded. Messages never echo library object reprs.
+(EPS, which would hand PostScript to Ghostscript, never runs). A media type the source declares
+(a ``data:`` URL's, or the Content-Type of a remote image) must name one of them and match what
+the bytes are. `open_image` reads only the header, so sizes are checked (per image here, per
+request and per server by the caller) before any pixel is decoded. Messages never echo library
+object reprs. `image_hash` is a decoded image's content hash (the key of an encoder-output
+cache).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import warnings
 from typing import Any
 
 from .errors import ImageError, InputError, safe_detail
 from .limits import ImageLimits
-from .media import data_url_mime, load_url_bytes
+from .media import data_url_mime, load_url_media, mime_source
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 FORMAT_NAMES = "PNG, JPEG, WebP, GIF or BMP"
@@ -53,10 +56,10 @@ def _refused(raw: bytes, where: str) -> ImageError:
 
 
 def open_image(raw: bytes, max_pixels: int, where: str = "image", *,
-               mime: str | None = None) -> Any:
+               mime: str | None = None, declared_by: str = "the data URL") -> Any:
     """A PIL image of `raw` with only its header read (nothing decoded yet): an accepted
-    format, matching `mime` when one is declared, of at most `max_pixels`; ImageError
-    otherwise."""
+    format, matching `mime` when one is declared (by `declared_by`, as the message names it),
+    of at most `max_pixels`; ImageError otherwise."""
     from PIL import Image, UnidentifiedImageError
 
     want = image_format_of_mime(mime, where)
@@ -73,7 +76,7 @@ def open_image(raw: bytes, max_pixels: int, where: str = "image", *,
         raise ImageError(f"{where}: cannot read the image header ({safe_detail(exc)})",
                          kind="bad_image", param=where) from None
     if want is not None and img.format != want:
-        raise ImageError(f"{where}: the data URL says {mime} but the data is {img.format}",
+        raise ImageError(f"{where}: {declared_by} says {mime} but the data is {img.format}",
                          kind="bad_image", param=where)
     w, h = img.size
     if w < 1 or h < 1 or w * h > max_pixels:
@@ -94,17 +97,31 @@ def load_rgb(img: Any, where: str = "image") -> Any:
 
 
 def decode_image(raw: bytes, max_pixels: int, where: str = "image", *,
-                 mime: str | None = None) -> Any:
+                 mime: str | None = None, declared_by: str = "the data URL") -> Any:
     """Encoded image bytes to an RGB PIL image of at most `max_pixels`; ImageError otherwise."""
-    return load_rgb(open_image(raw, max_pixels, where, mime=mime), where)
+    return load_rgb(open_image(raw, max_pixels, where, mime=mime, declared_by=declared_by),
+                    where)
 
 
-def load_image_url(url: str, limits: ImageLimits, where: str = "image_url") -> Any:
-    """Decode one image URL (``data:`` or ``file://``) to an RGB PIL image under `limits`;
-    InputError otherwise."""
-    raw = load_url_bytes(url, where=where, max_bytes=limits.max_image_bytes,
-                         allowed_local_dir=limits.allowed_local_dir, media="image")
-    return decode_image(raw, limits.max_image_pixels, where, mime=data_url_mime(url))
+def load_image_url(url: str, limits: ImageLimits, where: str = "image_url", *,
+                   fetcher: Any = None) -> Any:
+    """Decode one image URL (``data:``, ``file://``, or http(s) through `fetcher`) to an RGB
+    PIL image under `limits`; InputError otherwise."""
+    raw, mime = load_url_media(url, where=where, max_bytes=limits.max_image_bytes,
+                               allowed_local_dir=limits.allowed_local_dir, media="image",
+                               fetcher=fetcher)
+    return decode_image(raw, limits.max_image_pixels, where, mime=mime,
+                        declared_by=mime_source(url))
+
+
+def image_hash(img: Any, settings: bytes = b"") -> str:
+    """Content hash of a decoded image (its mode, size and pixels) under processor `settings`
+    (hex, 32 characters): equal hashes mean equal encoder input."""
+    h = hashlib.blake2b(digest_size=16, person=b"ss-image")
+    h.update(settings)
+    h.update(repr((img.mode, img.size)).encode())
+    h.update(img.tobytes())
+    return h.hexdigest()
 
 
 def load_image(item: Any, index: int) -> Any:
@@ -144,5 +161,5 @@ def load_image(item: Any, index: int) -> Any:
 
 
 __all__ = ["FORMAT_NAMES", "IMAGE_FORMATS", "ImageError", "ImageLimits", "InputError",
-           "decode_image", "image_format_of_mime", "load_image", "load_image_url", "load_rgb",
-           "open_image"]
+           "decode_image", "image_format_of_mime", "image_hash", "load_image", "load_image_url",
+           "load_rgb", "open_image"]

@@ -5,11 +5,12 @@
 an allowed folder (symbolic links resolved first) and is off unless one is given; the URL is
 percent-decoded, and a path outside the folder, missing or not a regular file gets one message
 ("not allowed or not found"), so answers never tell which files exist (`resolve_local_file`,
-shared by every loader of local files). Remote URLs are refused: nothing is fetched on a
-client's behalf (a remote loader, when added, registers its prefixes in `LOADERS` and enforces
-the same byte limit). The media kind ("image", later "video") words the messages and checks a
-``data:`` URL's media type; `data_url_mime` gives that type to the decoder, which checks it
-against the bytes.
+shared by every loader of local files, images and videos alike). Remote (``http(s)://``) URLs
+are fetched only through a `fetcher` (`remote.RemoteFetcher`: an allow-list of domains, public
+addresses only, the same byte limit); without one they are refused. The media kind ("image",
+"video") words the messages and checks a ``data:`` URL's media type. `load_url_media` also
+gives the media type the source declares (a ``data:`` URL's, an http(s) answer's
+Content-Type) to the decoder, which checks it against the bytes.
 """
 
 from __future__ import annotations
@@ -106,11 +107,12 @@ def _file_bytes(url: str, where: str, media: str, max_bytes: int,
 
 def _remote_refused(url: str, where: str, media: str, max_bytes: int,
                     allowed_local_dir: str | None) -> bytes:
-    raise InputError(f"{where}: remote {media} URLs are not fetched; send the {media} inline "
-                     "as a data: URL", kind="not_allowed", param=where)
+    raise InputError(f"{where}: remote {media} URLs are not fetched by this server (it fetches "
+                     "only from its allowed media domains); send the "
+                     f"{media} inline as a data: URL", kind="not_allowed", param=where)
 
 
-# URL prefix -> loader, matched in order as written (a remote fetcher replaces the last two)
+# URL prefix -> loader, matched in order as written (http(s) go to a fetcher when given one)
 LOADERS: dict[str, Loader] = {
     "data:": _data_bytes,
     "file://": _file_bytes,
@@ -120,16 +122,38 @@ LOADERS: dict[str, Loader] = {
 
 
 def load_url_bytes(url: Any, *, where: str, max_bytes: int, allowed_local_dir: str | None,
-                   media: str = "image") -> bytes:
-    """The bytes `url` names (at most `max_bytes`), by its prefix in `LOADERS`; InputError
-    otherwise."""
+                   media: str = "image", fetcher: Any = None) -> bytes:
+    """The bytes `url` names (at most `max_bytes`), by its prefix in `LOADERS`, or through
+    `fetcher` (``fetcher.fetch(url, where=, media=, max_bytes=)``) for an http(s) URL;
+    InputError otherwise."""
     if not isinstance(url, str):
         raise InputError(f"{where}: url must be a string", kind="invalid", param=where)
+    if fetcher is not None and url.startswith(("http://", "https://")):
+        return fetcher.fetch(url, where=where, media=media, max_bytes=max_bytes)
     for prefix, loader in LOADERS.items():
         if url.startswith(prefix):
             return loader(url, where, media, max_bytes, allowed_local_dir)
     raise InputError(f"{where}: unsupported URL scheme (use data: or file://)",
                      kind="unsupported", param=where)
+
+
+def load_url_media(url: Any, *, where: str, max_bytes: int, allowed_local_dir: str | None,
+                   media: str = "image", fetcher: Any = None) -> tuple[bytes, str | None]:
+    """(`load_url_bytes`'s bytes, the media type their source declares): a ``data:`` URL's
+    type, or the Content-Type of an http(s) answer (``fetcher.fetch_media``); None when the
+    source declares none or only a generic one, and for local files."""
+    if fetcher is not None and isinstance(url, str) and url.startswith(("http://", "https://")) \
+            and hasattr(fetcher, "fetch_media"):
+        return fetcher.fetch_media(url, where=where, media=media, max_bytes=max_bytes)
+    raw = load_url_bytes(url, where=where, max_bytes=max_bytes,
+                         allowed_local_dir=allowed_local_dir, media=media, fetcher=fetcher)
+    return raw, data_url_mime(url) or None
+
+
+def mime_source(url: Any) -> str:
+    """Who declared a URL's media type, as error messages name it."""
+    return "the data URL" if isinstance(url, str) and url.startswith("data:") else \
+        "the Content-Type"
 
 
 def data_url_mime(url: Any) -> str | None:
