@@ -42,7 +42,14 @@ async def _fetched(plan: Any, deadline: float) -> None:
     pending = [asyncio.wrap_future(f) for f in plan.fetching]
     if not pending:
         return
-    _, late = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+    try:
+        _, late = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for f in pending:  # a fetch's error is read_media's to report, not the loop's to log
+            if f.done() and not f.cancelled():
+                f.exception()
+            else:
+                f.cancel()
     if late:
         raise DeadlineExceeded("preprocessing did not finish before its deadline")
 
