@@ -141,6 +141,23 @@ def test_remote_urls_through_the_server(remote_server, media) -> None:
         assert err["type"] == "invalid_request_error"
 
 
+def test_remote_media_types_are_checked_against_the_bytes(remote_server, media) -> None:
+    """A remote answer's Content-Type is checked against the bytes as a data URL's type is,
+    and the same format allow-lists apply: PostScript labelled image/png never reaches a
+    PostScript decoder, an mp4 labelled video/webm or an image labelled video/mp4 is refused;
+    each a 400 naming the content part, with no object reprs."""
+    for path, kind, match in [
+        ("/eps.png", "image_url", "looks like PostScript/EPS"),
+        ("/clip.webm", "video_url", "the Content-Type says video/webm"),
+        ("/img.mp4", "video_url", "cannot open video"),
+    ]:
+        status, body = _ask(remote_server, media.url(path), kind)
+        err = body["error"]
+        assert status == 400 and match in err["message"], (path, body)
+        assert err["param"] == f"messages[0].content[0].{kind}" and " at 0x" not in \
+            err["message"]
+
+
 def test_without_the_opt_in_loopback_names_are_refused(preprocessor, media) -> None:
     client, app = _live(preprocessor, RemotePolicy(("localhost",)))
     try:
