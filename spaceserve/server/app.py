@@ -110,7 +110,8 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
     @app.get("/health")
     async def health() -> Response:
         status = "draining" if client.draining else "ok" if client.alive else "dead"
-        body = {"status": status, "mode": client.mode, "note": client.mode_note}
+        body = {"status": status, "mode": client.mode, "note": client.mode_note,
+                "device": getattr(client, "device", None)}
         if status == "dead" and client.last_error:
             body["error"] = client.last_error
         if status == "ok":
@@ -249,7 +250,7 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
 
 def __getattr__(name: str) -> Any:
     if name == "ServerThread":  # uvicorn is imported only when a server runs
-        from .shutdown import ServerThread
+        from .thread import ServerThread
 
         return ServerThread
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -272,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len, seed=args.seed,
             max_images_per_prompt=args.max_images_per_request,
-            tensor_parallel_size=args.tensor_parallel_size)
+            tensor_parallel_size=args.tensor_parallel_size, slo=args.slo,
+            encoder_window_s=args.encoder_window_ms / 1e3)
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2
@@ -285,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                          pixels=settings.pixels(), mode_note=note)
     app = create_app(client, pre, model_name=args.served_model_name or args.model,
                      limits=settings.limits, root=args.model, guard=settings.guard)
-    print(f"spaceserve serve: {args.model} ({client.mode}) on http://{args.host}:{args.port}",
-          file=sys.stderr, flush=True)
+    print(f"spaceserve serve: {args.model} ({client.mode}, SLO {engine.config.slo}) on "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     server = settings.server(app, client, host=args.host, port=args.port,
                              log_level=args.log_level)
     try:

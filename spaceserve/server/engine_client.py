@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
+from spaceserve.runtime.slo import DEFAULT_SLO
 
 from .errors import APIError
 from .handles import Admission, Cancelled, Handle, QueueFull
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
     from spaceserve.runtime.engine import Engine
     from spaceserve.runtime.request import RequestOutput, SamplingParams
 
-KNOWN_MODES = ("temporal", "spatial", "spatial-static", "shared")
+KNOWN_MODES = ("temporal", "temporal-chunked", "spatial", "spatial-static", "shared")
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,17 @@ class AsyncEngine(Admission):
         super().__init__(max_pending=max_pending, pool=pool, pixels=pixels)
         self.engine = engine
         self.mode_note = mode_note
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(getattr(getattr(engine, "config", None), "slo", DEFAULT_SLO))
         self.timeline: deque[SplitSample] = deque(maxlen=timeline_len)
         self.last_error: str | None = None
         self._cond = threading.Condition()
         self._closing = False
         self._dead = False
         self._device_sms = _device_sms(engine)
+        try:
+            self.device = device_label(engine.runner.device)
+        except Exception:  # a stand-in engine without a torch device
+            self.device = None
         self._thread = threading.Thread(target=self._run, name="spaceserve-engine", daemon=True)
         self._thread.start()
 
@@ -225,6 +230,19 @@ def _engine_dead(exc: BaseException) -> bool:
     from spaceserve.runtime.tp.group import TensorParallelError
 
     return isinstance(exc, TensorParallelError)
+
+
+def device_label(device: Any) -> str:
+    """``"NVIDIA H200 (132 SMs)"`` for a CUDA device, ``"CPU (16 cores)"`` otherwise."""
+    import os
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} ({props.multi_processor_count} SMs)"
+    return f"{device.type.upper()} ({os.cpu_count()} cores)"
 
 
 def _device_sms(engine: Engine) -> int:

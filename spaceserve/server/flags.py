@@ -11,6 +11,7 @@ import argparse
 
 from spaceserve.cli_args import HelpFormatter
 from spaceserve.runtime.inputs import ImageLimits
+from spaceserve.runtime.slo import DEFAULT_SLO_TEXT
 
 from .guard import GuardLimits
 from .media_args import add_media_args
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--mode", default="temporal",
-                   help="engine mode: temporal, spatial, spatial-static, shared")
+                   help="engine mode: temporal, temporal-chunked, spatial, spatial-static, "
+                        "shared")
     p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
     p.add_argument("--attention-backend",
@@ -59,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "allowed)")
     add_media_args(p)
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    p.add_argument("--slo", default=DEFAULT_SLO_TEXT,
+                   help="latency SLO finished requests are judged by (/metrics "
+                        "request_slo_total), ms: any of ttft, tpot, itl (p99 per request), "
+                        f"e2el (default {DEFAULT_SLO_TEXT})")
+    p.add_argument("--encoder-window-ms", type=float, default=20.0,
+                   help="encoder time window: temporal-chunked's chunk between decode steps, "
+                        "TWSRFT's grant in the spatial modes")
     h = p.add_argument_group("hardening (bounds on what clients can make the server hold; "
                              "see README, Serving under attack)")
     h.add_argument("--max-request-pixels", type=int, default=ImageLimits.max_request_pixels,

@@ -3,15 +3,15 @@
 It has the surface the HTTP layer uses of `AsyncEngine`: the same admission, preprocessing pool
 (light and heavy lanes), pixel budget, ``draining`` flag and ``abort_all`` (`handles.Admission`;
 ``reserve`` -> a `handles.Handle` with ``start`` / ``wait`` / ``hold`` / ``next`` /
-``cancel`` / ``close``), and ``alive``, ``last_error``, ``mode``, ``mode_note``, ``metrics``,
-``gauges``, ``engine.max_model_len``, ``close``; so the API, errors, bounds, graceful shutdown,
-/health and /metrics are the single server's. The ingress preprocesses (chat template, media
-decoding) exactly as one server does; a handle then derives the prompt's `RouteRequest` (image
-content hashes, prefix-block hashes) and streams the request from one replica through a
-`ReplicaBackend` (Ray Serve's deployment handle in deploy.py, a fake in tests); the backend's
-router ranks replicas with the `ReplicaTracker` this client reports to (first token, end). The
-server ending a request (a drain's deadline) cancels the replica's call, which aborts it
-there.
+``cancel`` / ``close``), and ``alive``, ``last_error``, ``mode``, ``mode_note``, ``device``,
+``metrics``, ``gauges``, ``engine.max_model_len``, ``close``; so the API, errors, bounds,
+graceful shutdown, /health and /metrics are the single server's. The ingress preprocesses
+(chat template, media decoding) exactly as one server does; a handle then derives the
+prompt's `RouteRequest` (image content hashes, prefix-block hashes) and streams the request
+from one replica through a `ReplicaBackend` (Ray Serve's deployment handle in deploy.py, a fake
+in tests); the backend's router ranks replicas with the `ReplicaTracker` this client reports
+to (first token, end). The server ending a request (a drain's deadline) cancels the replica's
+call, which aborts it there.
 
 Faults: when the replica fails (its process died, its stream broke) before anything was handed
 to the HTTP layer, the request is sent once more, to another replica; otherwise it ends with an
@@ -221,7 +221,8 @@ class ReplicaClient(Admission):
                  mode: str, num_replicas: int, image_token_id: int | None,
                  merge_size: int = 2, max_pending: int = 256, mode_note: str | None = None,
                  route_timeout_s: float = 60.0, workers: int = 4,
-                 pool: PreprocessPool | None = None, pixels: PixelBudget | None = None) -> None:
+                 pool: PreprocessPool | None = None, pixels: PixelBudget | None = None,
+                 device: str | None = None) -> None:
         if pool is None:
             light = max(1, workers // 2)
             pool = PreprocessPool(light_workers=light, heavy_workers=max(1, workers - light))
@@ -229,6 +230,7 @@ class ReplicaClient(Admission):
         self.backend, self.tracker = backend, tracker
         self.engine = EngineFacts(max_model_len)
         self._mode, self._note = mode, mode_note
+        self.device = device  # what each replica runs on (/health), as the first one said
         self.num_replicas = num_replicas
         self.image_token_id, self.merge_size = image_token_id, merge_size
         self.block_tokens = tracker.config.block_tokens

@@ -176,7 +176,7 @@ class DataParallelServer:
         cap_video_tokens(pre, info["max_model_len"])  # as each replica's load_engine does
         self.client = ReplicaClient(
             RayBackend(handle), tracker, max_model_len=info["max_model_len"], mode=info["mode"],
-            mode_note=info["mode_note"], num_replicas=self.size,
+            mode_note=info["mode_note"], num_replicas=self.size, device=info.get("device"),
             image_token_id=pre.image_token_id, merge_size=pre.merge,
             max_pending=self.max_pending * self.size, route_timeout_s=self.route_timeout_s,
             pool=PreprocessPool(max_queue=self.preprocess_queue),
@@ -337,7 +337,8 @@ def main(args: argparse.Namespace) -> int:
             attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, seed=args.seed,
-            max_images_per_prompt=args.max_images_per_request,
+            max_images_per_prompt=args.max_images_per_request, slo=args.slo,
+            encoder_window_s=args.encoder_window_ms / 1e3,
             **({"tensor_parallel_size": args.tensor_parallel_size}
                if getattr(args, "tensor_parallel_size", None) else {}))
     except ValueError as exc:

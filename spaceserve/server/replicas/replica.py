@@ -77,7 +77,8 @@ class EngineReplica:
         """What the ingress needs to know of the engine."""
         eng = self.client.engine
         return {"max_model_len": int(eng.max_model_len), "mode": self.client.mode,
-                "mode_note": self.client.mode_note, "rank": self.rank}
+                "mode_note": self.client.mode_note, "rank": self.rank,
+                "device": self.client.device}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Who this replica is and its /metrics gauges (Ray polls this periodically)."""
