@@ -75,21 +75,26 @@ async def prepare_chat_request(client: Admission, preprocessor: Any,
             handle.add(plan.prompt, params, stream=req.stream)
         return plan
 
-    def start_job() -> Any:
+    def start_job() -> bool:
+        """Start the plan; read its media now unless remote ones are still on their way
+        (whether it read them: the fetches may finish any time after this looks)."""
         nonlocal plan
         plan = P.start_chat(preprocessor, req, limits, video_limits, fetcher=fetcher,
                             max_text_bytes=max_text_bytes, context_len=context_len)
-        return plan if plan.fetching else read_job(plan)
+        if plan.fetching:
+            return False
+        read_job(plan)
+        return True
 
     try:
-        plan = await handle.wait(client.pool.run(start_job, lane="light", deadline=deadline))
-        if plan.fetching:  # remote media on their way: wait here, not in a lane
+        read = await handle.wait(client.pool.run(start_job, lane="light", deadline=deadline))
+        if not read:  # remote media on their way: wait here, not in a lane
             await handle.wait(_fetched(plan, deadline))
             await handle.wait(client.pool.run(lambda: read_job(plan), lane="light",
                                               deadline=deadline))
         if plan.prompt is not None:
             return
-        if not plan.pixels:  # a long text: tokenised in the heavy lane, by its size
+        if not plan.media:  # a long text: tokenised in the heavy lane, by its size
             await handle.start(lambda: P.finish_chat(preprocessor, plan, deadline), params,
                                stream=req.stream, lane="heavy", cost=TEXT_COST * plan.text_bytes,
                                deadline=deadline)
