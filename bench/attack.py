@@ -9,7 +9,8 @@ Starts ``spaceserve serve --model tiny`` with default flags, plus ``--allowed-lo
 
 1. prompt-size amplification: concurrent 8 MB text messages;
 2. image-decode amplification: requests of eight 4096x4096 solid PNGs, and requests at the
-   per-request pixel budget (two 4096x4096 images);
+   per-request pixel budget (two 4096x4096 images); the same with videos (a 4K clip whose
+   sampled frames are over the budget, two 1080p clips at it);
 3. memory before admission: concurrent 30 MB uploads;
 4. malformed bodies that used to be 500s (lone surrogates in text and `model`, JSON 5,000 deep);
 5. role injection through special tokens; placeholders in text;

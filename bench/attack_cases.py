@@ -113,6 +113,57 @@ async def attack_images(ctx: Ctx) -> list[Row]:
     return rows
 
 
+def clip(w: int, h: int, frames: int, fps: int = 4) -> bytes:
+    """A solid-grey mp4 clip (PyAV): tiny to send, `frames` frames of w x h to decode."""
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as c:
+        s = c.add_stream("mpeg4", rate=fps)
+        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        frame = av.VideoFrame.from_ndarray(np.full((h, w, 3), 128, np.uint8), format="rgb24")
+        for _ in range(frames):
+            c.mux(s.encode(frame))
+        c.mux(s.encode())
+    return buf.getvalue()
+
+
+async def attack_videos(ctx: Ctx) -> list[Row]:
+    """Videos count their sampled frames against the pixel budgets from the container header:
+    a 4K clip's 8 sampled frames are over the per-request budget (413, nothing decoded); two
+    1080p clips of 8 sampled frames each are at it (decoded, 429 past the server's budget).
+    The clips are encoded here (PyAV), a few seconds of CPU."""
+    def body(*urls: str) -> bytes:
+        return json.dumps(ctx.hi() | {"messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": u}} for u in urls] + [
+            {"type": "text", "text": "what happens?"}]}]}).encode()
+
+    try:
+        uhd, hd = (await asyncio.gather(asyncio.to_thread(clip, 3840, 2160, 8, fps=2),
+                                        asyncio.to_thread(clip, 1920, 1080, 32)))
+    except ImportError:  # PyAV is the video extra
+        return [Row("2c videos", "413 / 200", "not run: PyAV is not installed", True)]
+    n = 2 if ctx.quick else 4
+    rows = []
+    for name, expect, raw, good in [
+        (f"2c videos: {n} x a 4K clip (8 frames, all sampled)", "413 from the header",
+         body(data_url(uhd, "video/mp4")), lambda s: s == 413),
+        (f"2d videos: {n} x two 1080p clips (8 of 32 frames each)", "200 (429 past the "
+         "server's pixel budget)", body(*[data_url(hd, "video/mp4")] * 2),
+         lambda s: s in (200, 429)),
+    ]:
+        with watched(ctx) as rss:
+            async with Probe(ctx) as probe:
+                res = await _flood(ctx, [raw] * n)
+        ok = all(good(s) and "NO Retry" not in m for s, m, _ in res) and _hi_ok(probe) and \
+            rss[0] < RSS_BOUND_MB and (good(413) or any(s == 200 for s, _, _ in res))
+        rows.append(Row(name, f"{expect}; hi < 2 s", f"{_statuses(res)} in <= "
+                        f"{max(t for *_, t in res):.2f} s ({res[0][1][:60]}); "
+                        f"{probe.summary()}; RSS +{rss[0]:.0f} MB", ok, probe.worst, rss[0]))
+    return rows
+
+
 async def attack_uploads(ctx: Ctx) -> list[Row]:
     n = 4 if ctx.quick else 8
     raw = json.dumps(ctx.hi() | {"messages": [{"role": "user", "content": "x" * (30 << 20)}]}
@@ -325,7 +376,8 @@ async def attack_shutdown(ctx: Ctx) -> list[Row]:
                 f"ended with [DONE]; /health {health.status_code}, new {new.status_code}", ok)]
 
 
-ATTACKS = [("text", attack_text), ("images", attack_images), ("uploads", attack_uploads),
+ATTACKS = [("text", attack_text), ("images", attack_images), ("videos", attack_videos),
+           ("uploads", attack_uploads),
            ("malformed", attack_malformed), ("injection", attack_injection),
            ("leaks", attack_leaks), ("formats", attack_formats),
            ("slowloris", attack_slowloris), ("shutdown", attack_shutdown)]

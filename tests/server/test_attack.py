@@ -1,5 +1,6 @@
 """The attack script's quick subset (bench/attack.py --quick) against a live tiny server with
-default flags: 2 concurrent 8 MB messages, image bombs and 2 max-size image requests, 4
+default flags: 2 concurrent 8 MB messages, image bombs and 2 max-size image requests, video
+clips over and at the pixel budget (2 requests each), 4
 concurrent 30 MB uploads, every malformed / injection / leak / format case once on a kept
 connection, 200 slow connections, SIGTERM with 100 streams in flight. Every row must pass:
 "hi" under 2 s during the floods, RSS under the documented bound, 4xx with clear messages,
