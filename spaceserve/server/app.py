@@ -110,8 +110,9 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
     @app.get("/health")
     async def health() -> Response:
         status = "draining" if client.draining else "ok" if client.alive else "dead"
-        body = {"status": status, "mode": client.mode, "note": client.mode_note,
-                "device": getattr(client, "device", None)}
+        body = {"status": status, "mode": client.mode, "note": client.mode_note}
+        if getattr(client, "device", None):
+            body["device"] = client.device
         if status == "dead" and client.last_error:
             body["error"] = client.last_error
         if status == "ok":

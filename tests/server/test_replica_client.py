@@ -231,7 +231,7 @@ def test_a_client_that_goes_away_cancels_the_replica_call(fake) -> None:
 def test_health_follows_the_replicas(fake) -> None:
     reps, url, client = fake
     assert httpx.get(url + "/health").json() == {"status": "ok", "mode": "temporal",
-                                                  "note": None, "device": None}
+                                                  "note": None}
     client.tracker.remove("k1")
     assert httpx.get(url + "/health").json()["note"] == "1 of 2 replicas running"
     client.tracker.remove("k0")
