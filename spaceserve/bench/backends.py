@@ -89,9 +89,9 @@ class InProcessBackend:
         if self.prompts is not None:
             return body
         if self.endpoint == COMPLETIONS:  # the server's prompt-text path
-            from spaceserve.runtime.inputs import encode_plain_text
+            from spaceserve.runtime.inputs import encode_plain
 
-            return {"prompt_token_ids": encode_plain_text(self.pre.tokenizer, body["prompt"])}
+            return {"prompt_token_ids": encode_plain(self.pre.tokenizer, body["prompt"])}
         # pydantic: chat bodies only
         from spaceserve.server.protocol import ChatCompletionRequest, prepare_chat
 

@@ -2,8 +2,10 @@
 
 `prompt` is a string, a list of strings, a list of token ids or a list of token-id lists; each
 prompt is one engine request and one choice (``index`` = the prompt's position). Prompt text is
-tokenised with special-token text kept plain (`runtime.inputs.encode_plain_text`, the rule of
-chat text); token ids go in as they are. `echo` puts the prompt's text before the completion;
+tokenised with special-token text kept plain (`runtime.inputs.encode_plain`, the rule of chat
+text), in the preprocessing pool's light lane under the request's deadline, after its size is
+checked against what the context can hold; token ids go in as they are. `echo` puts the
+prompt's text before the completion;
 `logprobs` N returns the completions-format logprobs (the sampled token and the N most likely
 at every position, with text offsets). Streaming sends ``text_completion`` chunks per choice as
 text appears, the finish reason on a choice's last chunk, a usage chunk (the sum over the
@@ -14,27 +16,30 @@ every prompt has its first token, so a bad prompt is still a JSON error with a 4
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from . import protocol as P
-from .engine_client import QueueFull
 from .errors import APIError
-from .http_util import _error_of, _json, _read_body, _until_disconnect
+from .guard import release_body
+from .handles import Cancelled, QueueFull
 from .logprobs import TokenText, completion_logprobs
 from .sampling import MAX_LOGPROBS, REFUSED, SamplingFields, to_sampling_params
+from .streams import error_of, json_response, read_body, shutdown_error, until_disconnect
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from spaceserve.runtime.request import RequestOutput
 
-    from .engine_client import AsyncEngine, RequestHandle
+    from .engine_client import AsyncEngine
+    from .handles import Handle
 
 MAX_PROMPTS = 64  # prompts in one request at most (each is an engine request)
 
@@ -80,7 +85,7 @@ def _usage(outs: list[RequestOutput]) -> dict[str, int]:
 class _Choice:
     """One prompt's choice: its handle, its prompt text for `echo`, its logprob offset."""
 
-    def __init__(self, index: int, handle: RequestHandle) -> None:
+    def __init__(self, index: int, handle: Handle) -> None:
         self.index, self.handle = index, handle
         self.prompt_text = ""
         self.offset = 0
@@ -91,15 +96,29 @@ class _Choice:
 def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, *,
                           model_name: str, limits: Any, texts: TokenText) -> None:
     """Register ``POST /v1/completions`` on `app` (module docstring)."""
-    from spaceserve.runtime.inputs import InputError, encode_plain_text
+    from spaceserve.runtime.inputs import (
+        DeadlineExceeded,
+        InputError,
+        check_text_size,
+        encode_plain,
+        text_byte_limit,
+    )
+    from spaceserve.runtime.inputs import QueueFull as PoolFull
 
     tokenizer = getattr(preprocessor, "tokenizer", None)
+    ctx = client.engine.max_model_len
+    max_text = text_byte_limit(tokenizer, ctx) if tokenizer is not None else None
 
-    def prepare(prompt: str | list[int]) -> dict[str, Any]:
+    def prepare(prompt: str | list[int], i: int) -> dict[str, Any]:
         if isinstance(prompt, list):
             return {"prompt_token_ids": prompt}
         try:
-            return {"prompt_token_ids": encode_plain_text(tokenizer, prompt)}
+            if tokenizer is None:
+                raise InputError("prompt: this checkpoint has no tokenizer; send token ids",
+                                 kind="unsupported", param="prompt")
+            if max_text is not None:
+                check_text_size([prompt], max_text, context_len=ctx, param=f"prompt[{i}]")
+            return {"prompt_token_ids": encode_plain(tokenizer, prompt)}
         except InputError as exc:
             raise P.input_error(exc) from None
 
@@ -131,12 +150,17 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = P.parse_body(await _read_body(request, limits.max_body_bytes), CompletionRequest)
+        try:
+            body = await read_body(request, limits.max_body_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        req = P.parse_body(body, CompletionRequest)
+        del body
         prompts = req.prompts()
         if req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
                            type="NotFoundError", code="model_not_found")
-        if not client.alive:
+        if not client.alive or client.draining:
             raise APIError(503, "the engine is not running", type="server_error")
         rid = f"cmpl-{uuid.uuid4().hex}"
         choices: list[_Choice] = []
@@ -148,27 +172,42 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
                 c.handle.close()
             raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
                            code="queue_full") from None
-        gone = asyncio.ensure_future(_until_disconnect(request))
+        gone = asyncio.ensure_future(until_disconnect(request))
         streaming = False
+        deadline = time.monotonic() + limits.preprocess_timeout_s
         try:
-            await asyncio.gather(*(
-                c.handle.start(lambda p=p: prepare(p), lambda x: sampling(req, x),
-                               stream=req.stream) for c, p in zip(choices, prompts, strict=True)))
+            try:
+                await asyncio.gather(*(
+                    c.handle.start(lambda p=p, i=i: prepare(p, i), lambda x: sampling(req, x),
+                                   stream=req.stream, lane="light", deadline=deadline)
+                    for i, (c, p) in enumerate(zip(choices, prompts, strict=True))))
+            except DeadlineExceeded:
+                raise APIError(503, f"preprocessing did not finish within "
+                               f"{limits.preprocess_timeout_s:g} s; retry later",
+                               type="server_error", code="preprocess_timeout") from None
+            except PoolFull as exc:
+                raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
+                               code="queue_full", retry_after=exc.retry_after) from None
+            except Cancelled as exc:
+                raise shutdown_error(exc) from None
             for c, p in zip(choices, prompts, strict=True):
                 c.prompt_text = echo_text(p) if req.echo else ""
+            req.prompt = ""  # the engine holds the prompts: drop the body's text
+            release_body(request.scope.get("state", {}))
             firsts = await _firsts(choices, gone)
             if firsts is None:
                 return Response(status_code=499)
             for out in firsts:
                 if out.finish_reason == "error" or (out.finish_reason == "abort"
                                                     and not out.token_ids):
-                    raise _error_of(out)
+                    raise error_of(out)
             created_at = P.now()
             if not req.stream:
                 body = [choice_body(c, out, c.prompt_text + (out.text or ""), req, True)
                         for c, out in zip(choices, firsts, strict=True)]
-                return _json({"id": rid, "object": "text_completion", "created": created_at,
-                              "model": model_name, "choices": body, "usage": _usage(firsts)})
+                return json_response({"id": rid, "object": "text_completion",
+                                      "created": created_at, "model": model_name,
+                                      "choices": body, "usage": _usage(firsts)})
             streaming = True
             for c, out in zip(choices, firsts, strict=True):
                 c.first = out
@@ -210,7 +249,7 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
                     c, out = choices[i], fut.result()
                     c.last = out
                     if out.finish_reason == "error":
-                        yield P.sse(_error_of(out).body())
+                        yield P.sse(error_of(out).body())
                         return
                     if out.delta_text or out.finished or (req.logprobs is not None
                                                           and out.new_logprobs):
