@@ -42,7 +42,12 @@ class EngineConfig:
 
     `num_kv_blocks` None sizes the cache from free device memory (CPU: a default count).
     `max_model_len` None takes the model's context. `graph_batch_sizes` None: the default
-    buckets up to `max_num_seqs` (a runner without graphs ignores them).
+    buckets up to `max_num_seqs` (a runner without graphs ignores them). Decode graphs are
+    captured per batch size and per block-table width: `graph_context_lens` (tokens) names the
+    widths, None a doubling ladder from 256 tokens to `max_model_len`; a decode step replays
+    the narrowest graph that covers its longest sequence (longer ones run eagerly). All decode
+    graphs share one memory pool, bounded by `graph_reserve_bytes` (the memory the KV cache
+    leaves them), checked as each graph is captured.
 
     Co-located modes (``shared``, ``spatial-static``, ``spatial``; see `epd.py`):
     `encoder_sms` is the static split (None: about half the device, a multiple of 8);
@@ -68,6 +73,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     graph_reserve_bytes: int = GRAPH_RESERVE_BYTES
     graph_batch_sizes: tuple[int, ...] | None = None
+    graph_context_lens: tuple[int, ...] | None = None
     seed: int = 0
     encoder_sms: int | None = None
     encoder_splits: tuple[int, ...] | None = None
@@ -99,6 +105,13 @@ class EngineConfig:
         if self.graph_batch_sizes is not None and any(
                 not isinstance(s, int) or s < 1 for s in self.graph_batch_sizes):
             raise ValueError(f"graph_batch_sizes={self.graph_batch_sizes!r} must be ints >= 1")
+        from spaceserve.models.graph_buckets import check_context_lens
+
+        check_context_lens(self.graph_context_lens)
+        if isinstance(self.graph_reserve_bytes, bool) or not isinstance(
+                self.graph_reserve_bytes, int) or self.graph_reserve_bytes < 0:
+            raise ValueError(f"graph_reserve_bytes={self.graph_reserve_bytes!r} must be an "
+                             "int >= 0")
 
 
 class Engine:
@@ -115,8 +128,9 @@ class Engine:
         info = runner.info
         self.context_len = min(info.max_model_len, config.max_model_len or info.max_model_len)
         bs = config.block_size
+        lens = config.graph_context_lens
         limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                            self.context_len, bs)
+                            self.context_len, bs, lens)
         peak = runner.profile_peak_bytes(limits, config.max_encoder_tokens_per_step)
         self.memory = plan_kv_cache(
             block_size=bs, block_bytes=runner.kv_block_bytes(bs), device=runner.device,
@@ -124,7 +138,7 @@ class Engine:
             activation_bytes=peak, reserve_bytes=config.graph_reserve_bytes)
         self.max_model_len = max_sequence_len(self.context_len, self.memory)
         self.limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                                 self.max_model_len, bs)
+                                 self.max_model_len, bs, lens, config.graph_reserve_bytes)
         runner.allocate_kv_cache(self.memory.num_blocks, self.limits)
         sizes = config.graph_batch_sizes
         if sizes is None:

@@ -4,8 +4,10 @@ Per step the engine's `ScheduledBatch` becomes the model's step context through 
 preallocated planner (`runner.StepPlanner` over `models.context.ContextPlanner`: M-RoPE
 positions sliced from each prompt's precomputed table, rope deltas after it, the flattened
 token ids), plus the image-embedding rows of the image tokens the step covers, in token order.
-Decode-only steps replay a CUDA graph of the next larger captured batch size when one exists;
-the graphs are captured on the planner's own buffers, so a replay copies nothing.
+Decode-only steps replay the CUDA graph of the smallest captured (batch size, block-table width)
+bucket that holds them (`models.cuda_graph.DecodeGraphSet`: one shared memory pool, a bound on
+graph memory); the graphs are captured on the planner's own buffers, so a replay copies
+nothing.
 Images are encoded one request at a time, so a request's embeddings never depend on which
 other requests arrived with it.
 """
@@ -70,7 +72,7 @@ class Qwen2VLRunner:
         # them, then captures graphs for the new decoder budget.
         self.encoder_num_sms: int | None = None
         self.decoder_num_sms: int | None = None
-        self.graphs: dict[tuple[int, int | None], Any] = {}
+        self.graphs: Any = ()  # DecodeGraphSet once allocate_kv_cache ran: keys (b, width, sms)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, attention_backend: str = "triton",
@@ -115,24 +117,27 @@ class Qwen2VLRunner:
         self.planner = StepPlanner(limits, self.device, backend=self.model.backend,
                                    rope=lambda req: req.model_state)
         self._encoder_planner = None
+        from spaceserve.models import DecodeGraphSet
+
+        self.graphs = DecodeGraphSet(self.model, self.kv, (), limits.graph_table_widths,
+                                     planner=self.planner.core,
+                                     max_bytes=limits.graph_memory_bytes)
 
     def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
-        """Capture decode graphs for the current decoder budget (CUDA only)."""
+        """Capture decode graphs for the current decoder budget (CUDA only): every batch size
+        in `batch_sizes` (up to `max_num_seqs`) x every table width of the limits."""
         if self.device.type != "cuda" or self.limits is None:
             return ()
         if not self.model.backend.graph_capturable:  # decode runs eagerly with this backend
             return ()
-        from spaceserve.models import DecodeGraph
-
-        sizes = sorted({b for b in batch_sizes if b <= self.limits.max_num_seqs})
-        for b in sizes:
-            key = (b, self.decoder_num_sms)
-            if key not in self.graphs:
-                self.graphs[key] = DecodeGraph(self.model, self.kv, b,
-                                               self.limits.max_blocks_per_seq,
-                                               num_sms=self.decoder_num_sms,
-                                               planner=self.planner.core)
-        return tuple(sizes)
+        sizes = tuple(sorted({b for b in batch_sizes if b <= self.limits.max_num_seqs}))
+        graphs = self.graphs
+        if sizes != graphs.batch_sizes:
+            if len(graphs):
+                raise ValueError(f"decode graphs were captured for batch sizes "
+                                 f"{graphs.batch_sizes}, not {sizes}")
+            graphs.batch_sizes = sizes
+        return graphs.capture(self.decoder_num_sms)
 
     def prepare_request(self, req: Request) -> None:
         grid = req.mm.image_grid_thw if req.mm is not None else None
@@ -195,10 +200,8 @@ class Qwen2VLRunner:
         assert self.planner is not None
         nb, graph = batch.num_seqs, None
         budget = self.decoder_num_sms if stage == "decoder" else self.encoder_num_sms
-        if batch.num_decodes == nb and stage == "decoder":
-            fits = [b for b, sms in self.graphs if sms == budget and b >= nb]
-            if fits:
-                graph = self.graphs[min(fits), budget]
+        if batch.num_decodes == nb and stage == "decoder" and len(self.graphs):
+            graph = self.graphs.pick(nb, self.planner.decode_need(batch), budget)
         planner = self.planner
         if stage == "encoder":  # may run beside a decoder step: buffers of its own
             if self._encoder_planner is None:
@@ -206,7 +209,8 @@ class Qwen2VLRunner:
                     self.limits, self.device, backend=self.model.backend,
                     rope=self.planner.rope, share_rows_with=self.planner)
             planner = self._encoder_planner
-        plan = planner.plan(batch, pad_to=graph.batch_size if graph is not None else None)
+        plan = planner.plan(batch, pad_to=graph.batch_size if graph is not None else None,
+                            width=graph.max_blocks_per_seq if graph is not None else None)
         ctx = plan.context
         if graph is not None:  # the graph captured the planner's buffers: nothing to copy
             return graph.replay(ctx.input_ids, ctx)
