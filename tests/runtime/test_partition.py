@@ -51,6 +51,67 @@ def test_fallback_is_logged_once_and_budgets_are_the_requested_splits(caplog, fr
                                           "green": False}
 
 
+class FakeGreen(PartitionSet):
+    """Green contexts as a driver would grant them (groups rounded up to 8 SMs, a group
+    rounding past the device refused), with no driver: the per-split logic runs on CPU."""
+
+    def _support(self):
+        return None
+
+    def _green(self, e, programs_per_sm):
+        granted = -(-e // 8) * 8
+        if granted >= self.total:
+            raise RuntimeError(f"the driver granted {granted} + 0 SMs of {self.total}")
+        return Partition(e, granted, self.total - granted, True,
+                         programs_per_sm=programs_per_sm)
+
+
+def test_a_failing_probe_falls_back_for_its_split_only(caplog, fresh_log):
+    total = device_num_sms("cpu")
+    probed = []
+
+    def probe(part, device):
+        probed.append(part.requested)
+        if part.requested == 60:
+            raise RuntimeError("SM probe: encoder: 70 SMs (budget 64); 6 SMs shared")
+        return f"encoder: {part.encoder_sms} SMs; disjoint"
+
+    with caplog.at_level(logging.WARNING, logger="spaceserve.runtime"):
+        pset = FakeGreen("cpu", [30, 60, 100, total - 1], probe=probe, programs_per_sm=2)
+    assert probed == [30, 60, 100]  # the split rounding past the device never got a partition
+    assert pset.green and pset.reason is None
+    ok = pset.get(30)
+    # budgets are the granted counts, not the requested ones
+    assert (ok.green, ok.encoder_sms, ok.decoder_sms) == (True, 32, total - 32)
+    assert ok.programs_per_sm == 2 and ok.probe.startswith("encoder: 32")
+    assert pset.get(100).green and pset.get(100).encoder_sms == 104
+    for e in (60, total - 1):  # each falls back alone, to its requested budgets
+        p = pset.get(e)
+        assert (p.green, p.encoder_sms, p.decoder_sms) == (False, e, total - e)
+        assert p.programs_per_sm == 1 and p.reason
+    assert "shared" in pset.get(60).reason and "granted" in pset.get(total - 1).reason
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "split 60 " in lines[0] and "kernel budgets alone" in lines[0]
+    assert f"split {total - 1} " in lines[1]
+    desc = pset.describe()["splits"]
+    assert desc[30]["encoder_sms"] == 32 and desc[30]["green"] and "probe" in desc[30]
+    assert desc[60] == {"encoder_sms": 60, "decoder_sms": total - 60, "green": False,
+                        "reason": "RuntimeError: SM probe: encoder: 70 SMs (budget 64); 6 SMs "
+                                  "shared"}
+    with pset.get(60).encoder_scope():
+        assert current_programs_per_sm() == 1
+
+
+def test_every_split_refused_says_so(fresh_log):
+    def probe(part, device):
+        raise RuntimeError("launch failed")
+
+    pset = FakeGreen("cpu", [16, 32], probe=probe)
+    assert not pset.green and "every split" in pset.reason
+    assert all(not p.green and "launch failed" in p.reason for p in pset.splits.values())
+
+
 @pytest.mark.parametrize("bad", [[0], [device_num_sms("cpu")], [8, "16"], [True]])
 def test_bad_splits_raise_naming_the_argument(bad):
     with pytest.raises(ValueError, match="encoder_splits"):
@@ -154,3 +215,38 @@ def test_green_partitions_never_share_an_sm():
                 assert rep.disjoint, rep.summary()
     finally:
         pset.close()
+
+
+def test_probe_partition_refuses_shared_or_over_budget_sms(monkeypatch):
+    """The default probe's verdict on SM ids (the kernel itself needs a GPU: faked here)."""
+    import contextlib
+
+    from spaceserve.kernels import smprobe
+    from spaceserve.runtime.partition_probe import probe_partition
+
+    class Stream:
+        synced = 0
+
+        def synchronize(self):
+            Stream.synced += 1
+
+    class Part:
+        encoder_sms, decoder_sms = 2, 3
+        encoder_stream = decoder_stream = Stream()
+        encoder_scope = decoder_scope = staticmethod(contextlib.nullcontext)
+
+    sms = {}
+    monkeypatch.setattr(smprobe, "probe_available", lambda device=None: None)
+    monkeypatch.setattr(smprobe, "probe_sms", lambda budget, **kw: torch.tensor(sms[budget]))
+    sms.update({2: [0, 1, 1, 0], 3: [4, 5, 6, 4, 5, 6]})
+    assert probe_partition(Part(), torch.device("cpu")).endswith("disjoint")
+    assert Stream.synced == 2
+    sms[3] = [1, 5, 6, 5, 6, 6]  # an SM of the encoder's
+    with pytest.raises(RuntimeError, match="1 SMs shared"):
+        probe_partition(Part(), torch.device("cpu"))
+    sms.update({2: [0, 1, 2, 0], 3: [4, 5, 6, 4, 5, 6]})  # 3 SMs under a budget of 2
+    with pytest.raises(RuntimeError, match="budget 2"):
+        probe_partition(Part(), torch.device("cpu"))
+    sms[2] = [0, -1, 1, 0]  # a tile that never ran
+    with pytest.raises(ValueError, match="unwritten"):
+        probe_partition(Part(), torch.device("cpu"))
