@@ -12,13 +12,16 @@ from spaceserve.kernels.budget import current_programs_per_sm, device_num_sms, p
 from spaceserve.kernels.smprobe import (
     SmProbeUnavailable,
     launch_smprobe,
+    overlap_fraction,
     probe_available,
     probe_report,
     probe_sms,
+    probe_times,
 )
 from spaceserve.kernels.testing import assert_within_budget
 from spaceserve.runtime import partition
 from spaceserve.runtime.partition import Partition, PartitionSet, default_splits
+from spaceserve.runtime.partition_probe import green_stream_facts
 
 
 @pytest.fixture
@@ -183,6 +186,22 @@ def test_sm_probe_skips_clearly_on_cpu():
         probe_sms(8, device="cpu")
     with pytest.raises(SmProbeUnavailable):
         launch_smprobe(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(SmProbeUnavailable, match="inline"):
+        probe_times(8, device="cpu")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        green_stream_facts(PartitionSet("cpu", [32]), 32)
+
+
+def test_overlap_fraction_of_two_time_probes():
+    a = torch.tensor([[1000, 5000, 0], [1200, 4000, 1]])  # span 1000..5000 ns
+    inside = [[2000, 3000, 7], [2500, 3500, 8]]  # 2000..3500: entirely while a ran
+    assert overlap_fraction(a, inside)["overlap_fraction"] == 1.0
+    after = [[5000, 9000, 7]]  # one after the other
+    assert overlap_fraction(a, after)["overlap_fraction"] == 0.0
+    half = overlap_fraction(a, [[3000, 7000, 7]])  # 2000 of 4000 ns together
+    assert half == {"overlap_fraction": 0.5, "a_us": 4.0, "b_us": 4.0, "start_gap_us": 2.0}
+    with pytest.raises(ValueError, match="unwritten"):
+        overlap_fraction(a, [[-1, -1, -1]])
 
 
 def test_probe_report_finds_shared_sms():
@@ -194,6 +213,23 @@ def test_probe_report_finds_shared_sms():
     assert clash.shared == (1,) and "1 SMs shared" in clash.summary()
     with pytest.raises(ValueError, match="unwritten"):
         probe_report({"encoder": [0, -1]})
+
+
+@pytest.mark.gpu
+def test_green_stream_facts_on_one_split():
+    pset = PartitionSet("cuda", [64])
+    try:
+        facts = green_stream_facts(pset, 64)
+        assert facts["ok"], facts
+        part = pset.get(64)
+        assert (facts["encoder_sms"], facts["decoder_sms"]) == (part.encoder_sms,
+                                                                 part.decoder_sms)
+        assert 0.0 <= facts["overlap_fraction"] <= 1.0
+        if pset.green:
+            assert facts["concurrent"]["disjoint"], facts
+            assert facts["overlap_fraction"] > 0.5, facts  # two partitions run together
+    finally:
+        pset.close()
 
 
 @pytest.mark.gpu
