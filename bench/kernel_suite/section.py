@@ -82,3 +82,10 @@ def run(results_dir: Path, time_budget_s: float, *, select: str | None = None,
         except RuntimeError as exc:  # no matplotlib: the JSON is the result
             rows[0]["plot"] = str(exc)
     return rows
+
+
+def dry_run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
+    """The harness's dry run: one small slice of the CPU profile, so the control flow (pytest
+    subprocess, JSON, rows, plot) runs without a GPU in a few seconds."""
+    return run(results_dir, max(time_budget_s, STARTUP_S + TAIL_S + 5), select="store_kv",
+               profile="cpu")

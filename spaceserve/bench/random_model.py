@@ -10,11 +10,12 @@ tower stays whole). There is no tokenizer or image processor: requests become to
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .prompts import TokenPrompts
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _qwen2_vl_7b() -> Any:
@@ -66,6 +67,8 @@ def default_backend(mode: str, device: torch.device) -> str:
 
 
 def _device(device: str | torch.device | None) -> torch.device:
+    import torch
+
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -78,6 +81,8 @@ class RandomModels:
     def __init__(self, name: str, *, llm_layers: int | None = None,
                  backends: Iterable[str] = ("triton",), device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, seed: int = 0) -> None:
+        import torch
+
         from spaceserve.models import from_state_dict, random_state_dict
 
         self.name, self.seed = name, seed

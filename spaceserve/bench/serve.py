@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spaceserve.cli_args import HelpFormatter
+
 from .backends import HttpBackend, InProcessBackend, chat_body
 from .metrics import Result, parse_slos, summarize_results
 from .plots import plot_timeline, plot_vs_rate
@@ -41,35 +43,10 @@ from .random_model import (
     is_random_model,
     random_config,
 )
+from .timeline import poll_split, thin_timeline
 from .workload import ServeWorkload, build_requests, parse_mix
 
 CUT = "unfinished at the time limit"
-
-
-async def _poll_split(backend: HttpBackend, samples: list[dict[str, float]], t0: float,
-                      period: float = 0.1) -> None:
-    from spaceserve.server.metrics import parse_gauges
-
-    while True:
-        try:
-            g = parse_gauges(await backend.metrics_text())
-            samples.append({"t": time.monotonic() - t0,
-                            "encoder_sms": g.get("spaceserve:encoder_sms", math.nan),
-                            "decoder_sms": g.get("spaceserve:decoder_sms", math.nan)})
-        except Exception:  # a missed scrape is a gap in the timeline, not a failure
-            pass
-        await asyncio.sleep(period)
-
-
-def _thin(samples: list[dict[str, float]], period: float = 0.1) -> list[dict[str, float]]:
-    """Keep split changes and one sample per `period` otherwise."""
-    out: list[dict[str, float]] = []
-    for s in samples:
-        if not out or (s["encoder_sms"], s["decoder_sms"]) != (
-                out[-1]["encoder_sms"], out[-1]["decoder_sms"]) or s["t"] - out[-1]["t"] >= \
-                period:
-            out.append(s)
-    return out
 
 
 async def _collect(tasks: list[asyncio.Future], reqs: list[Any], t0: float,
@@ -99,7 +76,7 @@ async def run_one(backend: Any, workload: ServeWorkload, model: str, slos: dict[
     bodies = [make(r, model) if make is not None else chat_body(r, model) for r in reqs]
     t0 = time.monotonic()
     polled: list[dict[str, float]] = []
-    poller = asyncio.ensure_future(_poll_split(backend, polled, t0)) \
+    poller = asyncio.ensure_future(poll_split(backend, polled, t0)) \
         if isinstance(backend, HttpBackend) else None
     tasks = []
     for r, body in zip(reqs, bodies, strict=True):
@@ -119,7 +96,7 @@ async def run_one(backend: Any, workload: ServeWorkload, model: str, slos: dict[
     return {"rate": workload.request_rate, "num_requests": len(tasks),
             "unsent": len(reqs) - len(tasks),
             "metrics": summarize_results(results, slos, t0, duration=end - t0),
-            "timeline": _thin(polled), "results": results, "t0": t0}
+            "timeline": thin_timeline(polled), "results": results, "t0": t0}
 
 
 def _request_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -283,16 +260,19 @@ async def _run_http(args: argparse.Namespace, workloads: list[ServeWorkload],
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spaceserve bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=("inprocess", "http"), default="inprocess")
+                                formatter_class=HelpFormatter)
+    p.add_argument("--backend", choices=("inprocess", "http"), default="inprocess",
+                   help="where requests go: engines in this process, or a server over HTTP")
     p.add_argument("--model", default="tiny", help="checkpoint directory, 'tiny', or a "
                    f"random-weight model: {', '.join(RANDOM_MODELS)}")
-    p.add_argument("--llm-layers", type=int, help="random-weight models: LLM layers to keep")
+    p.add_argument("--llm-layers", type=int,
+                   help="random-weight models: LLM layers to keep (default: all)")
     p.add_argument("--sim", action="store_true",
                    help="in-process: add the simulator's prediction beside each run")
     p.add_argument("--modes", default="spatial,temporal", help="in-process engine modes")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="http backend")
-    p.add_argument("--served-model", help="http: the model name the server serves")
+    p.add_argument("--served-model",
+                   help="http: the model name the server serves (default: --model)")
     p.add_argument("--label", default="server", help="http: the run's label in the outputs")
     p.add_argument("--rates", default="2,8", help="comma-separated request rates (req/s)")
     p.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per rate")
@@ -300,19 +280,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-mix", default="112x112=0.4,224x224=0.3,448x448=0.1,text=0.2",
                    help="WxH=weight entries; 'text' = text-only requests")
     p.add_argument("--probe-rate", type=float, default=2.0, help="probe requests/s (0: none)")
-    p.add_argument("--input-words", type=int, default=12)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--probe-output-len", type=int, default=8)
+    p.add_argument("--input-words", type=int, default=12, help="words of each text prompt")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens per request")
+    p.add_argument("--probe-output-len", type=int, default=8,
+                   help="output tokens per probe request")
     p.add_argument("--slo", default="ttft:1000,tpot:100",
                    help="goodput SLOs in ms, e.g. ttft:500,tpot:50,e2el:5000")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload random seed")
     p.add_argument("--device", help="in-process: cuda or cpu (default: cuda when present)")
-    p.add_argument("--attention-backend", help="in-process: triton or torch")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--out", type=Path, default=Path("runs/bench-serve"))
+    p.add_argument("--attention-backend", help="in-process: triton or torch (default: triton "
+                   "on CUDA except in shared mode, torch on CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=128,
+                   help="in-process: requests in the running batch at most")
+    p.add_argument("--num-kv-blocks", type=int,
+                   help="in-process: KV cache blocks (default: sized from free memory)")
+    p.add_argument("--out", type=Path, default=Path("runs/bench-serve"),
+                   help="output directory")
     p.add_argument("--show", type=int, default=3, help="outputs to print per mode")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="skip the figures")
     return p
 
 

@@ -24,19 +24,25 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+# starlette's Request and responses are fastapi's own; FastAPI itself, the engine and torch are
+# imported where they are used, so `spaceserve serve --help` answers at once
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
-from spaceserve.runtime.request import RequestOutput, SamplingParams
+from spaceserve.cli_args import HelpFormatter
+from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, check_dir
 
 from . import protocol as P
-from .chat import ChatPreprocessor
 from .engine_client import AsyncEngine, QueueFull, RequestHandle
-from .images import ImageLimits, check_dir
 from .protocol import APIError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from spaceserve.runtime.request import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,10 @@ class _Deltas:
 def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_name: str,
                limits: ServerLimits | None = None, root: str | None = None) -> FastAPI:
     """The FastAPI application serving `client`'s engine under the name `model_name`."""
+    from fastapi import FastAPI
+
+    from spaceserve.runtime.request import SamplingParams
+
     limits = limits or ServerLimits()
     app = FastAPI(title="SpaceServe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.client = client
@@ -182,7 +192,7 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
         gone = asyncio.ensure_future(_until_disconnect(request))
         streaming = False
         try:
-            await handle.start(lambda: preprocessor.prepare(req, limits.images),
+            await handle.start(lambda: P.prepare_chat(preprocessor, req, limits.images),
                                lambda prompt: sampling(req, prompt), stream=req.stream)
             first = await _next(handle, gone)
             if first is None:
@@ -281,40 +291,49 @@ class ServerThread:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spaceserve serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
     p.add_argument("--served-model-name", help="name clients use (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--mode", default="temporal",
                    help="engine mode: temporal, spatial, spatial-static, shared")
     p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
-    p.add_argument("--attention-backend", help="triton or torch (default by device)")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend",
+                   help="triton or torch (default: triton on CUDA, torch on CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=128,
+                   help="requests in the running batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per engine step at most (chunked prefill)")
+    p.add_argument("--num-kv-blocks", type=int,
+                   help="KV cache blocks (default: sized from free device memory)")
+    p.add_argument("--max-model-len", type=int,
+                   help="context length (default: the model's, capped by the KV cache)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="engine seed for requests that bring none")
     p.add_argument("--max-pending", type=int, default=256,
                    help="requests in flight before answering 503")
-    p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes)
-    p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_image_bytes)
-    p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_image_pixels)
+    p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes,
+                   help="request body size limit; larger bodies get 413")
+    p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_image_bytes,
+                   help="encoded size limit of one image")
+    p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_image_pixels,
+                   help="pixel limit of one image (checked before decoding)")
     p.add_argument("--max-images-per-request", type=int,
-                   default=ImageLimits.max_images_per_request)
+                   default=ImageLimits.max_images_per_request, help="images per request at most")
     p.add_argument("--allowed-local-media-path",
                    help="folder file:// image URLs may read from (default: none allowed)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="uvicorn log level")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     import uvicorn
 
     from .engine_client import load_engine
 
-    args = build_parser().parse_args(argv)
     try:
         limits = ServerLimits(args.max_body_bytes, ImageLimits(
             args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,

@@ -19,13 +19,14 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from spaceserve.runtime.engine import Engine
-from spaceserve.runtime.request import RequestOutput, SamplingParams
-
+from .errors import APIError
 from .metrics import ServerMetrics
-from .protocol import APIError
+
+if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
+    from spaceserve.runtime.engine import Engine
+    from spaceserve.runtime.request import RequestOutput, SamplingParams
 
 KNOWN_MODES = ("temporal", "spatial", "spatial-static", "shared")
 
@@ -254,9 +255,7 @@ class AsyncEngine:
 
 def _device_sms(engine: Engine) -> int:
     try:
-        from spaceserve.kernels.budget import device_num_sms
-
-        return int(device_num_sms(engine.runner.device))
+        return int(engine.device_sms)
     except Exception:  # no device query possible: count the H200's
         return 132
 
@@ -283,10 +282,10 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
     and the torch one on CPU (the Triton interpreter is far too slow to serve)."""
     import torch
 
-    from spaceserve.runtime.engine import EngineConfig
+    from spaceserve.runtime.engine import Engine, EngineConfig
+    from spaceserve.runtime.inputs import ChatPreprocessor
     from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
 
-    from .chat import ChatPreprocessor
     from .tiny import resolve_model
 
     run_mode, note = resolve_mode(mode)

@@ -1,5 +1,8 @@
 """OpenAI chat-completions wire format: validated requests, response and chunk builders, errors.
 
+Input processing (`spaceserve.runtime.inputs`) takes a request's messages as plain dicts
+(`chat_messages`); its `InputError`s become OpenAI-style errors here (`input_error`).
+
 Requests are pydantic models validated in strict mode (a string is not a number, a number is
 not a bool), so a malformed field is a 400 that names it. Responses are plain dicts built by the
 functions below: they sit on the per-token path of streaming, where model validation would only
@@ -13,6 +16,10 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, InputError
+
+from .errors import APIError  # noqa: F401  (re-exported)
 
 
 class _Model(BaseModel):
@@ -73,20 +80,6 @@ class ChatCompletionRequest(_Model):
             else self.max_tokens
 
 
-class APIError(Exception):
-    """An error answered as OpenAI-style JSON with an HTTP status."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = \
-            status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
 def _loc(loc: tuple[Any, ...]) -> str:
     """pydantic's error location as a field path; union branch and tag names dropped."""
     out = ""
@@ -126,6 +119,47 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
         raise APIError(400, "stream_options is only allowed with stream=true",
                        param="stream_options")
     return req
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """A validated request's messages as the plain dicts input processing takes (no copy of
+    the image URLs)."""
+    out: list[dict[str, Any]] = []
+    for m in req.messages:
+        if m.content is None or isinstance(m.content, str):
+            content: Any = m.content
+        else:
+            content = [{"type": "text", "text": part.text} if part.type == "text" else
+                       {"type": "image_url", "image_url": {"url": part.image_url.url}}
+                       for part in m.content]
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+# InputError kind -> HTTP status (OpenAI answers every client input error with a 400)
+INPUT_ERROR_STATUS: dict[str, int] = {
+    "invalid": 400,
+    "too_large": 400,
+    "bad_image": 400,
+    "not_allowed": 400,
+    "not_found": 400,
+    "unsupported": 400,
+}
+
+
+def input_error(exc: InputError) -> APIError:
+    """The OpenAI-style error answering an input-processing error."""
+    return APIError(INPUT_ERROR_STATUS.get(exc.kind, 400), str(exc), param=exc.param)
+
+
+def prepare_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest,
+                 limits: ImageLimits) -> dict[str, Any]:
+    """A request's engine prompt (blocking: run it off the event loop); APIError on anything
+    the client got wrong."""
+    try:
+        return preprocessor.prepare(chat_messages(req), limits)
+    except InputError as exc:
+        raise input_error(exc) from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -1,23 +1,32 @@
 """Server fixtures: the tiny checkpoint (built once per session), engines on it or on the null
-model with the tiny tokenizer, apps, and live uvicorn servers on loopback."""
+model with the tiny tokenizer, apps, and live uvicorn servers on loopback. The app and the live
+server need the serve extra (fastapi, uvicorn): tests that use them skip without it, the rest run
+(the GPU image has no serve extra)."""
 
 from __future__ import annotations
 
 import io
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import torch
 
 from spaceserve.runtime.engine import Engine, EngineConfig
+from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits
 from spaceserve.runtime.runner import NullModelRunner
-from spaceserve.server.app import ServerLimits, ServerThread, create_app
-from spaceserve.server.chat import ChatPreprocessor
-from spaceserve.server.engine_client import AsyncEngine, load_engine
-from spaceserve.server.images import ImageLimits
-from spaceserve.server.tiny import build_tiny_checkpoint
+
+# The server's request models need pydantic, which comes with the serve extra: without it (the
+# GPU image) these tests skip and the rest of the suite is collected.
+pytest.importorskip("pydantic", reason="the serve extra is not installed")
+
+from spaceserve.server.engine_client import AsyncEngine, load_engine  # noqa: E402
+from spaceserve.server.tiny import build_tiny_checkpoint  # noqa: E402
+
+if TYPE_CHECKING:
+    from spaceserve.server.app import ServerLimits
 
 MODEL = "tiny-test"
 
@@ -79,6 +88,9 @@ def null_engine(pre: ChatPreprocessor, *, delay: float = 0.0, max_model_len: int
 
 def make_app(engine: Engine, pre: ChatPreprocessor, *, max_pending: int = 64,
              limits: ServerLimits | None = None):
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    from spaceserve.server.app import ServerLimits, create_app
+
     client = AsyncEngine(engine, max_pending=max_pending)
     return client, create_app(client, pre, model_name=MODEL, limits=limits or ServerLimits(
         max_body_bytes=1 << 20, images=ImageLimits(max_image_bytes=200_000,
@@ -97,6 +109,9 @@ def tiny_engine(tiny_path):
 @pytest.fixture(scope="module")
 def live_tiny(tiny_engine):
     """(client, server) of the tiny model on a free loopback port."""
+    pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+    from spaceserve.server.app import ServerThread
+
     engine, pre = tiny_engine
     client, app = make_app(engine, pre)
     with ServerThread(app) as server:

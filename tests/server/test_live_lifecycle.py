@@ -12,6 +12,9 @@ import time
 import httpx
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+
 from spaceserve.server.app import ServerThread
 
 from .conftest import MODEL, make_app, null_engine, wait_until
@@ -96,7 +99,7 @@ def test_full_queue_answers_503_and_recovers(slow_server) -> None:
 
 def test_preprocessing_runs_off_the_event_loop(slow_server, monkeypatch) -> None:
     engine, client, server = slow_server
-    import spaceserve.server.chat as chat
+    import spaceserve.runtime.inputs.chat as chat
 
     original = chat.ChatPreprocessor.prepare
 

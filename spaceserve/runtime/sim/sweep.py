@@ -114,12 +114,10 @@ def table(sweep: dict[str, list[dict[str, Any]]]) -> str:
 def plot(sweep: dict[str, list[dict[str, Any]]], head: dict[str, Any],
          runs: dict[str, SimResult], path: Path) -> Path | None:
     """TPOT, p99 ITL and TTFT against image rate per mode, and SIS's split over time."""
-    try:
-        import matplotlib
+    from spaceserve.plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib is not installed: skipping the figure (pip install matplotlib)")
         return None
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
