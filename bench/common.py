@@ -27,11 +27,15 @@ import torch
 from spaceserve.bench.measure import bench_ms, format_table, sync
 from spaceserve.plotting import pyplot
 
-__all__ = ["GRAPH_MAX_M", "bench_ms", "copy_bandwidth_gbs", "format_table", "gbps",
-           "graph_timed", "launch_count", "matmul_tflops", "plot_lines", "pyplot", "sync",
-           "tflops", "time_call", "write_json"]
+__all__ = ["BENCH_GRAPH_RESERVE_BYTES", "GRAPH_MAX_M", "bench_ms", "copy_bandwidth_gbs",
+           "format_table", "gbps", "graph_timed", "launch_count", "matmul_tflops",
+           "model_len_for", "plot_lines", "pyplot", "sync", "tflops", "time_call", "write_json"]
 
 GRAPH_MAX_M = 64  # rows (tokens, sequences) up to which a call is a decode shape: graph-timed
+# Decode-graph memory bound of the benchmark engines (EngineConfig.graph_reserve_bytes): the torch
+# backend's graphs (the shared baseline) gather and upcast their block tables' pages, ~1.2 GiB
+# at batch 48 x 4096 tokens; 4 GiB of an H200's 141 leaves room for every split's graphs.
+BENCH_GRAPH_RESERVE_BYTES = 4 << 30
 
 
 def gbps(nbytes: float, ms: float) -> float:
@@ -42,6 +46,14 @@ def gbps(nbytes: float, ms: float) -> float:
 def tflops(flops: float, ms: float) -> float:
     """TFLOP/s for `flops` in `ms` milliseconds."""
     return flops / (ms * 1e-3) / 1e12 if ms > 0 else math.nan
+
+
+def model_len_for(*lengths: int, floor: int = 256) -> int:
+    """`max_model_len` for a benchmark whose longest request holds `max(lengths)` tokens
+    (prompt + output): the next power of two. Decode graphs and block tables are sized from it,
+    so an engine sized to its workload, not to the model's 32k context, pays for what it runs."""
+    need = max(floor, *lengths)
+    return 1 << (need - 1).bit_length()
 
 
 def launch_count(fn: Callable[[], Any]) -> int:

@@ -83,3 +83,33 @@ def test_facts_green_streams_row_names_overlap_and_granted_budgets():
 def test_run_sh_gives_every_stream_its_own_hardware_queue():
     text = (ROOT / "bench/gpu/run.sh").read_text()
     assert 'export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-32}"' in text
+
+
+def test_bench_engines_are_sized_to_their_workloads():
+    """The colocation and serving engines' max_model_len covers their longest request and is
+    at most twice it: decode graphs and block tables are sized from it, not from 32k."""
+    from bench import bench_colocation as bc
+    from bench import bench_serving as bs
+    from bench.colocation_load import BG_OUTPUT, BG_PROMPT
+    from bench.common import model_len_for
+    from spaceserve.bench.prompts import image_grid
+    from spaceserve.runtime.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.sim import Workload
+
+    vision = qwen2_vl_7b_config().vision_config
+
+    def tokens(res: str) -> int:
+        t, h, w = image_grid(res, vision)
+        return t * h * w // 4
+
+    assert model_len_for(2723) == 4096 and model_len_for(10) == 256
+    grids = {r: tuple(image_grid(f"{w}x{h}", vision)) for r, (h, w) in bc.IMAGE_SIZES.items()}
+    load = Workload(image_rate=1.5, duration_s=5.0, image_mix=bc.IMAGE_MIX, text_rate=4.0,
+                    text_tokens=16, output_tokens=16, seed=0)
+    need = max(max(tokens(r) for r in bc.IMAGE_MIX) + 32, BG_PROMPT + BG_OUTPUT)
+    assert need == 2691 + 32
+    assert need <= bc.workload_len(grids, load) <= 2 * need
+    plan = bs.Plan()
+    longest = max(tokens(r) for r in plan.image_mix) + 4 * plan.input_words + plan.output_len
+    assert longest <= plan.engine["max_model_len"] <= 2 * longest
+    assert plan.engine["graph_reserve_bytes"] >= 1 << 30
