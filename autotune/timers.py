@@ -158,12 +158,19 @@ class CudaTimer:
         self.eager: list[str] = []
         self.green: list[str] = []
         self.host_s: dict[str, float] = {}
+        self.device_s: dict[str, float] = {}
         self.background_iterations = 0
 
-    def host_bound(self, key: str, device_s: float) -> bool:
-        """Whether the point `key` issues its work more slowly than the device runs it."""
+    def host_bound(self, key: str, device_s: float | None = None) -> bool:
+        """Whether the point `key` issues its work (eagerly) more slowly than the device runs
+        it: host seconds of one call >= `device_s` (default: what the timer measured)."""
         host = self.host_s.get(key)
-        return host is not None and host >= device_s
+        dev = self.device_s.get(key) if device_s is None else device_s
+        return host is not None and dev is not None and host >= dev
+
+    def host_bound_points(self) -> list[str]:
+        """Keys of every timed point that is host-bound (`host_bound`)."""
+        return [k for k in self.device_s if self.host_bound(k)]
 
     # -- streams ---------------------------------------------------------------------------
     def _ordinary(self) -> Any:
@@ -263,6 +270,12 @@ class CudaTimer:
     # -- timing ------------------------------------------------------------------------------
     def __call__(self, run: Callable[[], Any], background: Callable[[], Any] | None,
                  point: Point) -> float:
+        seconds = self._time(run, background, point)
+        self.device_s[point.key] = seconds
+        return seconds
+
+    def _time(self, run: Callable[[], Any], background: Callable[[], Any] | None,
+              point: Point) -> float:
         group = (point.stage, point.work)
         if group != self._group:  # a new workload point: the last one's graphs go
             self._prepared.clear()

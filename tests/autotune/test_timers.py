@@ -140,6 +140,7 @@ def test_host_bound_points_and_eager_fallback():
     assert t == pytest.approx(0.5e-3)
     assert timer.eager == [POINT.key] and dev.captured == []
     assert timer.host_s[POINT.key] >= 0.002 and timer.host_bound(POINT.key, t)
+    assert timer.host_bound_points() == [POINT.key] and timer.device_s[POINT.key] == t
 
 
 def test_corun_runs_on_the_split_with_the_background_queued_ahead():
