@@ -24,13 +24,33 @@ import torch
 __all__ = ["green_stream_facts", "probe_partition"]
 
 
+def _hand_offs(part: Any, device: torch.device) -> None:
+    """Events both ways between the split's streams and the ordinary current stream, as a
+    switch and an embeddings hand-off use them (an event recorded in one context and waited
+    in another): each green stream waits for the ordinary stream, which then waits for both."""
+    here = torch.cuda.current_stream(device)
+    start = torch.cuda.Event()
+    start.record(here)
+    done = []
+    for stream in (part.encoder_stream, part.decoder_stream):
+        stream.wait_event(start)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        done.append(ev)
+    for ev in done:
+        here.wait_event(ev)
+    here.synchronize()
+
+
 def probe_partition(part: Any, device: torch.device) -> str:
     """Run the check on `part` (a green `Partition`); returns the probe's summary line, raises
-    RuntimeError (or the launch's own error) when the split cannot be trusted."""
+    RuntimeError (or the launch's own error) when the split cannot be trusted. Event hand-offs
+    between its streams and an ordinary one are exercised first."""
     from spaceserve.kernels.smprobe import probe_available, probe_report, probe_sms
 
     stages = (("encoder", part.encoder_sms, part.encoder_scope, part.encoder_stream),
               ("decoder", part.decoder_sms, part.decoder_scope, part.decoder_stream))
+    _hand_offs(part, device)
     if probe_available(device) is not None:
         for _, _, scope, stream in stages:
             with scope():

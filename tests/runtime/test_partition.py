@@ -258,6 +258,7 @@ def test_probe_partition_refuses_shared_or_over_budget_sms(monkeypatch):
     import contextlib
 
     from spaceserve.kernels import smprobe
+    from spaceserve.runtime import partition_probe
     from spaceserve.runtime.partition_probe import probe_partition
 
     class Stream:
@@ -271,12 +272,13 @@ def test_probe_partition_refuses_shared_or_over_budget_sms(monkeypatch):
         encoder_stream = decoder_stream = Stream()
         encoder_scope = decoder_scope = staticmethod(contextlib.nullcontext)
 
-    sms = {}
+    sms, handed = {}, []
+    monkeypatch.setattr(partition_probe, "_hand_offs", lambda part, device: handed.append(part))
     monkeypatch.setattr(smprobe, "probe_available", lambda device=None: None)
     monkeypatch.setattr(smprobe, "probe_sms", lambda budget, **kw: torch.tensor(sms[budget]))
     sms.update({2: [0, 1, 1, 0], 3: [4, 5, 6, 4, 5, 6]})
     assert probe_partition(Part(), torch.device("cpu")).endswith("disjoint")
-    assert Stream.synced == 2
+    assert Stream.synced == 2 and len(handed) == 1  # event hand-offs exercised first
     sms[3] = [1, 5, 6, 5, 6, 6]  # an SM of the encoder's
     with pytest.raises(RuntimeError, match="1 SMs shared"):
         probe_partition(Part(), torch.device("cpu"))
