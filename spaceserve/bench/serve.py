@@ -220,8 +220,10 @@ async def _run_inprocess(args: argparse.Namespace, workloads: list[ServeWorkload
         backends = [args.attention_backend] if args.attention_backend else \
             [default_backend(m, device) for m in run_modes]
         randoms = RandomModels(args.model, llm_layers=args.llm_layers, backends=backends,
-                               device=device, seed=args.seed)
-    cfg = dict(max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed)
+                               device=device, seed=args.seed,
+                               tensor_parallel_size=args.tensor_parallel_size)
+    cfg = dict(max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
+               tensor_parallel_size=args.tensor_parallel_size)
     runs = []
     for mode in args.modes:
         pre = prompts = None
@@ -290,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="in-process: cuda or cpu (default: cuda when present)")
     p.add_argument("--attention-backend", help="in-process: triton or torch (default: triton "
                    "on CUDA except in shared mode, torch on CPU)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="in-process: ranks the decoder is split over (a process and GPU each)")
     p.add_argument("--max-num-seqs", type=int, default=128,
                    help="in-process: requests in the running batch at most")
     p.add_argument("--num-kv-blocks", type=int,

@@ -38,6 +38,10 @@ class EngineConfig:
     decode step runs, at least one layer per step; `encoder_window_s` is TWSRFT's grant
     window); `green_contexts` False
     forces kernel budgets alone; `programs_per_sm` applies inside green partitions only.
+
+    `tensor_parallel_size` N > 1 splits the decoder over N ranks (one process each, rank 0 in
+    the engine's; see `runtime/tp`); the runner must be a tensor-parallel one of that size
+    (`Engine.from_pretrained` builds it).
     """
 
     mode: str = "temporal"
@@ -63,6 +67,7 @@ class EngineConfig:
     encoder_launch_budget_s: float = 0.003
     green_contexts: bool = True
     programs_per_sm: int = 1
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -72,7 +77,8 @@ class EngineConfig:
         check_config(self)  # the co-located modes' settings
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_images_per_prompt", "max_encoder_tokens_per_step",
-                     "max_held_embeddings", "num_kv_blocks", "max_model_len"):
+                     "max_held_embeddings", "num_kv_blocks", "max_model_len",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if value is None and name in ("num_kv_blocks", "max_model_len"):
                 continue

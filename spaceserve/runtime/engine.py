@@ -46,6 +46,11 @@ class Engine(EngineFrontends):
                  tokenizer: Any = None, processor: Any = None,
                  clock: Callable[[], float] | None = None) -> None:
         self.config = config = config or EngineConfig()
+        tp = getattr(runner, "tp_size", 1)
+        if tp != config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} but the runner "
+                             f"runs {tp} rank(s); Engine.from_pretrained(..., "
+                             "tensor_parallel_size=N) builds a tensor-parallel runner")
         self.runner = runner
         self.tokenizer = tokenizer if tokenizer is not None else getattr(processor, "tokenizer",
                                                                          None)
@@ -104,19 +109,27 @@ class Engine(EngineFrontends):
                         attention_backend: str | None = None, dtype: Any = None,
                         device: Any = None, **config: Any) -> Engine:
         """Load a Qwen2-VL checkpoint (a local directory) with its tokenizer and processor.
-        `attention_backend` None: "torch" (stock kernels) in ``shared`` mode, else "triton"."""
+        `attention_backend` None: "torch" (stock kernels) in ``shared`` mode, else "triton".
+        ``tensor_parallel_size=N`` (an `EngineConfig` field) starts N - 1 worker processes,
+        each loading only its slices of the checkpoint; `close` stops them."""
         cfg = EngineConfig(mode=mode, **config)
         if attention_backend is None:
             attention_backend = "torch" if mode == "shared" else "triton"
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
-        from .qwen2_vl_runner import Qwen2VLRunner
-
-        runner = Qwen2VLRunner.from_pretrained(path, attention_backend=attention_backend,
-                                               dtype=dtype, device=device)
         tokenizer, processor = load_processor(path)
-        return cls(runner, cfg, tokenizer=tokenizer, processor=processor)
+        from .runners import load_runner
+
+        runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
+                             device=device)
+        try:
+            return cls(runner, cfg, tokenizer=tokenizer, processor=processor)
+        except BaseException:
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()
+            raise
 
     # Requests in.
 
@@ -271,8 +284,12 @@ class Engine(EngineFrontends):
             assert self.spatial.num_inflight == 0, "a compute-partition prefill is in flight"
 
     def close(self) -> None:
-        """Stop the encoder stage's thread and release SM partitions (co-located modes)."""
+        """Stop the encoder stage's thread and release SM partitions (co-located modes); stop
+        a tensor-parallel runner's worker processes."""
         if self.spatial is not None:
             with self._step_lock:
                 self.spatial.close()
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 

@@ -286,20 +286,19 @@ class SpatialRuntime:
         self.partitions.close()
 
 
-def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
-                  clock: Callable[[], float] = time.monotonic
-                  ) -> tuple[SpatialEncoderStage, SpatialRuntime]:
-    """Partitions, decode graphs per partition, the encoder stage and the step runtime of a
-    co-located mode from an `EngineConfig`; ValueError names a bad setting."""
-    mode, device = config.mode, torch.device(runner.device)
+def make_partitions(config: Any, device: torch.device) -> tuple[PartitionSet, list[Partition]]:
+    """The partition set of a co-located mode and the partitions it uses, from an
+    `EngineConfig` (or anything with its mode, encoder_sms, encoder_splits, green_contexts and
+    programs_per_sm fields: a tensor-parallel worker builds the same set on its own device)."""
+    mode = config.mode
     if mode not in SPATIAL_MODES:
         raise ValueError(f"mode={mode!r} is not a co-located mode ({', '.join(SPATIAL_MODES)})")
     total = device_num_sms(device)
     green = None if config.green_contexts else False
     if mode == "shared":
         pset = PartitionSet(device, shared=True)
-        parts = [pset.full]
-    elif mode == "spatial-static":
+        return pset, [pset.full]
+    if mode == "spatial-static":
         e = config.encoder_sms
         if e is None:
             splits = default_splits(total)
@@ -307,13 +306,22 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
         if not 0 < e < total:
             raise ValueError(f"encoder_sms={e} must be in 1..{total - 1} (SMs of this device)")
         pset = PartitionSet(device, [e], green=green, programs_per_sm=config.programs_per_sm)
-        parts = [pset.get(e)]
-    else:
-        splits = tuple(config.encoder_splits or default_splits(total))
-        if not all(0 < e < total for e in splits):
-            raise ValueError(f"encoder_splits={splits} must be in 1..{total - 1}")
-        pset = PartitionSet(device, splits, green=green, programs_per_sm=config.programs_per_sm)
-        parts = pset.partitions()
+        return pset, [pset.get(e)]
+    splits = tuple(config.encoder_splits or default_splits(total))
+    if not all(0 < e < total for e in splits):
+        raise ValueError(f"encoder_splits={splits} must be in 1..{total - 1}")
+    pset = PartitionSet(device, splits, green=green, programs_per_sm=config.programs_per_sm)
+    return pset, pset.partitions()
+
+
+def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
+                  clock: Callable[[], float] = time.monotonic
+                  ) -> tuple[SpatialEncoderStage, SpatialRuntime]:
+    """Partitions, decode graphs per partition, the encoder stage and the step runtime of a
+    co-located mode from an `EngineConfig`; ValueError names a bad setting."""
+    mode, device = config.mode, torch.device(runner.device)
+    total = device_num_sms(device)
+    pset, parts = make_partitions(config, device)
     curves = load_curves(config.curves, runner)
     captured: tuple[int, ...] = ()
     for part in parts:

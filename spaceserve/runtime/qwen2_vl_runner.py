@@ -15,7 +15,8 @@ other requests arrived with it.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,24 @@ from .memory import kv_block_bytes
 from .request import MultiModalData, Request
 from .runner import ModelInfo, StepLimits, StepPlanner
 from .scheduler import ScheduledBatch
+from .step_plan import StepInputs
+
+# Where image-token embedding rows come from: (source, lo, hi), see `image_pieces`.
+ImagePiece = tuple[Any, int, int]
+
+
+@dataclass
+class PreparedStep:
+    """A step after its host half (`Qwen2VLRunner.prepare_step`): the stage and budget it runs
+    under, the captured batch size it replays (None: eager; the graph's table width is
+    ``inputs.width``), its planner inputs and image pieces. Everything but the pieces' sources
+    is plain data another process can run."""
+
+    stage: str
+    budget: int | None
+    graph: int | None
+    inputs: StepInputs
+    pieces: list[ImagePiece]
 
 
 def _eos_ids(config: Any, path: str | None) -> tuple[int, ...]:
@@ -170,50 +189,92 @@ class Qwen2VLRunner:
     def finish_encode(self, job: Any, *, num_sms: int | None = None) -> torch.Tensor:
         return self.model.vision.finish(job, num_sms=self.model._budget(num_sms))
 
-    def _image_rows(self, batch: ScheduledBatch, ids: np.ndarray) -> torch.Tensor | None:
-        """One embedding row per image-token id among the step's token ids `ids`, in token
-        order: the encoder's row for a prompt image token, the token's own embedding for a
-        generated one (the model may emit the image token id; it is then plain text)."""
+    def image_pieces(self, batch: ScheduledBatch, ids: np.ndarray) -> list[ImagePiece]:
+        """Where the embedding row of each image-token id among the step's token ids `ids`
+        comes from, in token order: rows ``lo..hi-1`` of a prompt's image embeddings (source:
+        its `MultiModalData`), or, for image-token ids the model generated (plain text then),
+        ``hi - lo`` copies of the token's own embedding (source None)."""
         img = self.info.image_token_id
         if not (ids == img).any():
-            return None
-        embeds: list[torch.Tensor] = []
+            return []
+        pieces: list[ImagePiece] = []
         for req, s, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
             p, mm = req.num_prompt_tokens, req.mm
             if mm is not None and s < p:
                 lo, hi = np.searchsorted(mm.positions, [s, min(s + n, p)])
                 if hi > lo:
-                    embeds.append(mm.embeds[lo:hi])
+                    pieces.append((mm, int(lo), int(hi)))
             if s + n > p:
                 k = req.token_ids[max(s, p):s + n].count(img)
                 if k:
-                    row = self.model.language.embed[img]
-                    embeds.append(row.expand(k, row.shape[0]))
-        return torch.cat(embeds) if embeds else None
+                    pieces.append((None, 0, k))
+        return pieces
+
+    def image_rows(self, pieces: Sequence[ImagePiece],
+                   embeds_of: Callable[[Any], torch.Tensor] | None = None
+                   ) -> torch.Tensor | None:
+        """The embedding rows of `pieces` (see `image_pieces`) in one tensor, or None;
+        `embeds_of(source)` gives a source's embeddings (default: ``source.embeds``)."""
+        if not pieces:
+            return None
+        rows: list[torch.Tensor] = []
+        for src, lo, hi in pieces:
+            if src is None:
+                row = self.model.language.image_token_row
+                rows.append(row.expand(hi - lo, row.shape[0]))
+            else:
+                rows.append((embeds_of(src) if embeds_of is not None else src.embeds)[lo:hi])
+        return torch.cat(rows)
+
+    def prepare_step(self, batch: ScheduledBatch, *, stage: str = "decoder") -> PreparedStep:
+        """The host half of `execute`: the stage's budget, the graph a decode-only step replays
+        (None: eager), the planner's `StepInputs` (row state written) and the image pieces."""
+        assert self.kv is not None and self.planner is not None, "allocate_kv_cache first"
+        if stage not in ("decoder", "encoder"):
+            raise ValueError(f"stage={stage!r} must be 'decoder' or 'encoder'")
+        nb, graph = batch.num_seqs, None
+        budget = self.decoder_num_sms if stage == "decoder" else self.encoder_num_sms
+        width = None
+        if batch.num_decodes == nb and stage == "decoder" and len(self.graphs):
+            found = self.graphs.pick(nb, self.planner.decode_need(batch), budget)
+            if found is not None:
+                graph, width = found.batch_size, found.max_blocks_per_seq
+        inputs = self._planner(stage).prepare(batch, pad_to=graph, width=width)
+        pieces = [] if graph is not None else self.image_pieces(batch, inputs.input_ids)
+        return PreparedStep(stage, budget, graph, inputs, pieces)
+
+    def _planner(self, stage: str) -> StepPlanner:
+        assert self.planner is not None, "allocate_kv_cache first"
+        if stage == "decoder":
+            return self.planner
+        if self._encoder_planner is None:  # may run beside a decoder step: buffers of its own
+            self._encoder_planner = StepPlanner(
+                self.limits, self.device, backend=self.model.backend, rope=self.planner.rope,
+                share_rows_with=self.planner)
+        return self._encoder_planner
+
+    def run_step(self, step: PreparedStep, *, embeds_of: Callable[[Any], torch.Tensor] |
+                 None = None, comm: Any = None, apply_sync: bool = False) -> torch.Tensor:
+        """The device half of `execute`: plan the prepared step (after applying its row-state
+        changes when `apply_sync`: a step prepared by another process) and run it, replaying
+        its graph or eagerly under its budget (`comm`: the stage's communicator, TP only)."""
+        planner = self._planner(step.stage)
+        if apply_sync:
+            planner.apply(step.inputs.sync)
+        ctx = planner.plan_inputs(step.inputs).context
+        if step.graph is not None:  # the graph captured the planner's buffers: nothing to copy
+            width = step.inputs.width
+            graph = self.graphs.graphs.get((step.graph, width, step.budget)) \
+                if len(self.graphs) else None
+            if graph is None:
+                raise RuntimeError(f"no decode graph of batch {step.graph} x {width} blocks "
+                                   f"for budget {step.budget}")
+            return graph.replay(ctx.input_ids, ctx)
+        embeds = self.image_rows(step.pieces, embeds_of)
+        return self.model.forward(ctx.input_ids, ctx, self.kv, image_embeds=embeds,
+                                  num_sms=step.budget, comm=comm)
 
     def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
         """One step under the decoder's budget, or under the encoder's with
         ``stage="encoder"`` (prefill placed in the compute partition; never a graph)."""
-        assert self.kv is not None, "allocate_kv_cache first"
-        if stage not in ("decoder", "encoder"):
-            raise ValueError(f"stage={stage!r} must be 'decoder' or 'encoder'")
-        assert self.planner is not None
-        nb, graph = batch.num_seqs, None
-        budget = self.decoder_num_sms if stage == "decoder" else self.encoder_num_sms
-        if batch.num_decodes == nb and stage == "decoder" and len(self.graphs):
-            graph = self.graphs.pick(nb, self.planner.decode_need(batch), budget)
-        planner = self.planner
-        if stage == "encoder":  # may run beside a decoder step: buffers of its own
-            if self._encoder_planner is None:
-                self._encoder_planner = StepPlanner(
-                    self.limits, self.device, backend=self.model.backend,
-                    rope=self.planner.rope, share_rows_with=self.planner)
-            planner = self._encoder_planner
-        plan = planner.plan(batch, pad_to=graph.batch_size if graph is not None else None,
-                            width=graph.max_blocks_per_seq if graph is not None else None)
-        ctx = plan.context
-        if graph is not None:  # the graph captured the planner's buffers: nothing to copy
-            return graph.replay(ctx.input_ids, ctx)
-        embeds = self._image_rows(batch, plan.host["input_ids"])
-        return self.model.forward(ctx.input_ids, ctx, self.kv, image_embeds=embeds,
-                                  num_sms=budget)
+        return self.run_step(self.prepare_step(batch, stage=stage))

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .curves import CurveSet
+from .encoder_stage import release_encoding
 from .partition import PartitionSet
 from .request import Request
 from .runner import ModelRunner
@@ -127,6 +128,7 @@ class SpatialEncoderStage(EncoderLaunches):
             self._cond.notify_all()
         if req.mm is not None:
             req.mm.embeds = None
+            release_encoding(self.runner, req)
 
     # -- completion and hand-off --------------------------------------------------------------
     def poll(self) -> int:

@@ -6,6 +6,12 @@ bucket (a batch size and a block-table width: the step's need, rounded up to the
 are captured for, never wider), through the models' `ContextPlanner`; runners may use it or
 plan their own way.
 `StepLimits` are the capacities its buffers (and the engine's) are sized from.
+
+Planning is two halves: `prepare` reads the batch (the only part that needs `Request`
+objects) into `StepInputs`, plain host arrays that also record what it changed in the
+per-row state (`RowSync`), and `plan_inputs` lays the step out. A tensor-parallel worker
+receives the inputs of rank 0's `prepare`, applies their `RowSync` to its own rows and plans
+the same step (`runtime/tp`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 from .request import Request
 from .scheduler import ScheduledBatch
 
-__all__ = ["StepLimits", "StepPlan", "StepPlanner"]
+__all__ = ["RowSync", "StepInputs", "StepLimits", "StepPlan", "StepPlanner"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,46 @@ class StepPlan:
         return torch.cat(emb) if len(emb) else None
 
 
+@dataclass
+class RowSync:
+    """What a `prepare` changed in the per-row state: rows a sequence (re)took, with its rope
+    delta and prompt M-RoPE positions (``[3, L]`` int32, or None), and block ids written
+    (row, first column, ids)."""
+
+    resets: list[tuple[int, int, np.ndarray | None]] = field(default_factory=list)
+    writes: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+
+
+@dataclass
+class StepInputs:
+    """A step as host arrays (`StepPlanner.prepare`): the rows and token counts of its
+    sequences (decodes first), which need logits, the flattened token ids, the padding and
+    table width of a graph step, and the row-state changes that go with it. `mm_parts` (the
+    image pieces, with device tensors) stays on the planning process."""
+
+    rows: np.ndarray
+    num_cached: np.ndarray
+    num_new: np.ndarray
+    need_logits: np.ndarray | None
+    input_ids: np.ndarray
+    num_decodes: int
+    pad_to: int | None
+    width: int | None
+    sync: RowSync
+    mm_parts: tuple[list[np.ndarray], list[torch.Tensor]] = ((), ())
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.rows.size)
+
+    def wire(self) -> StepInputs:
+        """A compact copy to send to another process: int32 arrays, no image pieces."""
+        i32 = np.int32
+        return StepInputs(self.rows.astype(i32), self.num_cached.astype(i32),
+                          self.num_new.astype(i32), self.need_logits, self.input_ids.astype(i32),
+                          self.num_decodes, self.pad_to, self.width, self.sync)
+
+
 class StepPlanner:
     """Turns a `ScheduledBatch` into a `StepPlan` through the models' `ContextPlanner`, the
     one planner (numpy into preallocated buffers, two non-blocking copies, the attention plan
@@ -151,15 +197,28 @@ class StepPlanner:
         """The plan of `batch`. A decode-only batch is padded to `pad_to` sequences with block
         tables `width` wide (None: the narrowest of `graph_widths` that covers the batch), or
         else to its `bucket`, and gets no attention plan (a graph replays its own)."""
+        return self.plan_inputs(self.prepare(batch, pad_to=pad_to, width=width))
+
+    def prepare(self, batch: ScheduledBatch, *, pad_to: int | None = None,
+                width: int | None = None) -> StepInputs:
+        """`batch` as `StepInputs` (padding and width as `plan` says), writing the rows' new
+        blocks and rope state into the shared row state and recording them in
+        ``inputs.sync``."""
         reqs, nd, nb = batch.reqs, batch.num_decodes, len(batch.reqs)
         core, table, rope = self.core, self.table, self.rope
+        sync = RowSync()
         for r in reqs:
             k, s = len(r.block_ids), r.synced_blocks
             if k != s:
                 if s == 0:  # the request (re)took its slot
                     mpos, delta = rope(r) if rope is not None else (None, 0)
                     core.set_row(r.row, rope_delta=delta, mrope_positions=mpos)
-                table[r.row, s:k] = r.block_ids[s:]
+                    pos = core.prompt_positions[r.row]
+                    sync.resets.append((r.row, int(delta), None if pos is None
+                                        else pos.astype(np.int32)))
+                ids_new = np.asarray(r.block_ids[s:], dtype=np.int32)
+                table[r.row, s:k] = ids_new
+                sync.writes.append((r.row, s, ids_new))
                 r.synced_blocks = k
         ids = [r.token_ids[-1] for r in reqs[:nd]]
         t = nd
@@ -183,10 +242,29 @@ class StepPlanner:
             need = self.decode_need(batch)
             width = next((w for w in self.graph_widths if w >= need), need)
         graph = pad_to is not None
-        ctx = core.plan([r.row for r in reqs], batch.num_cached, batch.num_new,
-                        need_logits=None if nd == nb else batch.need_logits, input_ids=ids,
-                        pad_seqs_to=pad_to, width=width if graph else None,
-                        plan_attention=not graph)
+        return StepInputs(
+            np.array([r.row for r in reqs], dtype=np.int64),
+            np.array(batch.num_cached, dtype=np.int64), np.array(batch.num_new, dtype=np.int64),
+            None if nd == nb else np.array(batch.need_logits, dtype=bool),
+            np.array(ids, dtype=np.int64), nd, pad_to, width if graph else None, sync,
+            (idx_parts, emb_parts))
+
+    def apply(self, sync: RowSync) -> None:
+        """Apply another planner's row-state changes (a tensor-parallel worker's rows follow
+        rank 0's)."""
+        for row, delta, pos in sync.resets:
+            self.core.set_row(row, rope_delta=delta, mrope_positions=pos)
+        for row, start, ids in sync.writes:
+            self.table[row, start:start + ids.size] = ids
+
+    def plan_inputs(self, inputs: StepInputs) -> StepPlan:
+        """Lay out a prepared step (its row state already applied) in the planner's buffers."""
+        graph = inputs.pad_to is not None
+        nd, nb = inputs.num_decodes, inputs.num_seqs
+        ctx = self.core.plan(inputs.rows, inputs.num_cached, inputs.num_new,
+                             need_logits=inputs.need_logits, input_ids=inputs.input_ids,
+                             pad_seqs_to=inputs.pad_to, width=inputs.width,
+                             plan_attention=not graph)
         h = ctx.host
         host = {"input_ids": h.input_ids, "positions": h.positions.numpy()[0],
                 "slot_mapping": h.slot_mapping.numpy(), "logits_indices": h.logits_indices,
@@ -197,4 +275,4 @@ class StepPlanner:
                         num_tokens=ctx.num_tokens, num_seqs=ctx.num_seqs, num_real_seqs=nb,
                         num_decodes=nd, num_logits=ctx.logits_indices.shape[0] - ctx.num_seqs + nb,
                         max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
-                        mm_parts=(idx_parts, emb_parts), host=host, context=ctx)
+                        mm_parts=inputs.mm_parts, host=host, context=ctx)

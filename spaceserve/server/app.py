@@ -144,6 +144,8 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     async def health() -> Response:
         body = {"status": "ok" if client.alive else "dead", "mode": client.mode,
                 "note": client.mode_note}
+        if not client.alive and client.last_error:
+            body["error"] = client.last_error
         return _json(body, 200 if client.alive else 503)
 
     @app.get("/v1/models")
@@ -302,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
     p.add_argument("--attention-backend",
                    help="triton or torch (default: triton on CUDA, torch on CPU)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the decoder is split over (one process and GPU each)")
     p.add_argument("--max-num-seqs", type=int, default=128,
                    help="requests in the running batch at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -332,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import uvicorn
 
+    from spaceserve.runtime.tp.group import TensorParallelError
+
     from .engine_client import load_engine
 
     try:
@@ -343,10 +349,14 @@ def main(argv: list[str] | None = None) -> int:
             attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len, seed=args.seed,
-            max_images_per_prompt=args.max_images_per_request)
+            max_images_per_prompt=args.max_images_per_request,
+            tensor_parallel_size=args.tensor_parallel_size)
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2
+    except TensorParallelError as exc:  # a worker failed to start
+        print(f"spaceserve serve: {exc}", file=sys.stderr)
+        return 1
     if note:
         print(f"spaceserve serve: {note}", file=sys.stderr)
     client = AsyncEngine(engine, max_pending=args.max_pending, mode_note=note)
@@ -358,4 +368,5 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         client.close()
+        engine.close()  # partitions, and a tensor-parallel group's workers
     return 0

@@ -125,6 +125,7 @@ class AsyncEngine:
         self._pending = 0
         self._plock = threading.Lock()
         self._closing = False
+        self._dead = False
         self._ids = 0
         self._device_sms = _device_sms(engine)
         self._thread = threading.Thread(target=self._run, name="spaceserve-engine", daemon=True)
@@ -155,7 +156,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closing
+        return self._thread.is_alive() and not self._closing and not self._dead
 
     def wake(self) -> None:
         with self._cond:
@@ -175,6 +176,9 @@ class AsyncEngine:
             except Exception as exc:  # end every request with the reason instead of hanging
                 self.last_error = f"engine step failed: {type(exc).__name__}: {exc}"
                 eng.fail_all(self.last_error)
+                if _engine_dead(exc):  # nothing can run any more: /health says so
+                    self._dead = True
+                    return
             self._sample()
             if eng.num_steps == before:
                 time.sleep(0.0005)  # nothing could run (only drains): do not spin
@@ -253,6 +257,14 @@ class AsyncEngine:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _engine_dead(exc: BaseException) -> bool:
+    """Whether a step's exception leaves the engine unable to run any step (a tensor-parallel
+    group that lost a worker)."""
+    from spaceserve.runtime.tp.group import TensorParallelError
+
+    return isinstance(exc, TensorParallelError)
+
+
 def _device_sms(engine: Engine) -> int:
     try:
         return int(engine.device_sms)
@@ -284,7 +296,7 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
 
     from spaceserve.runtime.engine import Engine, EngineConfig
     from spaceserve.runtime.inputs import ChatPreprocessor
-    from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
+    from spaceserve.runtime.runners import load_runner
 
     from .tiny import resolve_model
 
@@ -295,8 +307,14 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if attention_backend is None:
         attention_backend = "triton" if str(device).startswith("cuda") else "torch"
-    runner = Qwen2VLRunner.from_pretrained(path, attention_backend=attention_backend,
-                                           dtype=dtype, device=device)
-    pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id)
-    engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
+    runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
+                         device=device)
+    try:
+        pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id)
+        engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
+    except BaseException:
+        close = getattr(runner, "close", None)  # a tensor-parallel runner's workers
+        if close is not None:
+            close()
+        raise
     return engine, pre, note

@@ -23,7 +23,6 @@ from spaceserve.runtime.runner import NullModelRunner
 pytest.importorskip("pydantic", reason="the serve extra is not installed")
 
 from spaceserve.server.engine_client import AsyncEngine, load_engine  # noqa: E402
-from spaceserve.server.tiny import build_tiny_checkpoint  # noqa: E402
 
 if TYPE_CHECKING:
     from spaceserve.server.app import ServerLimits
@@ -38,11 +37,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="session")
-def tiny_path(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
 
 
 @pytest.fixture(scope="session")
