@@ -73,7 +73,7 @@ spec = importlib.util.find_spec("spaceserve")
 here = spec is not None and os.path.realpath(spec.origin or "").startswith(os.path.realpath(root))
 print("spaceserve", "ok" if here else "missing")
 dev = ["triton", "transformers", "safetensors", "numpy", "pytest", "pytest_benchmark", "ruff",
-       "fastapi", "uvicorn", "httpx", "openai", "PIL", "matplotlib"]
+       "fastapi", "uvicorn", "httpx", "openai", "PIL", "matplotlib", "av"]
 print("missing", " ".join(m for m in dev if importlib.util.find_spec(m) is None) or "-")
 versions = []
 for dist in ("triton", "transformers", "fastapi", "uvicorn", "openai"):
