@@ -125,7 +125,8 @@ def _decode_row(batch: int, ctx: int, sms: int, t: dict[str, Any], copy_gbs: flo
     moved, ms = decode_bytes([ctx] * batch), t["ms"]
     return {"kernel": "paged_decode", "batch": batch, "context": ctx, "num_sms": sms, "ms": ms,
             "gbs": gbps(moved, ms), "frac_of_copy": gbps(moved, ms) / copy_gbs, "status": "ok",
-            **{k: t[k] for k in ("graph", "timing", "host_us", "graph_error") if k in t}}
+            **{k: t[k] for k in ("graph", "timing", "launches", "host_us", "graph_error")
+               if k in t}}
 
 
 def _time_decode(run, batch: int) -> dict[str, Any]:
