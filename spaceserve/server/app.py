@@ -47,6 +47,7 @@ from . import protocol as P
 from .engine_client import AsyncEngine, QueueFull, RequestHandle
 from .media_args import add_media_args, media_limits
 from .protocol import APIError
+from .replicas.args import add_data_parallel_args
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -99,6 +100,10 @@ async def _next(handle: RequestHandle, gone: asyncio.Task) -> RequestOutput | No
 
 def _error_of(out: RequestOutput) -> APIError:
     msg = out.error or "request failed"
+    status = out.extra.get("status") if out.extra else None
+    if isinstance(status, int):  # the engine client's verdict (503: a replica failed)
+        return APIError(status, msg, type="server_error" if status >= 500 else
+                        "invalid_request_error")
     if msg.startswith("engine step failed"):
         return APIError(500, msg, type="server_error")
     return APIError(400, msg)
@@ -345,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "allowed)")
     add_media_args(p)
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_data_parallel_args(p)
     return p
 
 
