@@ -21,6 +21,12 @@ layout (latencies in seconds, nested as ``[sms][axis0][axis1]...``)::
                 "prefill": {"axes": ["tokens", "context"], ...},
                 "decode":  {"axes": ["batch", "context"], ...}}}
 
+A measured stage may also carry ``"host_bound"``: the points whose eager launch took at least as
+long on the host as their work on the device (``[{"sms": 8, "batch": 1, "context": 0, "corun":
+false}, ...]``, one key per axis). Their latency is the device's (the profiler replays a captured
+graph); an engine that launches that work eagerly waits on the host instead. Absent: not known
+(modelled curves, wall-clock profiles); empty: measured, none host-bound.
+
 Lookups interpolate multilinearly on a monotone envelope of the data (latency never rises with
 SMs, never falls with work), so noisy measurements cannot make SIS see "more SMs, slower".
 Outside the grid: fewer SMs than measured scale latency by ``sms_min / sms``; more work than
@@ -113,6 +119,7 @@ class Curve:
     sms: list[float]
     isolated: list
     corun: list
+    host_bound: list[dict[str, Any]] | None = None
     _env: dict[bool, list] = field(default_factory=dict, init=False, repr=False)
     _cache: dict[tuple, float] = field(default_factory=dict, init=False, repr=False)
 
@@ -159,8 +166,11 @@ class Curve:
         return (1.0 - w) * a + w * self._interp(values[hi], brackets[1:])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"axes": list(self.axes), "grid": {k: list(v) for k, v in self.grid.items()},
-                "sms": list(self.sms), "isolated": self.isolated, "corun": self.corun}
+        out = {"axes": list(self.axes), "grid": {k: list(v) for k, v in self.grid.items()},
+               "sms": list(self.sms), "isolated": self.isolated, "corun": self.corun}
+        if self.host_bound is not None:
+            out["host_bound"] = [dict(p) for p in self.host_bound]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, stage: str, num_sms: int, path: str) -> Curve:
@@ -185,7 +195,30 @@ class Curve:
         shape = (len(sms), *(len(grid[a]) for a in axes))
         iso = _check_grid(data.get("isolated"), shape, f"{path}.isolated")
         cor = _check_grid(data.get("corun"), shape, f"{path}.corun")
-        return cls(axes, grid, sms, iso, cor)
+        host = data.get("host_bound")
+        if host is not None:
+            host = _check_host_bound(host, axes, sms, grid, f"{path}.host_bound")
+        return cls(axes, grid, sms, iso, cor, host)
+
+
+def _check_host_bound(data: Any, axes: tuple[str, ...], sms: list, grid: dict[str, list],
+                      path: str) -> list[dict[str, Any]]:
+    """Host-bound points: objects naming a grid point ({"sms", *axes, "corun"})."""
+    if not isinstance(data, list):
+        raise _fail(path, "expected a list")
+    keys = ["sms", *axes, "corun"]
+    out = []
+    for i, p in enumerate(data):
+        if not isinstance(p, dict) or sorted(p) != sorted(keys):
+            raise _fail(f"{path}[{i}]", f"expected an object with keys {keys}, got {p!r}")
+        if not isinstance(p["corun"], bool):
+            raise _fail(f"{path}[{i}].corun", f"expected true or false, got {p['corun']!r}")
+        for name, values in (("sms", sms), *((a, grid[a]) for a in axes)):
+            if isinstance(p[name], bool) or p[name] not in values:
+                raise _fail(f"{path}[{i}].{name}", f"{p[name]!r} is not a point of the grid "
+                            f"{values}")
+        out.append({k: p[k] for k in keys})
+    return out
 
 
 @dataclass
