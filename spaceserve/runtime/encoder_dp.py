@@ -1,0 +1,102 @@
+"""A data-parallel vision encoder: which rank of a tensor-parallel group encodes which image.
+
+The ViT is small next to a 72B decoder, so every rank holds all of it and the images are divided
+between the ranks instead of its layers (each rank encodes a share; the owner then broadcasts the
+embeddings, so every rank holds the full input for prefill). Both encoder stages balance the
+*predicted* work per rank with TWSRFT's cost model (``cost(patches, layers)`` seconds):
+- the temporal stage encodes a batch at once: `assign_ranks` places its images longest first,
+  each on the rank with the least predicted work so far (LPT), which bounds the batch's makespan
+  within 4/3 of the best split;
+- the spatial stage encodes online and preemptibly: `RankedTwsrft` keeps one TWSRFT queue per
+  rank, sends each new job to the rank whose queue has the least predicted work left, and each
+  rank runs its own queue shortest-remaining-first (aging as in `twsrft.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from .twsrft import Grant, JobView, TwsrftScheduler
+
+
+class EncodingFailed(RuntimeError):
+    """An image's encoding failed on the rank that owned it (reported on its request; the
+    other requests and ranks carry on)."""
+
+
+def assign_ranks(costs: Sequence[float], ranks: int, loads: Sequence[float] | None = None
+                 ) -> list[int]:
+    """The rank of each item: longest predicted cost first, onto the least loaded rank (ties:
+    the lower rank); `loads` are the ranks' predicted work already queued (default none)."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks={ranks!r} must be an int >= 1")
+    load = list(loads) if loads is not None else [0.0] * ranks
+    if len(load) != ranks:
+        raise ValueError(f"loads has {len(load)} entries for {ranks} ranks")
+    out = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        out[i] = r
+        load[r] += costs[i]
+    return out
+
+
+class RankedTwsrft:
+    """One `TwsrftScheduler` per rank (module docstring). Every method names the rank it acts
+    on; `submit` without a rank picks the least loaded one. With one rank it is a plain TWSRFT
+    queue."""
+
+    def __init__(self, ranks: int, num_layers: int, cost: Callable[[int, int], float],
+                 **kwargs: Any) -> None:
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"ranks={ranks!r} must be an int >= 1")
+        self.ranks = ranks
+        self.scheds = [TwsrftScheduler(num_layers, cost, **kwargs) for _ in range(ranks)]
+        self._rank_of: dict[Hashable, int] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.scheds[0].num_layers
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.scheds)
+
+    def load(self, rank: int) -> float:
+        """Predicted seconds of encoder work queued on `rank` (granted layers excluded)."""
+        s = self.scheds[rank]
+        return sum(s.remaining(j) for j in s.jobs())
+
+    def pick(self) -> int:
+        """The rank with the least predicted work left (ties: the lower rank)."""
+        return min(range(self.ranks), key=lambda r: (self.load(r), r))
+
+    def submit(self, request_id: Hashable, patches: int, rank: int | None = None) -> int:
+        """Queue an image on `rank` (None: `pick`); returns the rank."""
+        r = self.pick() if rank is None else rank
+        if not 0 <= r < self.ranks:
+            raise ValueError(f"rank={r} is outside 0..{self.ranks - 1}")
+        self.scheds[r].submit(request_id, patches)
+        self._rank_of[request_id] = r
+        return r
+
+    def rank_of(self, request_id: Hashable) -> int | None:
+        return self._rank_of.get(request_id)
+
+    def ready(self, rank: int) -> bool:
+        """Whether `rank` has a job waiting and no grant outstanding."""
+        s = self.scheds[rank]
+        return len(s) > 0 and not s.busy
+
+    def next_grant(self, rank: int = 0) -> Grant | None:
+        return self.scheds[rank].next_grant()
+
+    def report(self, job_id: int, layers: int, rank: int = 0) -> tuple[Hashable, ...]:
+        done = self.scheds[rank].report(job_id, layers)
+        for rid in done:
+            self._rank_of.pop(rid, None)
+        return done
+
+    def jobs(self) -> tuple[JobView, ...]:
+        """Every unfinished job of every rank (rank by rank, each in arrival order)."""
+        return tuple(j for s in self.scheds for j in s.jobs())
