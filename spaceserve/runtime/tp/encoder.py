@@ -10,6 +10,9 @@ done (`group.RemoteEvent`, or for rank 0 the stage's own event); then `share_enc
 rank take part in a broadcast from the owner on the decoder stream (`protocol.Share`), so each
 rank holds the full embeddings for prefill. An encoding that failed on its owner is reported by
 `share_encoding` (and in `encode`'s results) with the owner's message; nothing is broadcast.
+A stage that knows nothing of ranks (`encoder_ranks`) encodes everything on rank 0, and a step
+ships such embeddings to the workers through the pipe, as it does embeddings given with a
+request: slower, never wrong.
 
 ``mm_encoder_tp_mode="replicate"``: every rank runs every encoder command on the same pixels
 (the embeddings are then everywhere without a collective); kept as the reference.
@@ -55,6 +58,7 @@ class EncoderMethods:
     mm_encoder_tp_mode: str
     _seq: list[int]
     _ready: dict[int, Any]
+    _shared: set[int]  # keys whose embeddings every rank holds (data-parallel)
     assigned: list[int]  # requests' images given to each rank to encode (data-parallel)
 
     @property
@@ -214,6 +218,7 @@ class EncoderMethods:
                     buf = torch.empty((tokens, model.language.hidden), dtype=model.dtype,
                                       device=self.local.device)
                 self.comms["decoder"].broadcast(buf, owner)
+                self._shared.add(key)
                 if buf.is_cuda:
                     event = torch.cuda.Event()
                     event.record()

@@ -89,6 +89,7 @@ class TensorParallelRunner(EncoderMethods):
         self._seq = [0] * size
         self.assigned = [0] * size
         self._ready: dict[int, Any] = {}
+        self._shared: set[int] = set()
         stages = ("decoder",) if partitions is None else ("decoder", "encoder")
         self.group = WorkerGroup(size, source, timeout_s=timeout_s or collective_timeout_s(),
                                  stages=stages, partitions=partitions,
@@ -272,6 +273,7 @@ class TensorParallelRunner(EncoderMethods):
                 return
             del self._keys[id(mm)]
             self._ready.pop(entry[0], None)
+            self._shared.discard(entry[0])
         try:
             self._send(P.Release([entry[0]]))
         except TensorParallelError:
@@ -286,9 +288,13 @@ class TensorParallelRunner(EncoderMethods):
             key = None
             if src is not None:
                 key = self._key(src, create=False)
-                if key is None:  # embeddings rank 0 never encoded: ship them once
+                if key is None or (self.encoder_ranks > 1 and key not in self._shared):
+                    # embeddings the workers do not hold (given with the request, or encoded
+                    # by a stage unaware of ranks): ship them once
                     key = self._key(src)
                     self._send(P.Embeds(key, src.embeds.detach().cpu()))
+                    if self.encoder_ranks > 1:
+                        self._shared.add(key)
                 elif src.embeds is not None and src.embeds.is_cuda:
                     self.wait_shared(key, src.embeds)
             pieces.append((key, lo, hi))
