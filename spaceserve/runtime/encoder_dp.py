@@ -9,11 +9,13 @@ embeddings, so every rank holds the full input for prefill). Both encoder stages
   within 4/3 of the best split;
 - the spatial stage encodes online and preemptibly: `RankedTwsrft` keeps one TWSRFT queue per
   rank, sends each new job to the rank whose queue has the least predicted work left, and each
-  rank runs its own queue shortest-remaining-first (aging as in `twsrft.py`).
+  rank runs its own queue shortest-remaining-first (aging as in `twsrft.py`);
+- the simulator, whose GPU has one encoder lane, runs those queues in rounds (`RoundTwsrft`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -100,3 +102,69 @@ class RankedTwsrft:
     def jobs(self) -> tuple[JobView, ...]:
         """Every unfinished job of every rank (rank by rank, each in arrival order)."""
         return tuple(j for s in self.scheds for j in s.jobs())
+
+
+class RoundTwsrft:
+    """A data-parallel encoder seen as one encoder lane (the simulator's): `RankedTwsrft`'s
+    queues granted together. A grant is a *round* - every rank with work takes its own TWSRFT
+    grant at once - and its `patches` and `layers` are those of the slowest member, so the
+    lane's cost model prices the round at the time it lasts. Reporting the round reports each
+    member for as many of its layers as fit in the time the round ran. A rank done early waits
+    for the round's end: pessimistic for data parallelism by at most one grant (about a time
+    window) per round. The `TwsrftScheduler` interface the simulator uses."""
+
+    def __init__(self, ranks: int, num_layers: int, cost: Callable[[int, int], float],
+                 **kwargs: Any) -> None:
+        self.ranked = RankedTwsrft(ranks, num_layers, cost, **kwargs)
+        self.cost = cost
+        self._round: tuple[Grant, list[tuple[int, Grant]]] | None = None
+        self._ids = itertools.count()
+
+    @property
+    def num_layers(self) -> int:
+        return self.ranked.num_layers
+
+    @property
+    def busy(self) -> bool:
+        return self._round is not None
+
+    def __len__(self) -> int:
+        return len(self.ranked)
+
+    def jobs(self) -> tuple[JobView, ...]:
+        return self.ranked.jobs()
+
+    def remaining(self, job: JobView) -> float:
+        return self.cost(job.patches, self.num_layers - job.depth)
+
+    def submit(self, request_id: Hashable, patches: int) -> int:
+        """Queue an image on the least loaded rank; returns the rank."""
+        return self.ranked.submit(request_id, patches)
+
+    def next_grant(self) -> Grant | None:
+        if self._round is not None:
+            raise RuntimeError("a round is outstanding; report it first")
+        members = [(r, g) for r in range(self.ranked.ranks) if self.ranked.ready(r)
+                   and (g := self.ranked.next_grant(r)) is not None]
+        if not members:
+            return None
+        slow = max((g for _, g in members), key=lambda g: self.cost(g.patches, g.layers))
+        ids = tuple(rid for _, g in members for rid in g.request_ids)
+        grant = Grant(next(self._ids), ids, slow.patches, slow.start_layer, slow.layers)
+        self._round = (grant, members)
+        return grant
+
+    def report(self, job_id: int, layers_done: int) -> tuple[Hashable, ...]:
+        if self._round is None or self._round[0].job_id != job_id:
+            raise ValueError(f"job_id {job_id} holds no grant")
+        grant, members = self._round
+        self._round = None
+        ran = self.cost(grant.patches, layers_done)  # the round's seconds
+        done: list[Hashable] = []
+        for rank, g in members:
+            n = g.layers
+            if layers_done < grant.layers:
+                per = self.cost(g.patches, 1)
+                n = min(g.layers, int(ran / per + 1e-9)) if per > 0 else g.layers
+            done += self.ranked.report(g.job_id, n, rank)
+        return tuple(done)

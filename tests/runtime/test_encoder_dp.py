@@ -12,7 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spaceserve import Engine, SamplingParams
-from spaceserve.runtime.encoder_dp import EncodingFailed, RankedTwsrft, assign_ranks
+from spaceserve.runtime.encoder_dp import (
+    EncodingFailed,
+    RankedTwsrft,
+    RoundTwsrft,
+    assign_ranks,
+)
 from spaceserve.runtime.engine import EngineConfig
 from spaceserve.runtime.inputs import process_prompt
 from spaceserve.runtime.runner import NullModelRunner
@@ -85,6 +90,27 @@ def test_ranked_twsrft_balances_and_orders_each_rank() -> None:
     assert len(sched) == 4 and len(sched.jobs()) == 4
     with pytest.raises(ValueError, match="rank=2 is outside 0..1"):
         sched.submit("f", 1, rank=2)
+
+
+def test_round_twsrft_grants_every_rank_at_once_priced_by_the_slowest() -> None:
+    cost = lambda patches, layers: patches * layers  # noqa: E731
+    sched = RoundTwsrft(2, 4, cost, window_s=float("inf"), token_budget=1, clock=lambda: 0.0)
+    for rid, p in (("big", 10), ("a", 2), ("b", 3)):
+        sched.submit(rid, p)
+    g = sched.next_grant()  # rank 0: big; rank 1: a (shortest first), together
+    assert (set(g.request_ids), g.patches, g.layers) == ({"big", "a"}, 10, 4) and sched.busy
+    with pytest.raises(RuntimeError, match="a round is outstanding"):
+        sched.next_grant()
+    assert set(sched.report(g.job_id, 4)) == {"big", "a"}
+    g = sched.next_grant()
+    assert (g.request_ids, g.patches) == (("b",), 3)
+    assert sched.report(g.job_id, 4) == ("b",) and len(sched) == 0
+    # a round cut short (a temporal-chunked window): each member runs what fits in its time
+    for rid, p in (("x", 8), ("y", 2)):
+        sched.submit(rid, p)
+    g = sched.next_grant()
+    assert g.patches == 8 and sched.report(g.job_id, 1) == ("y",)  # 8 s: y's 4 layers fit
+    assert {j.request_ids: j.depth for j in sched.jobs()} == {("x",): 1}
 
 
 # -- stages over a data-parallel null runner ------------------------------------------------------
