@@ -9,7 +9,8 @@ embeddings, so every rank holds the full input for prefill). Both encoder stages
   within 4/3 of the best split;
 - the spatial stage encodes online and preemptibly: `RankedTwsrft` keeps one TWSRFT queue per
   rank, sends each new job to the rank whose queue has the least predicted work left, and each
-  rank runs its own queue shortest-remaining-first (aging as in `twsrft.py`);
+  rank runs its own queue shortest-remaining-first (aging as in `twsrft.py`); idle ranks take
+  turns;
 - the simulator, whose GPU has one encoder lane, runs those queues in rounds (`RoundTwsrft`).
 """
 
@@ -56,6 +57,7 @@ class RankedTwsrft:
         self.ranks = ranks
         self.scheds = [TwsrftScheduler(num_layers, cost, **kwargs) for _ in range(ranks)]
         self._rank_of: dict[Hashable, int] = {}
+        self.submitted = [0] * ranks  # images queued on each rank so far
 
     @property
     def num_layers(self) -> int:
@@ -70,8 +72,9 @@ class RankedTwsrft:
         return sum(s.remaining(j) for j in s.jobs())
 
     def pick(self) -> int:
-        """The rank with the least predicted work left (ties: the lower rank)."""
-        return min(range(self.ranks), key=lambda r: (self.load(r), r))
+        """The rank with the least predicted work left; ties (idle ranks) go to the rank given
+        the fewest images so far, then the lower rank."""
+        return min(range(self.ranks), key=lambda r: (self.load(r), self.submitted[r], r))
 
     def submit(self, request_id: Hashable, patches: int, rank: int | None = None) -> int:
         """Queue an image on `rank` (None: `pick`); returns the rank."""
@@ -80,6 +83,7 @@ class RankedTwsrft:
             raise ValueError(f"rank={r} is outside 0..{self.ranks - 1}")
         self.scheds[r].submit(request_id, patches)
         self._rank_of[request_id] = r
+        self.submitted[r] += 1
         return r
 
     def rank_of(self, request_id: Hashable) -> int | None:

@@ -57,6 +57,7 @@ class EncoderMethods:
     size: int
     mm_encoder_tp_mode: str
     _seq: list[int]
+    _owner_lock: Any
     _ready: dict[int, Any]
     _shared: set[int]  # keys whose embeddings every rank holds (data-parallel)
     assigned: list[int]  # requests' images given to each rank to encode (data-parallel)
@@ -71,10 +72,13 @@ class EncoderMethods:
         return self.size if self.mm_encoder_tp_mode == "data" else 1
 
     def _to_owner(self, rank: int, cmd: Any) -> int:
-        """Send a numbered encoder command to worker `rank`; returns its number."""
-        self._seq[rank] += 1
-        cmd.seq = self._seq[rank]
-        self._send_to(rank, cmd)
+        """Send a numbered encoder command to worker `rank`; returns its number. Numbering and
+        sending are one step (the engine thread and a thread driver both send), so a worker
+        sees its commands in number order."""
+        with self._owner_lock:
+            self._seq[rank] += 1
+            cmd.seq = self._seq[rank]
+            self._send_to(rank, cmd)
         return cmd.seq
 
     # -- whole images (the temporal stage) -------------------------------------------------------

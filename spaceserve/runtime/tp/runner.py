@@ -87,6 +87,7 @@ class TensorParallelRunner(EncoderMethods):
         self.collective_sms = collective_sms_for(device, partitions, collective_sms)
         env = {**(env or {}), CTAS_ENV: str(self.collective_sms)}
         self._seq = [0] * size
+        self._owner_lock = threading.Lock()
         self.assigned = [0] * size
         self._ready: dict[int, Any] = {}
         self._shared: set[int] = set()
