@@ -53,11 +53,13 @@ class Qwen2VL:
                              f"text_config.hidden_size={tcfg.hidden_size}")
         head = weight("lm_head.weight")
         img = int(config.image_token_id)
-        row = weight("language.embed_tokens.weight", rows=(img, img + 1)) \
+        vid = getattr(config, "video_token_id", None)
+        media = [t for t in (img, vid) if t is not None]
+        rows = {t: weight("language.embed_tokens.weight", rows=(t, t + 1)) for t in media} \
             if self.tp.size > 1 else None
         self.language = LanguageModel(tcfg, lambda n: weight("language." + n), head, img,
                                       self.ops, self.backend, device, dtype, tp=self.tp,
-                                      comm=comm, image_token_row=row)
+                                      comm=comm, video_token_id=vid, media_token_rows=rows)
 
     @property
     def attention_backend(self) -> str:
@@ -70,7 +72,8 @@ class Qwen2VL:
     def encode_images(self, pixel_values: Tensor, image_grid_thw: Tensor | Sequence[Sequence[int]],
                       *, num_sms: int | None = None) -> Tensor:
         """Merged image embeddings ``[image_tokens, text_hidden]`` (transformers' pooler_output),
-        every launch under `num_sms`."""
+        every launch under `num_sms`. Videos go the same way: `image_grid_thw` rows with t > 1
+        temporal patches (transformers' ``pixel_values_videos`` / ``video_grid_thw``)."""
         return self.vision.encode(pixel_values, image_grid_thw, num_sms=self._budget(num_sms))
 
     def start_encode(self, pixel_values: Tensor, image_grid_thw: Any) -> EncoderJob:
@@ -99,9 +102,15 @@ class Qwen2VL:
     __call__ = forward
 
     # -- host helpers ----------------------------------------------------------------------
-    def mrope_positions(self, input_ids: Any, image_grid_thw: Any = None) -> tuple[Tensor, int]:
-        """M-RoPE positions ``[3, L]`` and rope delta of one prompt (see `mrope.py`)."""
-        return mrope_positions(input_ids, image_grid_thw, self.config)
+    def mrope_positions(self, input_ids: Any, image_grid_thw: Any = None, *,
+                        video_grid_thw: Any = None,
+                        second_per_grid_ts: Tensor | Sequence[float] | None = None
+                        ) -> tuple[Tensor, int]:
+        """M-RoPE positions ``[3, L]`` and rope delta of one prompt (see `mrope.py`);
+        `second_per_grid_ts` spaces video frames on Qwen2.5-VL only."""
+        return mrope_positions(input_ids, image_grid_thw, self.config,
+                               video_grid_thw=video_grid_thw,
+                               second_per_grid_ts=second_per_grid_ts)
 
     def image_processor(self, **kwargs: Any) -> Any:
         """transformers' Qwen2VLImageProcessor with this model's patch geometry."""

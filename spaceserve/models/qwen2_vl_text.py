@@ -54,14 +54,15 @@ class LanguageModel:
     """The Qwen2-VL decoder on SpaceServe ops; weights come from a name -> tensor getter (this
     rank's shards under tensor parallelism, see the module docstring). Q/K/V and gate/up
     projections are fused into one GEMM each at load time. `num_heads` / `num_kv_heads` are the
-    rank's own; `total_heads` / `total_kv_heads` the model's. `image_token_row` is the full
-    embedding row of the image token (needed only when the vocabulary is split)."""
+    rank's own; `total_heads` / `total_kv_heads` the model's. `media_token_rows` maps the image
+    (and video) token id to its full embedding row (needed only when the vocabulary is split:
+    a generated media token is plain text and embeds as its own row)."""
 
     def __init__(self, config: Any, weight: Callable[[str], Tensor], lm_head: Tensor,
                  image_token_id: int, ops: TorchOps, backend: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, *, tp: TensorParallel | None = None,
-                 comm: Communicator | None = None, image_token_row: Tensor | None = None
-                 ) -> None:
+                 comm: Communicator | None = None, video_token_id: int | None = None,
+                 media_token_rows: dict[int, Tensor] | None = None) -> None:
         self.config = config
         self.ops = ops
         self.backend = backend
@@ -74,6 +75,7 @@ class LanguageModel:
             raise ValueError(f"communicator rank {self.comm.rank} of {self.comm.size} does not "
                              f"match tensor-parallel rank {self.tp.rank} of {self.tp.size}")
         self.image_token_id = int(image_token_id)
+        self.video_token_id = None if video_token_id is None else int(video_token_id)
         self.hidden = int(config.hidden_size)
         self.total_heads = int(config.num_attention_heads)
         self.total_kv_heads = int(config.num_key_value_heads or self.total_heads)
@@ -105,16 +107,19 @@ class LanguageModel:
             raise ValueError(f"embed_tokens.weight has {self.embed.shape[0]} rows, vocabulary "
                              f"shard [{self.vocab_start}, {vocab_end}) of vocab_size="
                              f"{self.vocab_size} needs {vocab_end - self.vocab_start}")
+        media = [t for t in (self.image_token_id, self.video_token_id) if t is not None]
         if self.tp.size > 1:
-            if image_token_row is None:
-                raise ValueError("a split vocabulary needs image_token_row (the image token's "
-                                 "full embedding row)")
-            self.image_token_row = image_token_row.reshape(self.hidden)
+            missing = [t for t in media if t not in (media_token_rows or {})]
+            if missing:
+                raise ValueError(f"a split vocabulary needs media_token_rows for token ids "
+                                 f"{missing} (their full embedding rows)")
+            self.media_token_rows = {t: media_token_rows[t].reshape(self.hidden)
+                                     for t in media}
             if lm_head.shape[0] < shard_rows:  # a short last shard: zero logits, cut after
                 lm_head = torch.cat([lm_head, lm_head.new_zeros(shard_rows - lm_head.shape[0],
                                                                 lm_head.shape[1])])
         else:
-            self.image_token_row = self.embed[self.image_token_id]
+            self.media_token_rows = {t: self.embed[t] for t in media}
         self.layers = []
         for i in range(self.num_layers):
             p = f"layers.{i}."
@@ -163,13 +168,15 @@ class LanguageModel:
         if image_embeds is None:
             return h
         mask = input_ids == self.image_token_id
+        if self.video_token_id is not None:  # video tokens take encoder rows the same way
+            mask |= input_ids == self.video_token_id
         if image_embeds.dim() != 2 or image_embeds.shape[1] != self.hidden:
             raise ValueError(f"image_embeds must be [image_tokens, {self.hidden}], got "
                              f"{tuple(image_embeds.shape)}")
         if input_ids.device.type == "cpu":
             n = int(mask.sum())
             if n != image_embeds.shape[0]:
-                raise ValueError(f"input_ids hold {n} image tokens, image_embeds has "
+                raise ValueError(f"input_ids hold {n} image/video tokens, image_embeds has "
                                  f"{image_embeds.shape[0]} rows")
         return h.masked_scatter(mask.unsqueeze(-1), image_embeds.to(h.dtype))
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 class ModelInfo:
     """What the engine needs to know about a model to validate and finish requests.
 
-    `image_token_id` None means text only. `patch_dim` is the width of a ``pixel_values`` row
-    (Qwen2-VL: 3 * 2 * 14 * 14 = 1176); one LLM image token covers ``spatial_merge_size ** 2``
-    patches.
+    `image_token_id` None means text only, `video_token_id` None no videos. `patch_dim` is the
+    width of a ``pixel_values`` row (Qwen2-VL: 3 * 2 * 14 * 14 = 1176); one LLM image or video
+    token covers ``spatial_merge_size ** 2`` patches.
     """
 
     vocab_size: int
@@ -20,3 +20,4 @@ class ModelInfo:
     image_token_id: int | None = None
     spatial_merge_size: int = 2
     patch_dim: int | None = None
+    video_token_id: int | None = None

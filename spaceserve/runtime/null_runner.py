@@ -49,9 +49,9 @@ class NullModelRunner:
                  eos_token_id: int = 0, image_token_id: int | None = 3,
                  spatial_merge_size: int = 2, patch_dim: int = 8, hidden: int = 4,
                  graph_batch_sizes: Sequence[int] = (), check: bool = True,
-                 encoder_layers: int = 4) -> None:
+                 encoder_layers: int = 4, video_token_id: int | None = None) -> None:
         self.info = ModelInfo(vocab_size, max_model_len, (eos_token_id,), image_token_id,
-                              spatial_merge_size, patch_dim)
+                              spatial_merge_size, patch_dim, video_token_id)
         self.device = torch.device("cpu")
         self.hidden = hidden
         self.check = check

@@ -3,7 +3,9 @@
 Per step the engine's `ScheduledBatch` becomes the model's step context through one
 preallocated planner (`runner.StepPlanner` over `models.context.ContextPlanner`: M-RoPE
 positions sliced from each prompt's precomputed table, rope deltas after it, the flattened
-token ids), plus the image-embedding rows of the image tokens the step covers, in token order.
+token ids), plus the embedding rows of the image and video tokens the step covers, in token
+order. A request's images and videos are one encoder job (a video is an item of t temporal
+patches; the vision tower attends within each of them).
 Decode-only steps replay a CUDA graph of the next larger captured batch size when one exists;
 the graphs are captured on the planner's own buffers, so a replay copies nothing.
 Images are encoded one request at a time, so a request's embeddings never depend on which
@@ -28,7 +30,7 @@ from .runner import ModelInfo, StepLimits, StepPlanner
 from .scheduler import ScheduledBatch
 from .step_plan import StepInputs
 
-# Where image-token embedding rows come from: (source, lo, hi), see `image_pieces`.
+# Where media-token embedding rows come from: (source, lo, hi), see `image_pieces`.
 ImagePiece = tuple[Any, int, int]
 
 
@@ -79,7 +81,12 @@ class Qwen2VLRunner:
             image_token_id=int(cfg.image_token_id),
             spatial_merge_size=int(vcfg.spatial_merge_size),
             patch_dim=int(vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size ** 2),
+            video_token_id=None if getattr(cfg, "video_token_id", None) is None
+            else int(cfg.video_token_id),
         )
+        self._media_ids = np.array([t for t in (self.info.image_token_id,
+                                                self.info.video_token_id) if t is not None])
+        self._media_set = frozenset(self._media_ids.tolist())
         lm = model.language
         self._lm_shape = (lm.num_layers, lm.num_kv_heads, lm.head_dim)
         self.kv: Any = None
@@ -155,8 +162,14 @@ class Qwen2VLRunner:
         return tuple(sizes)
 
     def prepare_request(self, req: Request) -> None:
-        grid = req.mm.image_grid_thw if req.mm is not None else None
-        req.model_state = self.model.mrope_positions(req.prompt_token_ids, grid)
+        mm = req.mm
+        if mm is None or not mm.num_videos:
+            grid = mm.image_grid_thw if mm is not None else None
+            req.model_state = self.model.mrope_positions(req.prompt_token_ids, grid)
+            return
+        req.model_state = self.model.mrope_positions(
+            req.prompt_token_ids, mm.grid_of("image"), video_grid_thw=mm.grid_of("video"),
+            second_per_grid_ts=list(mm.second_per_grid_ts))
 
     def encode(self, mms: Sequence[MultiModalData]) -> list[torch.Tensor]:
         out = []
@@ -191,12 +204,11 @@ class Qwen2VLRunner:
         return self.model.vision.finish(job, num_sms=self.model._budget(num_sms))
 
     def image_pieces(self, batch: ScheduledBatch, ids: np.ndarray) -> list[ImagePiece]:
-        """Where the embedding row of each image-token id among the step's token ids `ids`
-        comes from, in token order: rows ``lo..hi-1`` of a prompt's image embeddings (source:
-        its `MultiModalData`), or, for image-token ids the model generated (plain text then),
-        ``hi - lo`` copies of the token's own embedding (source None)."""
-        img = self.info.image_token_id
-        if not (ids == img).any():
+        """Where the embedding row of each image- or video-token id among the step's token ids
+        `ids` comes from, in token order: rows ``lo..hi-1`` of a prompt's media embeddings
+        (source: its `MultiModalData`), or, for media-token ids the model generated (plain text
+        then), ``hi`` copies of token ``lo``'s own embedding row (source None)."""
+        if not np.isin(ids, self._media_ids).any():
             return []
         pieces: list[ImagePiece] = []
         for req, s, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
@@ -206,9 +218,13 @@ class Qwen2VLRunner:
                 if hi > lo:
                     pieces.append((mm, int(lo), int(hi)))
             if s + n > p:
-                k = req.token_ids[max(s, p):s + n].count(img)
-                if k:
-                    pieces.append((None, 0, k))
+                for tok in req.token_ids[max(s, p):s + n]:
+                    if tok not in self._media_set:
+                        continue
+                    if pieces and pieces[-1][0] is None and pieces[-1][1] == tok:
+                        pieces[-1] = (None, tok, pieces[-1][2] + 1)  # a run of the same token
+                    else:
+                        pieces.append((None, tok, 1))
         return pieces
 
     def image_rows(self, pieces: Sequence[ImagePiece],
@@ -220,9 +236,9 @@ class Qwen2VLRunner:
             return None
         rows: list[torch.Tensor] = []
         for src, lo, hi in pieces:
-            if src is None:
-                row = self.model.language.image_token_row
-                rows.append(row.expand(hi - lo, row.shape[0]))
+            if src is None:  # `hi` generated copies of media token `lo`
+                row = self.model.language.media_token_rows[lo]
+                rows.append(row.expand(hi, row.shape[0]))
             else:
                 rows.append((embeds_of(src) if embeds_of is not None else src.embeds)[lo:hi])
         return torch.cat(rows)

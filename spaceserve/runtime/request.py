@@ -77,21 +77,66 @@ class Status(enum.Enum):
 
 @dataclass
 class MultiModalData:
-    """A prompt's images: patches, grids, the prompt index of every image token, and (once
-    encoded) one embedding row per image token, kept until the request ends."""
+    """A prompt's media: patches, grids, the prompt index of every media token, and (once
+    encoded) one embedding row per media token, kept until the request ends.
+
+    Images and videos are items in prompt order: `pixel_values` holds their patches and
+    `image_grid_thw` one (t, h, w) row each, so the encoder runs a request's media as one job
+    (a video is an item of t temporal patches; transformers passes its patches apart, as
+    ``pixel_values_videos``). `video_items` are the rows that are videos and
+    `second_per_grid_ts` their seconds per temporal patch (Qwen2.5-VL's M-RoPE).
+    `content_hashes` has one hash per item (decoded pixels and processor settings); the input
+    module gives them, else they are computed from the patches when first asked for.
+    """
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
-    positions: np.ndarray  # sorted prompt indices of the image tokens; row i of embeds <-> [i]
+    positions: np.ndarray  # sorted prompt indices of the media tokens; row i of embeds <-> [i]
     embeds: torch.Tensor | None = None
+    video_items: tuple[int, ...] = ()
+    second_per_grid_ts: tuple[float, ...] = ()
+    hashes: tuple[str, ...] | None = None
+
+    @property
+    def num_items(self) -> int:
+        return int(self.image_grid_thw.shape[0])
 
     @property
     def num_images(self) -> int:
-        return int(self.image_grid_thw.shape[0])
+        return self.num_items - len(self.video_items)
+
+    @property
+    def num_videos(self) -> int:
+        return len(self.video_items)
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def grid_of(self, kind: str) -> torch.Tensor | None:
+        """The grid rows of the images or of the videos (``kind`` "image" / "video"), in prompt
+        order, or None when there are none."""
+        videos = set(self.video_items)
+        rows = [i for i in range(self.num_items) if (i in videos) == (kind == "video")]
+        return self.image_grid_thw[rows] if rows else None
+
+    @property
+    def content_hashes(self) -> tuple[str, ...]:
+        """One content hash per item, in prompt order."""
+        if self.hashes is None:
+            import hashlib
+
+            out, start = [], 0
+            for row in self.image_grid_thw.tolist():
+                n = row[0] * row[1] * row[2]
+                h = hashlib.blake2b(digest_size=16, person=b"ss-patches")
+                h.update(repr((row, str(self.pixel_values.dtype))).encode())
+                h.update(self.pixel_values[start:start + n].detach().cpu().contiguous()
+                         .view(torch.uint8).numpy().tobytes())
+                out.append(h.hexdigest())
+                start += n
+            self.hashes = tuple(out)
+        return self.hashes
 
 
 @dataclass(frozen=True)

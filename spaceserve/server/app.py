@@ -2,10 +2,11 @@
 
 Routes: ``POST /v1/chat/completions`` (non-streaming, or SSE with ``stream``), ``GET
 /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every client mistake is an
-OpenAI-style JSON error with a 4xx status: 400 for a malformed body, field or image, 404 for an
+OpenAI-style JSON error with a 4xx status: 400 for a malformed body, field or medium, 404 for an
 unknown model, 413 for an oversized body, 503 when the bounded queue is full. Prompt rendering
-and image decoding run in a worker pool; the engine steps on its own thread. A client that goes
-away (non-streaming or streaming) aborts its request, which frees its KV blocks.
+and media decoding run in a worker pool (remote media fetches on the fetcher's own bounded
+pool); the engine steps on its own thread. A client that goes away (non-streaming or
+streaming) aborts its request, which frees its KV blocks.
 
 A stream sends its first chunk only once the first token exists (so a request that fails
 before generating anything still gets a JSON error and a 4xx), then one chunk per new text,
@@ -33,11 +34,20 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from spaceserve.cli_args import HelpFormatter
-from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, check_dir
+from spaceserve.runtime.inputs import (
+    ChatPreprocessor,
+    ImageLimits,
+    RemoteFetcher,
+    RemotePolicy,
+    VideoLimits,
+    check_dir,
+)
 
 from . import protocol as P
 from .engine_client import AsyncEngine, QueueFull, RequestHandle
+from .media_args import add_media_args, media_limits
 from .protocol import APIError
+from .replicas.args import add_data_parallel_args
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -47,10 +57,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Bounds on what one request may carry."""
+    """Bounds on what one request may carry; `remote` None refuses http(s) media URLs."""
 
     max_body_bytes: int = 32 * 1024 * 1024
     images: ImageLimits = ImageLimits()
+    videos: VideoLimits = VideoLimits()
+    remote: RemotePolicy | None = None
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -88,6 +100,10 @@ async def _next(handle: RequestHandle, gone: asyncio.Task) -> RequestOutput | No
 
 def _error_of(out: RequestOutput) -> APIError:
     msg = out.error or "request failed"
+    status = out.extra.get("status") if out.extra else None
+    if isinstance(status, int):  # the engine client's verdict (503: a replica failed)
+        return APIError(status, msg, type="server_error" if status >= 500 else
+                        "invalid_request_error")
     if msg.startswith("engine step failed"):
         return APIError(500, msg, type="server_error")
     return APIError(400, msg)
@@ -121,6 +137,8 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     limits = limits or ServerLimits()
     app = FastAPI(title="SpaceServe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.client = client
+    # remote media fetches: the server's own bounded pool, off the loop and the step thread
+    fetcher = app.state.fetcher = RemoteFetcher(limits.remote) if limits.remote else None
     created = P.now()
     metrics = client.metrics
 
@@ -194,7 +212,8 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
         gone = asyncio.ensure_future(_until_disconnect(request))
         streaming = False
         try:
-            await handle.start(lambda: P.prepare_chat(preprocessor, req, limits.images),
+            await handle.start(lambda: P.prepare_chat(preprocessor, req, limits.images,
+                                                      limits.videos, fetcher=fetcher),
                                lambda prompt: sampling(req, prompt), stream=req.stream)
             first = await _next(handle, gone)
             if first is None:
@@ -327,8 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-images-per-request", type=int,
                    default=ImageLimits.max_images_per_request, help="images per request at most")
     p.add_argument("--allowed-local-media-path",
-                   help="folder file:// image URLs may read from (default: none allowed)")
+                   help="folder file:// image and video URLs may read from (default: none "
+                        "allowed)")
+    add_media_args(p)
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_data_parallel_args(p)
     return p
 
 
@@ -341,9 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     from .engine_client import load_engine
 
     try:
+        videos, remote = media_limits(args)
         limits = ServerLimits(args.max_body_bytes, ImageLimits(
             args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
-            check_dir(args.allowed_local_media_path)))
+            check_dir(args.allowed_local_media_path)), videos, remote)
         engine, pre, note = load_engine(
             args.model, mode=args.mode, device=args.device, dtype=args.dtype,
             attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
@@ -369,4 +392,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         client.close()
         engine.close()  # partitions, and a tensor-parallel group's workers
+        if app.state.fetcher is not None:
+            app.state.fetcher.close()
     return 0

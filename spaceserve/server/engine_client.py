@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import APIError
@@ -310,11 +310,15 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
     runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
                          device=device)
     try:
-        pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id)
+        pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id,
+                                               video_token_id=runner.info.video_token_id)
         engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
     except BaseException:
         close = getattr(runner, "close", None)  # a tensor-parallel runner's workers
         if close is not None:
             close()
         raise
+    if pre.video_sampling is not None:  # a video's total token budget is the context at most
+        pre.video_sampling = replace(pre.video_sampling, max_video_tokens=min(
+            pre.video_sampling.max_video_tokens, engine.max_model_len))
     return engine, pre, note

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, InputError
+from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, InputError, VideoLimits
 
 from .errors import APIError  # noqa: F401  (re-exported)
 
@@ -41,7 +41,16 @@ class ImagePart(_Model):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Model):
+    url: str = Field(min_length=1)
+
+
+class VideoPart(_Model):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Model):
@@ -88,7 +97,7 @@ def _loc(loc: tuple[Any, ...]) -> str:
             out += f"[{part}]"
         elif "[" in str(part) or "-" in str(part) or part == "str":
             continue  # a union branch, not a field
-        elif part in ("text", "image_url") and i and isinstance(loc[i - 1], int) \
+        elif part in ("text", "image_url", "video_url") and i and isinstance(loc[i - 1], int) \
                 and i + 1 < len(loc):
             continue  # the tag of a content part, followed by its field
         else:
@@ -123,14 +132,14 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """A validated request's messages as the plain dicts input processing takes (no copy of
-    the image URLs)."""
+    the media URLs)."""
     out: list[dict[str, Any]] = []
     for m in req.messages:
         if m.content is None or isinstance(m.content, str):
             content: Any = m.content
         else:
             content = [{"type": "text", "text": part.text} if part.type == "text" else
-                       {"type": "image_url", "image_url": {"url": part.image_url.url}}
+                       {"type": part.type, part.type: {"url": getattr(part, part.type).url}}
                        for part in m.content]
         out.append({"role": m.role, "content": content})
     return out
@@ -141,7 +150,9 @@ INPUT_ERROR_STATUS: dict[str, int] = {
     "invalid": 400,
     "too_large": 400,
     "bad_image": 400,
+    "bad_video": 400,
     "not_allowed": 400,
+    "fetch_failed": 400,
     "not_found": 400,
     "unsupported": 400,
 }
@@ -153,11 +164,12 @@ def input_error(exc: InputError) -> APIError:
 
 
 def prepare_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest,
-                 limits: ImageLimits) -> dict[str, Any]:
-    """A request's engine prompt (blocking: run it off the event loop); APIError on anything
-    the client got wrong."""
+                 limits: ImageLimits, video_limits: VideoLimits | None = None, *,
+                 fetcher: Any = None) -> dict[str, Any]:
+    """A request's engine prompt (blocking: run it off the event loop; remote media through
+    `fetcher`); APIError on anything the client got wrong."""
     try:
-        return preprocessor.prepare(chat_messages(req), limits)
+        return preprocessor.prepare(chat_messages(req), limits, video_limits, fetcher=fetcher)
     except InputError as exc:
         raise input_error(exc) from None
 

@@ -1,7 +1,7 @@
 """Tensor parallelism through the engine: real worker processes, gloo on CPU, the torch attention
-backend. At TP 2 the `--model tiny` checkpoint and a 6-query / 2-KV-head Qwen2-VL give, for text
-and image prompts through `Engine.generate`, the greedy tokens of TP 1 and of transformers, in
-the temporal and co-located modes, with the images encoded on different ranks (data-parallel
+backend. At TP 2 the `--model tiny` checkpoint and a 6-query / 2-KV-head Qwen2-VL give, for text,
+image and video prompts through `Engine.generate`, the greedy tokens of TP 1 and of transformers,
+in the temporal and co-located modes, with the images encoded on different ranks (data-parallel
 encoder) or on every rank (replicated); TP 4 replicates the tiny model's 2 KV heads; a worker
 killed mid-generate ends `generate` with an error naming it within 30 s; no worker outlives its
 engine. Every rank's launch record shows its collectives, bounded by NCCL_MAX_CTAS, inside the
@@ -104,9 +104,14 @@ def six(tmp_path_factory, qwen2_vl_image_prompt, hf_greedy):
     hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     rng = np.random.default_rng(8)
+    g = torch.Generator().manual_seed(9)
+    grid = torch.tensor([[2, 2, 4]])  # two temporal patches of a 2x4 grid: 4 video tokens
+    clip = {"prompt_token_ids": [bos, 5, vstart] + [video] * 4 + [vend, 19],
+            "pixel_values_videos": torch.randn(16, 3 * 2 * 14 * 14, generator=g),
+            "video_grid_thw": grid}
     prompts = [{"prompt_token_ids": [bos, 17, 33, 8, 91, 4]},
                qwen2_vl_image_prompt(rng, [(56, 84)], [bos, 7], 10, IDS),
-               qwen2_vl_image_prompt(rng, [(28, 56), (56, 56)], [bos, 9], 12, IDS)]
+               qwen2_vl_image_prompt(rng, [(28, 56), (56, 56)], [bos, 9], 12, IDS), clip]
     return path, prompts, [hf_greedy(hf, p, STEPS) for p in prompts]
 
 
@@ -133,7 +138,8 @@ def test_tp2_matches_tp1_and_transformers(request, model, mode, extra):
         stats = two.runner.worker_stats()
         assert stats[0]["steps"] > 0
         assert (stats[0]["embeds"], stats[0]["jobs"]) == (0, 0), "a worker kept image state"
-        images = sum("images" in p or "pixel_values" in p for p in prompts)
+        images = sum(any(k in p for k in ("images", "pixel_values", "pixel_values_videos"))
+                     for p in prompts)  # requests with media: one encoder job each
         runs = 3 if "num_kv_blocks" in extra else 2
         if extra.get("mm_encoder_tp_mode") == "replicate":
             assert stats[0]["encoded"] == images * runs, "rank 1 skipped images"

@@ -75,7 +75,8 @@ def null_engine(pre: ChatPreprocessor, *, delay: float = 0.0, max_model_len: int
     tok = pre.tokenizer
     runner = GatedNullRunner(delay, vocab_size=len(tok), max_model_len=max_model_len,
                              eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-                             image_token_id=pre.image_token_id, patch_dim=1176)
+                             image_token_id=pre.image_token_id, patch_dim=1176,
+                             video_token_id=pre.video_token_id)
     config = dict(num_kv_blocks=256, block_size=4, max_num_seqs=16, max_num_batched_tokens=512)
     return Engine(runner, EngineConfig(**(config | cfg)), tokenizer=tok, processor=pre)
 

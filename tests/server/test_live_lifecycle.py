@@ -103,9 +103,9 @@ def test_preprocessing_runs_off_the_event_loop(slow_server, monkeypatch) -> None
 
     original = chat.ChatPreprocessor.prepare
 
-    def slow_prepare(self, req, limits):
+    def slow_prepare(self, req, limits, *args, **kw):
         time.sleep(0.8)  # a huge image being decoded
-        return original(self, req, limits)
+        return original(self, req, limits, *args, **kw)
 
     monkeypatch.setattr(chat.ChatPreprocessor, "prepare", slow_prepare)
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 # kind -> what it means; a new loader adds its kind here (and the server maps it to a status).
 KINDS: dict[str, str] = {
     "invalid": "malformed input (messages, placeholders, template)",
-    "too_large": "over a size limit (bytes, pixels, number of images)",
+    "too_large": "over a size limit (bytes, pixels, frames, number of images or videos)",
     "bad_image": "not a decodable or usable image",
-    "not_allowed": "refused by policy (file:// outside the allowed folder, remote URLs)",
+    "bad_video": "not a decodable or usable video",
+    "not_allowed": "refused by policy (file:// outside the allowed folder, a remote URL off "
+                   "the allowed domains or resolving to a non-public address)",
+    "fetch_failed": "an allowed remote URL could not be fetched (connection, timeout, status)",
     "not_found": "a referenced local file does not exist or is not a regular file",
     "unsupported": "something this model or build does not take (images, a URL scheme)",
 }

@@ -4,10 +4,12 @@ offline prompt, from whatever the caller holds.
 The pixel count is checked from the header before any pixel is decoded (no decompression
 bombs). Every failure of `load_image_url` is an `InputError` naming the content part; a format
 allow-list or a pixel budget across a request's images goes beside `decode_image`.
+`image_hash` is a decoded image's content hash (the key of an encoder-output cache).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import warnings
 from typing import Any
@@ -38,12 +40,24 @@ def decode_image(raw: bytes, max_pixels: int, where: str = "image") -> Any:
                          kind="bad_image", param=where) from None
 
 
-def load_image_url(url: str, limits: ImageLimits, where: str = "image_url") -> Any:
-    """Decode one image URL (``data:`` or ``file://``) to an RGB PIL image under `limits`;
-    InputError otherwise."""
+def load_image_url(url: str, limits: ImageLimits, where: str = "image_url", *,
+                   fetcher: Any = None) -> Any:
+    """Decode one image URL (``data:``, ``file://``, or http(s) through `fetcher`) to an RGB
+    PIL image under `limits`; InputError otherwise."""
     raw = load_url_bytes(url, where=where, max_bytes=limits.max_image_bytes,
-                         allowed_local_dir=limits.allowed_local_dir, media="image")
+                         allowed_local_dir=limits.allowed_local_dir, media="image",
+                         fetcher=fetcher)
     return decode_image(raw, limits.max_image_pixels, where)
+
+
+def image_hash(img: Any, settings: bytes = b"") -> str:
+    """Content hash of a decoded image (its mode, size and pixels) under processor `settings`
+    (hex, 32 characters): equal hashes mean equal encoder input."""
+    h = hashlib.blake2b(digest_size=16, person=b"ss-image")
+    h.update(settings)
+    h.update(repr((img.mode, img.size)).encode())
+    h.update(img.tobytes())
+    return h.hexdigest()
 
 
 def load_image(item: Any, index: int) -> Any:
@@ -72,5 +86,5 @@ def load_image(item: Any, index: int) -> Any:
                          kind="bad_image", param=f"images[{index}]") from exc
 
 
-__all__ = ["ImageError", "ImageLimits", "InputError", "decode_image", "load_image",
+__all__ = ["ImageError", "ImageLimits", "InputError", "decode_image", "image_hash", "load_image",
            "load_image_url"]

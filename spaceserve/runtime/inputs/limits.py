@@ -1,8 +1,8 @@
 """Bounds on what one request's inputs may carry.
 
 Limits are plain frozen dataclasses validated at construction (ValueError names the field), so
-a server, a benchmark or an offline caller can build them from flags or config. Text and video
-bounds join `ImageLimits` here as their loaders arrive.
+a server, a benchmark or an offline caller can build them from flags or config. Text bounds
+join them here as their checks arrive.
 """
 
 from __future__ import annotations
@@ -30,3 +30,19 @@ class ImageLimits:
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_image_bytes", "max_image_pixels",
                                    "max_images_per_request"))
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """Per-video and per-request bounds, all checked before a frame is decoded: the encoded
+    size, the pixels of one frame and the frames the stream holds (from the container header;
+    they bound decoding work, while sampling keeps at most a few hundred of them)."""
+
+    max_video_bytes: int = 64 * 1024 * 1024
+    max_video_pixels: int = 4096 * 2160
+    max_video_frames: int = 9000
+    max_videos_per_request: int = 2
+
+    def __post_init__(self) -> None:
+        check_positive_ints(self, ("max_video_bytes", "max_video_pixels", "max_video_frames",
+                                   "max_videos_per_request"))

@@ -2,10 +2,10 @@
 
 `load_url_bytes` picks a loader by the URL's prefix from `LOADERS`; every failure is an
 `InputError` whose message starts with `where` (the content part). ``file://`` reads only inside
-an allowed folder (symbolic links resolved first) and is off unless one is given. Remote URLs
-are refused: nothing is fetched on a client's behalf (a remote loader, when added, registers its
-prefixes in `LOADERS` and enforces the same byte limit). The media kind ("image", later "video")
-only words the messages and checks a ``data:`` URL's media type.
+an allowed folder (symbolic links resolved first) and is off unless one is given. Remote
+(``http(s)://``) URLs are fetched only through a `fetcher` (`remote.RemoteFetcher`: an allow-list
+of domains, public addresses only, the same byte limit); without one they are refused. The
+media kind ("image", "video") words the messages and checks a ``data:`` URL's media type.
 """
 
 from __future__ import annotations
@@ -83,11 +83,12 @@ def _file_bytes(url: str, where: str, media: str, max_bytes: int,
 
 def _remote_refused(url: str, where: str, media: str, max_bytes: int,
                     allowed_local_dir: str | None) -> bytes:
-    raise InputError(f"{where}: remote {media} URLs are not fetched; send the {media} inline "
-                     "as a data: URL", kind="not_allowed", param=where)
+    raise InputError(f"{where}: remote {media} URLs are not fetched by this server (it fetches "
+                     "only from its allowed media domains); send the "
+                     f"{media} inline as a data: URL", kind="not_allowed", param=where)
 
 
-# URL prefix -> loader, matched in order as written (a remote fetcher replaces the last two)
+# URL prefix -> loader, matched in order as written (http(s) go to a fetcher when given one)
 LOADERS: dict[str, Loader] = {
     "data:": _data_bytes,
     "file://": _file_bytes,
@@ -97,11 +98,14 @@ LOADERS: dict[str, Loader] = {
 
 
 def load_url_bytes(url: Any, *, where: str, max_bytes: int, allowed_local_dir: str | None,
-                   media: str = "image") -> bytes:
-    """The bytes `url` names (at most `max_bytes`), by its prefix in `LOADERS`; InputError
-    otherwise."""
+                   media: str = "image", fetcher: Any = None) -> bytes:
+    """The bytes `url` names (at most `max_bytes`), by its prefix in `LOADERS`, or through
+    `fetcher` (``fetcher.fetch(url, where=, media=, max_bytes=)``) for an http(s) URL;
+    InputError otherwise."""
     if not isinstance(url, str):
         raise InputError(f"{where}: url must be a string", kind="invalid", param=where)
+    if fetcher is not None and url.startswith(("http://", "https://")):
+        return fetcher.fetch(url, where=where, media=media, max_bytes=max_bytes)
     for prefix, loader in LOADERS.items():
         if url.startswith(prefix):
             return loader(url, where, media, max_bytes, allowed_local_dir)
