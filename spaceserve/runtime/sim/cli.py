@@ -2,7 +2,10 @@
 
 Default: analytic (modelled) curves of Qwen2-VL-7B on an H200 preset, a background batch of 32
 decoding requests, all four modes, image rates from 0 to 85% of the GPU's encode+prefill
-capacity. Writes curves, results.json, requests.json and tpot_vs_rate.png under --out.
+capacity. ``--model qwen2-vl-72b --tp 8`` simulates one rank of a tensor-parallel group (per-rank
+curves with all-reduce costs over the preset's NVLink figures; the vision encoder data-parallel
+or, with ``--mm-encoder-tp-mode weights``, sharded). Goodput counts the image and text requests
+meeting ``--slo``. Writes curves, results.json, requests.json and tpot_vs_rate.png under --out.
 """
 
 from __future__ import annotations
@@ -15,13 +18,40 @@ from pathlib import Path
 
 from spaceserve.cli_args import HelpFormatter
 
-from ..analytic import PRESETS, analytic_curves
+from ..analytic import (
+    PRESETS,
+    analytic_curves,
+    qwen2_5_vl_7b_config,
+    qwen2_vl_7b_config,
+    qwen2_vl_72b_config,
+)
 from ..curves import CurveSet
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler
 from .cluster import ROUTERS
 from .engine import MODES, PLACEMENTS, SimConfig, default_allowed
+from .metrics import DEFAULT_SLOS_MS
 from .sweep import capacity_rate, default_rates, headline, plot, run_sweep, table, write_outputs
 from .workload import DEFAULT_MIX, Workload
+
+MODELS = {"qwen2-vl-7b": ("Qwen2-VL-7B", qwen2_vl_7b_config),
+          "qwen2.5-vl-7b": ("Qwen2.5-VL-7B", qwen2_5_vl_7b_config),
+          "qwen2-vl-72b": ("Qwen2-VL-72B", qwen2_vl_72b_config)}
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """"ttft:1000,tpot:100" -> {"ttft": 1000.0, "tpot": 100.0} (milliseconds)."""
+    out = {}
+    for part in text.split(","):
+        name, _, ms = part.partition(":")
+        try:
+            out[name.strip()] = float(ms)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--slo: bad entry {part!r} (want METRIC:MS)"
+                                             ) from None
+        if name.strip() not in ("ttft", "tpot", "e2el"):
+            raise argparse.ArgumentTypeError(f"--slo: unknown metric {name.strip()!r} (ttft, "
+                                             "tpot, e2el)")
+    return out
 
 
 def _mix(text: str) -> dict[str, float]:
@@ -43,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device preset for analytic curves")
     p.add_argument("--curves", type=Path,
                    help="a curves JSON file (measured) instead (default: analytic curves)")
+    p.add_argument("--model", default="qwen2-vl-7b", choices=sorted(MODELS),
+                   help="model shapes of the analytic curves")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: curves of one rank of the group (analytic)")
+    p.add_argument("--mm-encoder-tp-mode", default="data", choices=("data", "weights"),
+                   help="with --tp > 1: the vision encoder data-parallel (each rank encodes "
+                        "whole images) or sharded like the decoder (vLLM's names)")
+    p.add_argument("--slo", type=parse_slo, default=dict(DEFAULT_SLOS_MS),
+                   help="goodput SLOs in ms (default: " +
+                        ",".join(f"{k}:{v:g}" for k, v in DEFAULT_SLOS_MS.items()) + ")")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
     p.add_argument("--rates", help="comma-separated image rates/s (default: auto)")
     p.add_argument("--points", type=int, default=9, help="auto rates: how many")
@@ -85,10 +125,23 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)}")
+    if args.tp < 1:
+        raise SystemExit(f"--tp {args.tp}: must be >= 1")
     if args.curves is not None:
         curves = CurveSet.load(args.curves)
     else:
-        curves = analytic_curves(device=args.device)
+        name, config = MODELS[args.model]
+        if args.tp > 1:
+            from ..analytic_tp import tensor_parallel_curves
+
+            try:
+                curves = tensor_parallel_curves(config(), args.device, tp=args.tp,
+                                                mm_encoder_tp_mode=args.mm_encoder_tp_mode,
+                                                name=name)
+            except ValueError as exc:
+                raise SystemExit(f"--tp {args.tp}: {exc}") from None
+        else:
+            curves = analytic_curves(config(), args.device, name=name)
         curves.save(args.out / f"curves_{curves.device}.json")
     workload = Workload(0.0, args.duration, burstiness=args.burstiness, image_mix=args.mix,
                         text_rate=args.text_rate, text_tokens=args.text_tokens,
@@ -109,20 +162,27 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rates = default_rates(cap, args.points)
     sweep = run_sweep(curves, modes, rates, workload, base, num_gpus=args.gpus,
-                      router=args.router)
+                      router=args.router, slos=args.slo)
     head, runs = headline(curves, sweep, workload, base, factor=args.factor,
                           num_gpus=args.gpus, router=args.router)
     meta = {"device": curves.device, "source": curves.source, "model": curves.model.get("name"),
+            "tp": curves.model.get("tp", 1),
+            "mm_encoder_tp_mode": curves.model.get("mm_encoder_tp_mode"), "slos_ms": args.slo,
             "capacity_rate": cap, "sis_encoder_sms": sis_sms, "sis_capacity_rate": sis_cap,
             "workload": dataclasses.asdict(workload),
             "config": dataclasses.asdict(base), "gpus": args.gpus, "router": args.router}
     paths = write_outputs(args.out, meta, sweep, head, runs)
     fig = None if args.no_plot else plot(sweep, head, runs, args.out / "tpot_vs_rate.png")
-    print(f"{curves.device} ({curves.source} curves), {curves.model.get('name')}, "
+    tp = curves.model.get("tp", 1)
+    group = f", TP {tp} (one rank; encoder {curves.model.get('mm_encoder_tp_mode')})" \
+        if tp > 1 else ""
+    print(f"{curves.device} ({curves.source} curves), {curves.model.get('name')}{group}, "
           f"batch {args.batch}, {args.gpus} GPU(s)\nencode+prefill capacity: {cap:.2f} images/s "
           f"on whole GPUs, {sis_cap:.2f} images/s on SIS's {sis_sms}-SM encoder partition "
           f"(co-running, at this decode load)")
     print(table(sweep))
+    print("goodput: image and text requests/s meeting " +
+          ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in args.slo.items()))
     if head.get("modes"):
         print(f"\nat {head['rate']:.2f} images/s temporal TPOT = {args.factor:g}x unloaded "
               f"({head['unloaded_tpot_ms']:.2f} ms TPOT, {head['unloaded_p99_itl_ms']:.2f} ms "

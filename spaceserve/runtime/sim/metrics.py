@@ -13,6 +13,9 @@ from typing import Any
 
 from .workload import Request
 
+# Goodput SLOs (ms) unless told otherwise: `spaceserve bench serve --slo`'s default.
+DEFAULT_SLOS_MS: dict[str, float] = {"ttft": 1000.0, "tpot": 100.0}
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default); nan for no values."""
@@ -70,3 +73,27 @@ def summarize(requests: Iterable[Request], kinds: Sequence[str] | None = None
         "output_throughput": sum(r.generated for r in done) / span if span > 0 else 0.0,
         "served_output_throughput": tokens / span if span > 0 else 0.0,
     }
+
+
+def meets(r: Request, slos: dict[str, float]) -> bool:
+    """Whether a finished image or text request met every SLO (ms; "ttft", "tpot", "e2el"). A
+    one-token request has no TPOT to miss."""
+    if r.finish is None:
+        return False
+    values = {"ttft": r.first_token - r.arrival, "e2el": r.finish - r.arrival,
+              "tpot": (r.finish - r.first_token) / (r.generated - 1) if r.generated > 1
+              else None}
+    for name, limit_ms in slos.items():
+        if name not in values:
+            raise ValueError(f"slos: unknown metric {name!r}; choose from {sorted(values)}")
+        if values[name] is not None and values[name] * 1e3 > limit_ms:
+            return False
+    return True
+
+
+def goodput(requests: Iterable[Request], slos: dict[str, float], duration_s: float) -> float:
+    """Image and text requests per second of arrivals that met every SLO (the background batch
+    is not served traffic)."""
+    if duration_s <= 0:
+        return 0.0
+    return sum(1 for r in requests if r.kind != "background" and meets(r, slos)) / duration_s

@@ -16,20 +16,22 @@ from typing import Any
 from ..curves import CurveSet
 from .cluster import SimResult, simulate
 from .engine import MODES, SimConfig
-from .metrics import request_record
+from .metrics import DEFAULT_SLOS_MS, goodput, request_record
 from .workload import RESOLUTIONS, Workload
 
 
 def capacity_rate(curves: CurveSet, workload: Workload, num_gpus: int = 1,
                   sms: int | None = None, corun: bool = False) -> float:
-    """Image requests/s that keep encoder + prefill busy on `sms` SMs (default: the GPU)."""
+    """Image requests/s that keep encoder + prefill busy on `sms` SMs (default: the GPU); a
+    data-parallel encoder (``encoder_ranks`` in the curves' model) encodes that many at once."""
     mix = workload.image_mix
     total = sum(mix.values())
     n = sms or curves.num_sms
     per_image = 0.0
+    ranks = int(curves.model.get("encoder_ranks", 1))
     for res, weight in mix.items():
         tokens = RESOLUTIONS[res]
-        t = curves.encoder(4 * tokens, curves.encoder_depth, n, corun)
+        t = curves.encoder(4 * tokens, curves.encoder_depth, n, corun) / ranks
         t += curves.prefill(tokens + workload.text_tokens, 0, n, corun)
         per_image += weight / total * t
     return num_gpus / per_image
@@ -40,21 +42,26 @@ def default_rates(capacity: float, points: int = 9, top: float = 0.85) -> list[f
     return [round(capacity * top * i / (points - 1), 4) for i in range(points)]
 
 
-def _row(rate: float, res: SimResult) -> dict[str, Any]:
+def _row(rate: float, res: SimResult, slos: dict[str, float] | None = None) -> dict[str, Any]:
     s = res.summary()
-    return {"rate": rate, "all": s["all"], "image": s["image"], "background": s["background"]}
+    slos = DEFAULT_SLOS_MS if slos is None else slos
+    return {"rate": rate, "all": s["all"], "image": s["image"], "background": s["background"],
+            "slos_ms": dict(slos),
+            "goodput": goodput(res.requests, slos, res.workload.duration_s)}
 
 
 def run_sweep(curves: CurveSet, modes: Sequence[str], rates: Sequence[float],
               workload: Workload, base: SimConfig, *, num_gpus: int = 1,
-              router: str = "round_robin") -> dict[str, list[dict[str, Any]]]:
-    """Simulate every (mode, rate) pair; returns rows of summaries per mode."""
+              router: str = "round_robin", slos: dict[str, float] | None = None
+              ) -> dict[str, list[dict[str, Any]]]:
+    """Simulate every (mode, rate) pair; returns rows of summaries per mode (with goodput
+    under `slos`, default `DEFAULT_SLOS_MS`)."""
     out: dict[str, list[dict[str, Any]]] = {}
     for mode in modes:
         cfg = dataclasses.replace(base, mode=mode)
         out[mode] = [_row(rate, simulate(curves, cfg, dataclasses.replace(workload,
                                                                           image_rate=rate),
-                                         num_gpus=num_gpus, router=router))
+                                         num_gpus=num_gpus, router=router), slos)
                      for rate in rates]
     return out
 
@@ -101,13 +108,14 @@ def headline(curves: CurveSet, sweep: dict[str, list[dict[str, Any]]], workload:
 def table(sweep: dict[str, list[dict[str, Any]]]) -> str:
     """A plain-text table of the sweep."""
     lines = [f"{'mode':<15}{'rate/s':>8}{'TPOT ms':>9}{'p99 ITL':>9}{'TTFT ms':>10}"
-             f"{'p99 TTFT':>10}{'served':>8}"]
+             f"{'p99 TTFT':>10}{'served':>8}{'goodput':>9}"]
     for mode, rows in sweep.items():
         for r in rows:
             a = r["all"]
             lines.append(f"{mode:<15}{r['rate']:>8.2f}{a['tpot']['mean_ms']:>9.2f}"
                          f"{a['itl']['p99_ms']:>9.2f}{a['ttft']['mean_ms']:>10.1f}"
-                         f"{a['ttft']['p99_ms']:>10.1f}{a['served']:>8d}")
+                         f"{a['ttft']['p99_ms']:>10.1f}{a['served']:>8d}"
+                         f"{r.get('goodput', float('nan')):>9.2f}")
     return "\n".join(lines)
 
 
