@@ -325,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="triton or torch (default: triton on CUDA, torch on CPU)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks the decoder is split over (one process and GPU each)")
+    p.add_argument("--mm-encoder-tp-mode", default="data", choices=("data", "replicate"),
+                   help="with -tp > 1: each rank encodes a share of the images (data) or every "
+                        "rank encodes every image (replicate)")
     p.add_argument("--max-num-seqs", type=int, default=128,
                    help="requests in the running batch at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -373,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len, seed=args.seed,
             max_images_per_prompt=args.max_images_per_request,
-            tensor_parallel_size=args.tensor_parallel_size)
+            tensor_parallel_size=args.tensor_parallel_size,
+            mm_encoder_tp_mode=args.mm_encoder_tp_mode)
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2

@@ -302,7 +302,9 @@ def main(args: argparse.Namespace) -> int:
             num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, seed=args.seed,
             max_images_per_prompt=args.max_images_per_request,
             **({"tensor_parallel_size": args.tensor_parallel_size}
-               if getattr(args, "tensor_parallel_size", None) else {}))
+               if getattr(args, "tensor_parallel_size", None) else {}),
+            **({"mm_encoder_tp_mode": args.mm_encoder_tp_mode}
+               if getattr(args, "mm_encoder_tp_mode", None) else {}))
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2
