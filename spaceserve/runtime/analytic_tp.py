@@ -98,51 +98,49 @@ class TensorParallelRoofline(Roofline):
         return self._collective(nbytes, 1.0)
 
     # -- decoder ---------------------------------------------------------------------------------
-    def _text_layer(self, rows: float, attn: float, sms: int, corun: bool) -> float:
+    def _text_layer(self, rows: float, attn: float, sms: int) -> float:
         """The rank's share of a layer, then o_proj's and down_proj's all-reduces."""
-        t = super()._text_layer(rows, attn, sms, corun)
+        t = super()._text_layer(rows, attn, sms)
         return t + 2 * self.all_reduce(rows * self.s.hidden * self.b)
 
     def _logits(self, rows: float) -> float:
         return self.all_gather(rows * self.s.vocab * self.tp * 4)  # fp32 logits
 
-    def prefill(self, tokens: float, context: float, sms: int, corun: bool = False) -> float:
-        return super().prefill(tokens, context, sms, corun) + self._logits(1)
+    def prefill(self, tokens: float, context: float, sms: int) -> float:
+        return super().prefill(tokens, context, sms) + self._logits(1)
 
-    def decode(self, batch: float, context: float, sms: int, corun: bool = False) -> float:
-        return super().decode(batch, context, sms, corun) + self._logits(batch)
+    def decode(self, batch: float, context: float, sms: int) -> float:
+        return super().decode(batch, context, sms) + self._logits(batch)
 
     # -- vision encoder --------------------------------------------------------------------------
-    def _vit_layer(self, p: float, segment: float, sms: int, corun: bool) -> float:
+    def _vit_layer(self, p: float, segment: float, sms: int) -> float:
         if self.mode == "data":
-            return super()._vit_layer(p, segment, sms, corun)
+            return super()._vit_layer(p, segment, sms)
         s, segment, n = self.s, max(1.0, segment), self.tp
         e, hd, heads = s.vision_embed, s.vision_embed // s.vision_heads, s.vision_heads // n
-        layer = 2 * self._rowwise(p, e, sms, corun)  # the norms are replicated
-        layer += self._gemm(p, e, 3 * e // n, sms, corun) + self._gemm(p, e // n, e, sms, corun)
+        layer = 2 * self._rowwise(p, e, sms)  # the norms are replicated
+        layer += self._gemm(p, e, 3 * e // n, sms) + self._gemm(p, e // n, e, sms)
         attn_par = math.ceil(p / segment) * math.ceil(segment / 128) * heads
         layer += self._op(4.0 * p * segment * heads * hd, 4.0 * self.b * p * e / n, attn_par,
-                          sms, corun, self.d.attn_efficiency)
+                          sms, self.d.attn_efficiency)
         up = (2 * s.vision_mlp if s.vision_gated else s.vision_mlp) // n
-        layer += self._gemm(p, e, up, sms, corun) + self._gemm(p, s.vision_mlp // n, e, sms,
-                                                               corun)
+        layer += self._gemm(p, e, up, sms) + self._gemm(p, s.vision_mlp // n, e, sms)
         return layer + 2 * self.all_reduce(p * e * self.b)
 
-    def encoder_layer(self, patches: float, sms: int, corun: bool = False) -> float:
+    def encoder_layer(self, patches: float, sms: int) -> float:
         """One vision-layer equivalent of one rank's work (module docstring)."""
         s, p = self.s, float(patches)
         m, wide = p / s.merge ** 2, s.vision_embed * s.merge ** 2
         if self.mode == "data":  # + the broadcast of the embeddings from their owner
             extra = self.broadcast(m * s.vision_out * self.b)
-            return super().encoder_layer(patches, sms, corun) + extra / s.vision_depth
+            return super().encoder_layer(patches, sms) + extra / s.vision_depth
         # weights: the merger's two GEMMs split too (column, then row + all-reduce); the rest
         # as on one GPU (its merger removed)
-        whole = (self._gemm(m, wide, wide, sms, corun) +
-                 self._gemm(m, wide, s.vision_out, sms, corun))
-        split = (self._gemm(m, wide, wide // self.tp, sms, corun) +
-                 self._gemm(m, wide // self.tp, s.vision_out, sms, corun) +
+        whole = self._gemm(m, wide, wide, sms) + self._gemm(m, wide, s.vision_out, sms)
+        split = (self._gemm(m, wide, wide // self.tp, sms) +
+                 self._gemm(m, wide // self.tp, s.vision_out, sms) +
                  self.all_reduce(m * s.vision_out * self.b))
-        return super().encoder_layer(patches, sms, corun) + (split - whole) / s.vision_depth
+        return super().encoder_layer(patches, sms) + (split - whole) / s.vision_depth
 
 
 def tensor_parallel_curves(config: Any = None, device: str | DevicePreset = "H200", *,

@@ -23,7 +23,7 @@ from typing import Any
 
 from .block_manager import BlockManager
 from .config import ATTENTION_BACKENDS, DEFAULT_GRAPH_SIZES, MODES, EngineConfig
-from .encoder_stage import TemporalEncoderStage
+from .encoder_chunked import TEMPORAL_MODES, temporal_stage
 from .frontends import EngineFrontends
 from .inputs.processor import load_processor
 from .inputs.prompt import process_prompt
@@ -87,11 +87,10 @@ class Engine(EngineFrontends):
         self.block_manager = BlockManager(self.memory.num_blocks, bs)
         self.spatial: Any = None  # the co-located modes' step runtime (epd.py)
         self.encoder: Any
-        if config.mode == "temporal":
+        if config.mode in TEMPORAL_MODES:
             self.graph_batch_sizes = runner.capture_decode_graphs(sizes)
-            self.encoder = TemporalEncoderStage(
-                runner, max_tokens_per_step=config.max_encoder_tokens_per_step,
-                max_held=config.max_held_embeddings, cost=_encoder_cost(runner, config))
+            self.encoder = temporal_stage(runner, config, clock=clock or time.monotonic,
+                                          cost=_encoder_cost(runner, config))
         else:
             from .epd import build_spatial
 

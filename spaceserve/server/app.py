@@ -20,8 +20,6 @@ import argparse
 import asyncio
 import json
 import sys
-import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -42,17 +40,22 @@ from spaceserve.runtime.inputs import (
     VideoLimits,
     check_dir,
 )
+from spaceserve.runtime.slo import DEFAULT_SLO_TEXT
 
 from . import protocol as P
 from .engine_client import AsyncEngine, QueueFull, RequestHandle
 from .media_args import add_media_args, media_limits
 from .protocol import APIError
 from .replicas.args import add_data_parallel_args
+from .thread import ServerThread
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from spaceserve.runtime.request import RequestOutput
+
+# ServerThread lives in thread.py; tests and benchmarks import it from here too
+__all__ = ["ServerLimits", "ServerThread", "build_parser", "create_app", "main"]
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     @app.get("/health")
     async def health() -> Response:
         body = {"status": "ok" if client.alive else "dead", "mode": client.mode,
-                "note": client.mode_note}
+                "note": client.mode_note, "device": getattr(client, "device", None)}
         if not client.alive and client.last_error:
             body["error"] = client.last_error
         return _json(body, 200 if client.alive else 503)
@@ -274,42 +277,6 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     return app
 
 
-class ServerThread:
-    """uvicorn serving `app` on a background thread (loopback tests, benchmarks); port 0
-    picks a free port, readable as `port` once started."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning") -> None:
-        import uvicorn
-
-        self.host, self.port = host, port
-        # uvicorn binds the socket itself: asyncio then sets TCP_NODELAY on every connection
-        # (a socket passed in without IPPROTO_TCP misses it, and each response waits ~40 ms
-        # for a delayed ACK).
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                                    log_level=log_level, lifespan="off",
-                                                    timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spaceserve serve", description=__doc__,
                                 formatter_class=HelpFormatter)
@@ -318,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--mode", default="temporal",
-                   help="engine mode: temporal, spatial, spatial-static, shared")
+                   help="engine mode: temporal, temporal-chunked, spatial, spatial-static, shared")
     p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
     p.add_argument("--attention-backend",
@@ -354,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_media_args(p)
     p.add_argument("--log-level", default="info", help="uvicorn log level")
     add_data_parallel_args(p)
+    p.add_argument("--slo", default=DEFAULT_SLO_TEXT,
+                   help="latency SLO finished requests are judged by (/metrics "
+                        "request_slo_total), ms: any of ttft, tpot, itl (p99 per request), "
+                        f"e2el (default {DEFAULT_SLO_TEXT})")
+    p.add_argument("--encoder-window-ms", type=float, default=20.0,
+                   help="encoder time window: temporal-chunked's chunk between decode steps, "
+                        "TWSRFT's grant in the spatial modes")
     return p
 
 
@@ -377,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len, seed=args.seed,
             max_images_per_prompt=args.max_images_per_request,
             tensor_parallel_size=args.tensor_parallel_size,
-            mm_encoder_tp_mode=args.mm_encoder_tp_mode)
+            mm_encoder_tp_mode=args.mm_encoder_tp_mode, slo=args.slo,
+            encoder_window_s=args.encoder_window_ms / 1e3)
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2
@@ -389,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     client = AsyncEngine(engine, max_pending=args.max_pending, mode_note=note)
     app = create_app(client, pre, model_name=args.served_model_name or args.model,
                      limits=limits, root=args.model)
-    print(f"spaceserve serve: {args.model} ({client.mode}) on http://{args.host}:{args.port}",
-          file=sys.stderr)
+    print(f"spaceserve serve: {args.model} ({client.mode}, SLO {engine.config.slo}) on "
+          f"http://{args.host}:{args.port}", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -1,6 +1,6 @@
 """The simulator at tensor parallelism: one rank's analytic curves (the decoder's share plus its
 collectives over the link preset; the vision encoder data-parallel or sharded), a data-parallel
-encoder run in rounds, goodput under SLOs, and `spaceserve sim --model qwen2-vl-72b --tp 8`."""
+encoder run in rounds, and `spaceserve sim --model qwen2-vl-72b --tp 8` with goodput per mode."""
 
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ from spaceserve.runtime.analytic_tp import LINKS, TensorParallelRoofline, tensor
 from spaceserve.runtime.encoder_dp import RoundTwsrft
 from spaceserve.runtime.sim import SimConfig, Simulator, Workload, generate, simulate
 from spaceserve.runtime.sim.cli import main
-from spaceserve.runtime.sim.metrics import DEFAULT_SLOS_MS, goodput, meets
 from spaceserve.runtime.sim.sweep import capacity_rate
-from spaceserve.runtime.sim.workload import Request
+from spaceserve.runtime.slo import DEFAULT_SLO
 from spaceserve.runtime.twsrft import TwsrftScheduler
 
 H200, NVLINK = PRESETS["H200"], LINKS["H200"]
@@ -45,7 +44,7 @@ def test_one_rank_of_one_is_the_single_gpu_model() -> None:
         r = rank(shape, 1, mode)
         for sms in (8, 64, 132):
             assert r.decode(32, 1024, sms) == one.decode(32, 1024, sms)
-            assert r.prefill(512, 1024, sms, True) == one.prefill(512, 1024, sms, True)
+            assert r.prefill(512, 1024, sms) == one.prefill(512, 1024, sms)
             assert r.encoder_layer(4 * 2691, sms) == one.encoder_layer(4 * 2691, sms)
 
 
@@ -103,34 +102,19 @@ def test_a_data_parallel_encoder_encodes_an_image_per_rank_at_once(tp8) -> None:
         assert len(rounds) < len(served)
 
 
-def test_goodput_counts_served_requests_meeting_every_slo() -> None:
-    fast = Request(0, 1.0, 256, 64, 5, "image", first_token=1.5, finish=1.9, generated=5)
-    slow = Request(1, 1.0, 256, 64, 5, "image", first_token=2.2, finish=2.3, generated=5)
-    jerky = Request(2, 1.0, 0, 64, 5, "text", first_token=1.1, finish=2.1, generated=5)
-    one = Request(3, 1.0, 0, 64, 1, "text", first_token=1.1, finish=1.1, generated=1)
-    bg = Request(-1, 0.0, 0, 64, 5, "background", first_token=0.0, finish=0.1, generated=5)
-    unfinished = Request(4, 1.0, 0, 64, 5, "text")
-    assert DEFAULT_SLOS_MS == {"ttft": 1000.0, "tpot": 100.0}
-    assert [meets(r, DEFAULT_SLOS_MS) for r in (fast, slow, jerky, one, unfinished)] == \
-        [True, False, False, True, False]  # TTFT 1.2 s; TPOT 250 ms; no TPOT to miss
-    assert goodput([fast, slow, jerky, one, bg, unfinished], DEFAULT_SLOS_MS, 2.0) == 1.0
-    assert meets(slow, {"e2el": 1300.0}) and not meets(slow, {"e2el": 1200.0})
-    with pytest.raises(ValueError, match="unknown metric 'itl'"):
-        meets(fast, {"itl": 10.0})
-
-
 def test_sim_at_tp8_prints_goodput_per_mode(tmp_path, capsys) -> None:
     rc = main(["--model", "qwen2-vl-72b", "--tp", "8", "--modes", "temporal,spatial",
                "--rates", "0,6", "--duration", "1", "--no-plot", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "Qwen2-VL-72B, TP 8 (one rank; encoder data)" in out
-    assert "goodput: image and text requests/s meeting TTFT <= 1000 ms, TPOT <= 100 ms" in out
     results = json.loads((tmp_path / "results.json").read_text())
     assert (results["meta"]["tp"], results["meta"]["mm_encoder_tp_mode"]) == (8, "data")
+    assert results["meta"]["slo"] == DEFAULT_SLO.to_dict()
     rows = results["sweep"]["spatial"]
-    assert rows[0]["goodput"] == 0.0 and rows[1]["goodput"] > 0
-    assert rows[1]["slos_ms"] == DEFAULT_SLOS_MS
+    assert rows[0]["goodput"]["rate_per_s"] == 0.0 and rows[1]["goodput"]["rate_per_s"] > 0
+    main(["--model", "qwen2-vl-72b", "--tp", "8", "--mm-encoder-tp-mode", "weights",
+          "--modes", "temporal", "--rates", "2", "--duration", "1", "--no-plot",
+          "--out", str(tmp_path)])
+    assert "TP 8 (one rank; encoder weights)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--tp 3: attention heads \(64\) do not split"):
         main(["--model", "qwen2-vl-72b", "--tp", "3", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit):
-        main(["--slo", "itl:5", "--out", str(tmp_path)])

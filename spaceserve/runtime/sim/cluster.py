@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..curves import CurveSet
+from ..slo import Goodput, Slo
 from .engine import SimConfig, Simulator
-from .metrics import summarize
+from .metrics import image_goodput, summarize
 from .router import MediaAwareRouter
 from .workload import Request, Workload, generate
 
@@ -27,6 +28,11 @@ class SimResult:
     workload: Workload
     requests: list[Request]
     gpus: list[Simulator]
+    drain_s: float | None = None  # how long the run went on after arrivals stopped (None: all)
+
+    def goodput(self, slo: Slo) -> Goodput:
+        """Image requests of the arrival window meeting `slo` (unfinished ones miss)."""
+        return image_goodput(self.requests, slo, self.workload.duration_s)
 
     def summary(self) -> dict[str, Any]:
         return {"all": summarize(self.requests),
@@ -43,11 +49,13 @@ def route(gpus: list[Simulator], router: str, index: int) -> Simulator:
 
 
 def simulate(curves: CurveSet, config: SimConfig, workload: Workload, *, num_gpus: int = 1,
-             router: str = "round_robin") -> SimResult:
+             router: str = "round_robin", drain_s: float | None = None) -> SimResult:
     """Simulate `workload` on `num_gpus` GPUs, each with its own background decode batch.
 
     Arrivals stop at ``workload.duration_s``; each GPU's background batch keeps decoding until
-    then and until its last request has finished, so the decode load stays steady.
+    then and until its last request has finished, so the decode load stays steady. `drain_s`
+    bounds how long the run goes on after arrivals stop (requests unfinished then stay
+    unfinished: misses for goodput); None runs until every request has finished.
     """
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
@@ -63,6 +71,6 @@ def simulate(curves: CurveSet, config: SimConfig, workload: Workload, *, num_gpu
         (media.route(req) if media else route(gpus, router, i)).add(req)
     for g in gpus:
         g.advance_to(workload.duration_s)
-        g.drain()
+        g.drain(drain_s)
     requests = arrivals + [r for g in gpus for r in g.requests.values() if r.kind == "background"]
-    return SimResult(config, workload, requests, gpus)
+    return SimResult(config, workload, requests, gpus, drain_s)

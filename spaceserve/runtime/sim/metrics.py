@@ -11,10 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..slo import Goodput, RequestLatency, Slo, goodput
 from .workload import Request
-
-# Goodput SLOs (ms) unless told otherwise: `spaceserve bench serve --slo`'s default.
-DEFAULT_SLOS_MS: dict[str, float] = {"ttft": 1000.0, "tpot": 100.0}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -38,16 +36,35 @@ def stats(values: Sequence[float]) -> dict[str, float]:
             "p99_ms": 1e3 * percentile(values, 99)}
 
 
-def request_record(r: Request) -> dict[str, Any]:
-    """Per-request outcome (seconds) for the JSON output."""
-    ttft = None if r.kind == "background" else r.first_token - r.arrival
-    e2el = r.finish - r.arrival
-    tpot = (r.finish - r.first_token) / (r.generated - 1) if r.generated > 1 else None
-    return {"rid": r.rid, "gpu": r.gpu, "kind": r.kind, "resolution": r.resolution,
-            "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.generated,
-            "ttft": ttft, "tpot": tpot, "e2el": None if r.kind == "background" else e2el,
-            "mean_itl": sum(r.itls) / len(r.itls) if r.itls else None,
-            "max_itl": max(r.itls) if r.itls else None}
+def latency(r: Request) -> RequestLatency | None:
+    """A served request's latencies for SLO checks; None while it is unfinished."""
+    return RequestLatency.from_times(r.arrival, r.first_token, r.finish, r.itls, r.generated)
+
+
+def request_record(r: Request, slo: Slo | None = None) -> dict[str, Any]:
+    """Per-request outcome (seconds) for the JSON output; None where it has none (an unfinished
+    request has no E2EL); ``slo_met`` when an SLO is given (image and text requests)."""
+    served = r.kind != "background"
+    ttft = r.first_token - r.arrival if served and r.first_token is not None else None
+    e2el = r.finish - r.arrival if served and r.finish is not None else None
+    tpot = None
+    if r.finish is not None and r.first_token is not None and r.generated > 1:
+        tpot = (r.finish - r.first_token) / (r.generated - 1)
+    out = {"rid": r.rid, "gpu": r.gpu, "kind": r.kind, "resolution": r.resolution,
+           "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.generated,
+           "finished": r.finish is not None, "ttft": ttft, "tpot": tpot, "e2el": e2el,
+           "mean_itl": sum(r.itls) / len(r.itls) if r.itls else None,
+           "max_itl": max(r.itls) if r.itls else None}
+    if slo is not None and served:
+        out["slo_met"] = slo.meets(latency(r))
+    return out
+
+
+def image_goodput(requests: Iterable[Request], slo: Slo, window_s: float) -> Goodput:
+    """Goodput of the image requests that arrived in ``[0, window_s)`` (the arrival window);
+    one unfinished when the run ended is a miss."""
+    return goodput((latency(r) for r in requests if r.kind == "image" and r.arrival < window_s),
+                   slo, window_s)
 
 
 def summarize(requests: Iterable[Request], kinds: Sequence[str] | None = None
@@ -73,27 +90,3 @@ def summarize(requests: Iterable[Request], kinds: Sequence[str] | None = None
         "output_throughput": sum(r.generated for r in done) / span if span > 0 else 0.0,
         "served_output_throughput": tokens / span if span > 0 else 0.0,
     }
-
-
-def meets(r: Request, slos: dict[str, float]) -> bool:
-    """Whether a finished image or text request met every SLO (ms; "ttft", "tpot", "e2el"). A
-    one-token request has no TPOT to miss."""
-    if r.finish is None:
-        return False
-    values = {"ttft": r.first_token - r.arrival, "e2el": r.finish - r.arrival,
-              "tpot": (r.finish - r.first_token) / (r.generated - 1) if r.generated > 1
-              else None}
-    for name, limit_ms in slos.items():
-        if name not in values:
-            raise ValueError(f"slos: unknown metric {name!r}; choose from {sorted(values)}")
-        if values[name] is not None and values[name] * 1e3 > limit_ms:
-            return False
-    return True
-
-
-def goodput(requests: Iterable[Request], slos: dict[str, float], duration_s: float) -> float:
-    """Image and text requests per second of arrivals that met every SLO (the background batch
-    is not served traffic)."""
-    if duration_s <= 0:
-        return 0.0
-    return sum(1 for r in requests if r.kind != "background" and meets(r, slos)) / duration_s

@@ -277,6 +277,7 @@ def main(args: argparse.Namespace) -> int:
     from spaceserve.runtime.inputs import ImageLimits, check_dir
 
     from ..app import ServerLimits
+    from ..media_args import media_limits
 
     serving = False
 
@@ -287,9 +288,10 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
+        videos, remote = media_limits(args)
         limits = ServerLimits(args.max_body_bytes, ImageLimits(
             args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
-            check_dir(args.allowed_local_media_path)))
+            check_dir(args.allowed_local_media_path)), videos, remote)
         server = DataParallelServer(
             args.model, data_parallel_size=args.data_parallel_size,
             served_model_name=args.served_model_name, limits=limits,
@@ -300,7 +302,8 @@ def main(args: argparse.Namespace) -> int:
             attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, seed=args.seed,
-            max_images_per_prompt=args.max_images_per_request,
+            max_images_per_prompt=args.max_images_per_request, slo=args.slo,
+            encoder_window_s=args.encoder_window_ms / 1e3,
             **({"tensor_parallel_size": args.tensor_parallel_size}
                if getattr(args, "tensor_parallel_size", None) else {}),
             **({"mm_encoder_tp_mode": args.mm_encoder_tp_mode}
