@@ -1,8 +1,9 @@
 """The data-parallel encoder's scheduling, in-process on the null model: the rank assignment
-(longest first onto the least loaded rank), one TWSRFT queue per rank, and both encoder stages
-driving a runner whose images of ranks > 0 complete elsewhere and out of order - outputs equal
-the one-request reference, images are spread over the ranks, an image that fails on its owner
-fails alone. The real worker processes are `test_tensor_parallel.py`'s."""
+(longest first onto the least loaded rank), one TWSRFT queue per rank, and the encoder stages
+(temporal, temporal-chunked, spatial) driving a runner whose images of ranks > 0 complete
+elsewhere and out of order - outputs equal the one-request reference, images are spread over
+the ranks, an image that fails on its owner fails alone. The real worker processes are
+`test_tensor_parallel.py`'s."""
 
 import itertools
 
@@ -191,6 +192,7 @@ def _workload(n: int = 9):
 
 
 @pytest.mark.parametrize("mode, driver", [("temporal", "cooperative"),
+                                          ("temporal-chunked", "cooperative"),
                                           ("spatial-static", "cooperative"),
                                           ("spatial", "thread")])
 def test_images_spread_over_ranks_give_the_reference_tokens(mode, driver) -> None:
@@ -201,14 +203,14 @@ def test_images_spread_over_ranks_give_the_reference_tokens(mode, driver) -> Non
         outs = eng.generate(prompts, params)
         check_outputs(eng, prompts, params, outs)
         assert sum(1 for n in runner.encoded if n) == 3, runner.encoded
-        if mode != "temporal":
+        if mode != "temporal":  # layer by layer: shared from every rank
             assert sorted(set(runner.shared)) == [0, 1, 2]
         eng.check_idle()
     finally:
         eng.close()
 
 
-@pytest.mark.parametrize("mode", ["temporal", "spatial-static"])
+@pytest.mark.parametrize("mode", ["temporal", "temporal-chunked", "spatial-static"])
 def test_an_image_failing_on_its_owner_fails_alone(mode) -> None:
     runner = DataParallelNull(2)
     eng = Engine(runner, EngineConfig(mode=mode, **CFG))

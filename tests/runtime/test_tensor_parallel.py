@@ -1,11 +1,12 @@
 """Tensor parallelism through the engine: real worker processes, gloo on CPU, the torch attention
 backend. At TP 2 the `--model tiny` checkpoint and a 6-query / 2-KV-head Qwen2-VL give, for text,
 image and video prompts through `Engine.generate`, the greedy tokens of TP 1 and of transformers,
-in the temporal and co-located modes, with the images encoded on different ranks (data-parallel
-encoder) or on every rank (replicated); TP 4 replicates the tiny model's 2 KV heads; a worker
-killed mid-generate ends `generate` with an error naming it within 30 s; no worker outlives its
-engine. Every rank's launch record shows its collectives, bounded by NCCL_MAX_CTAS, inside the
-budget of the stage that issues them, beside that stage's Triton kernels.
+in the temporal, temporal-chunked and co-located modes, with the images encoded on different
+ranks (data-parallel encoder) or on every rank (replicated); TP 4 replicates the tiny model's
+2 KV heads; a worker killed mid-generate ends `generate` with an error naming it within 30 s;
+no worker outlives its engine. Every rank's launch record shows its collectives, bounded by
+NCCL_MAX_CTAS, inside the budget of the stage that issues them, beside that stage's Triton
+kernels.
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ def six(tmp_path_factory, qwen2_vl_image_prompt, hf_greedy):
     ("tiny", "spatial", dict(max_num_batched_tokens=8)),  # chunked prefill, SIS placing it
     ("six", "temporal", dict(num_kv_blocks=9, max_num_batched_tokens=8)),  # + preemption
     ("six", "spatial-static", dict(prefill_on="compute", encoder_driver="thread")),
-    ("tiny", "spatial-static", dict(mm_encoder_tp_mode="replicate")),
+    # every rank encodes every image, in layer chunks (the data-parallel chunked stage runs
+    # on the null model in test_encoder_dp.py)
+    ("tiny", "temporal-chunked", dict(mm_encoder_tp_mode="replicate")),
 ])
 def test_tp2_matches_tp1_and_transformers(request, model, mode, extra):
     path, prompts, expected = request.getfixturevalue(model)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..encoder_chunked import TEMPORAL_MODES
 from ..request import MultiModalData, Request
 from ..scheduler import ScheduledBatch
 from ..step_plan import StepLimits
@@ -140,7 +141,7 @@ class TensorParallelRunner(EncoderMethods):
                                device=dev.type)
         check_splits(source, config.tensor_parallel_size)
         partitions = None
-        if config.mode != "temporal":
+        if config.mode not in TEMPORAL_MODES:  # the co-located modes' partitions
             partitions = P.PartitionSpec(config.mode, config.encoder_sms, config.encoder_splits,
                                          config.green_contexts, config.programs_per_sm)
         return cls(source, config.tensor_parallel_size, partitions=partitions,
