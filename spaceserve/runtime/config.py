@@ -43,8 +43,8 @@ class EngineConfig:
     (`Engine.from_pretrained` builds it). `mm_encoder_tp_mode` says how its ranks share the
     vision encoder, with vLLM's name: "data" (each rank encodes a share of the images, which
     are then broadcast) or "replicate" (every rank encodes every image); vLLM's "weights" (the
-    ViT's layers split over the ranks) is refused: data parallelism encodes more images per
-    second and gives more goodput under load (README's simulator comparison).
+    ViT's layers split over the ranks) is not implemented and refused (the README's simulator
+    comparison says where it would pay).
     `collective_sms` bounds a collective's thread blocks (NCCL_MAX_CTAS; None: 16, or the
     smallest partition when smaller).
     """
@@ -97,9 +97,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if self.mm_encoder_tp_mode == "weights":
             raise ValueError("mm_encoder_tp_mode='weights' (the vision encoder's layers split "
-                             "over the ranks) is not offered: encoding whole images on each "
-                             "rank ('data') encodes more images per second, see the README's "
-                             "tensor-parallelism section; use 'data' or 'replicate'")
+                             "over the ranks) is not implemented; use 'data' (each rank "
+                             "encodes whole images) or 'replicate'")
         if self.mm_encoder_tp_mode not in ("data", "replicate"):
             raise ValueError(f"mm_encoder_tp_mode={self.mm_encoder_tp_mode!r} is not one of "
                              "data, replicate")
