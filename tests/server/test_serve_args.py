@@ -6,7 +6,7 @@ import pytest
 
 
 def test_mm_encoder_tp_mode_reaches_the_engine(monkeypatch, capsys):
-    from spaceserve.server import app, engine_client
+    from spaceserve.server import app, engine_client, flags
 
     seen = {}
 
@@ -20,4 +20,4 @@ def test_mm_encoder_tp_mode_reaches_the_engine(monkeypatch, capsys):
     assert app.main([]) == 2 and seen["mm_encoder_tp_mode"] == "data"
     assert "stop here" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        app.build_parser().parse_args(["--mm-encoder-tp-mode", "weights"])
+        flags.build_parser().parse_args(["--mm-encoder-tp-mode", "weights"])
