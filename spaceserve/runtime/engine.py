@@ -70,8 +70,9 @@ class Engine(EngineFrontends):
         info = runner.info
         self.context_len = min(info.max_model_len, config.max_model_len or info.max_model_len)
         bs = config.block_size
+        lens = config.graph_context_lens
         limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                            self.context_len, bs)
+                            self.context_len, bs, lens)
         peak = runner.profile_peak_bytes(limits, config.max_encoder_tokens_per_step)
         self.memory = plan_kv_cache(
             block_size=bs, block_bytes=runner.kv_block_bytes(bs), device=runner.device,
@@ -79,7 +80,7 @@ class Engine(EngineFrontends):
             activation_bytes=peak, reserve_bytes=config.graph_reserve_bytes)
         self.max_model_len = max_sequence_len(self.context_len, self.memory)
         self.limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                                 self.max_model_len, bs)
+                                 self.max_model_len, bs, lens, config.graph_reserve_bytes)
         runner.allocate_kv_cache(self.memory.num_blocks, self.limits)
         sizes = config.graph_batch_sizes
         if sizes is None:
