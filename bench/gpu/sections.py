@@ -85,8 +85,9 @@ SECTIONS: dict[str, Section] = {
                                 help="the bf16/CUDA tests (pytest -m gpu), a row per test"),
     "paged-attention": Section(35, "bench.bench_paged_attention:run",
                                help="paged decode / prefill attention"),
-    "kernels": Section(30, "bench.gpu.bench_kernels:run",
-                       help="linear, gated_mlp, norms vs torch; SM sweeps"),
+    "kernels": Section(30, "bench.gpu.bench_kernels:run", dry="bench.gpu.bench_kernels:dry_run",
+                       dry_budget_s=12, help="linear, gated_mlp, norms vs torch (decode shapes "
+                       "and multi-launch ops graph-timed, host us per call); SM sweeps"),
     "colocation": Section(75, "bench.bench_colocation:run", dry="bench.bench_colocation:dry_run",
                           dry_budget_s=15, help="decode beside an image stream, per engine "
                           "mode, vs the simulator"),

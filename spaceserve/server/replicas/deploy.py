@@ -340,7 +340,9 @@ def main(args: argparse.Namespace) -> int:
             max_images_per_prompt=args.max_images_per_request, slo=args.slo,
             encoder_window_s=args.encoder_window_ms / 1e3,
             **({"tensor_parallel_size": args.tensor_parallel_size}
-               if getattr(args, "tensor_parallel_size", None) else {}))
+               if getattr(args, "tensor_parallel_size", None) else {}),
+            **({"mm_encoder_tp_mode": args.mm_encoder_tp_mode}
+               if getattr(args, "mm_encoder_tp_mode", None) else {}))
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2
