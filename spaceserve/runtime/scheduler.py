@@ -133,6 +133,8 @@ class Scheduler:
                         break
                 if req.status is not Status.RUNNING:
                     break
+            elif req.synced_blocks != len(req.block_ids):  # blocks no planned step wrote yet
+                grown.append(req)
             if n == 1 and total == known:
                 if req.num_placeholders:
                     pending.append(len(dec))
