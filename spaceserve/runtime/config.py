@@ -43,6 +43,8 @@ class EngineConfig:
     `slo`: the latency SLO requests are judged by (`slo.py`; an `Slo` or its text such as
     ``"ttft:2000,tpot:50"``, the default).
 
+    `async_scheduling` pipelines the temporal modes' steps: step n+1 is scheduled and launched
+    before step n's tokens are read back (see `engine.py`); False runs every step to completion.
     `tensor_parallel_size` N > 1 splits the decoder over N ranks (one process each, rank 0 in
     the engine's; see `runtime/tp`); the runner must be a tensor-parallel one of that size
     (`Engine.from_pretrained` builds it). `mm_encoder_tp_mode` says how its ranks share the
@@ -77,6 +79,7 @@ class EngineConfig:
     encoder_launch_budget_s: float = 0.003
     green_contexts: bool = True
     programs_per_sm: int = 1
+    async_scheduling: bool = True
     tensor_parallel_size: int = 1
     mm_encoder_tp_mode: str = "data"
     collective_sms: int | None = None
@@ -101,6 +104,8 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool")
         if self.mm_encoder_tp_mode == "weights":
             raise ValueError("mm_encoder_tp_mode='weights' (the vision encoder's layers split "
                              "over the ranks) is not implemented; use 'data' (each rank "

@@ -108,11 +108,13 @@ def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, Scheduled
     if nd:
         dec = ScheduledBatch(batch.reqs[:nd], batch.num_cached[:nd], batch.num_new[:nd],
                              batch.need_logits[:nd], batch.sample_reqs[:nd], nd, nd,
-                             batch.preempted)
+                             batch.preempted, pending=batch.pending, grown=batch.grown,
+                             admissions=batch.admissions)
     if n > nd:
         pre = ScheduledBatch(batch.reqs[nd:], batch.num_cached[nd:], batch.num_new[nd:],
                              batch.need_logits[nd:], batch.sample_reqs[nd:], 0,
-                             batch.num_tokens - nd, [] if dec else batch.preempted)
+                             batch.num_tokens - nd, [] if dec else batch.preempted,
+                             grown=batch.grown, admissions=batch.admissions)
     return dec, pre
 
 
@@ -120,8 +122,7 @@ def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, Scheduled
 class _Prefill:
     """A prefill batch launched on the compute partition: sampled ids land in `host`."""
 
-    batch: ScheduledBatch
-    host: torch.Tensor | None
+    launched: Any  # engine.Launched: the batch and its draws (read back into pinned memory)
     event: Any
 
 
@@ -163,11 +164,11 @@ class SpatialRuntime:
                 self._wait()
             return
         with part.decoder_scope():
-            logits = self.runner.execute(dec)
-            ids = eng.sampler(logits, dec.sample_reqs) if dec.sample_reqs else None
+            launched = eng._launch(dec)
             self.stage.launch()  # while the decode step runs on the device
-            sampled = ids.tolist() if ids is not None else []
-        eng._account(dec, sampled)
+            if launched.sampled is not None:
+                launched.sampled.fetch()  # a sync of the decoder stream only
+        eng._complete(launched)
 
     def _schedule(self, sched: Scheduler) -> ScheduledBatch:
         if not self._busy:
@@ -181,16 +182,9 @@ class SpatialRuntime:
 
     def _launch_prefill(self, eng: Any, pre: ScheduledBatch, part: Partition) -> None:
         with part.encoder_scope():
-            logits = self.runner.execute(pre, stage="encoder")
-            host = None
-            if pre.sample_reqs:
-                ids = eng.sampler(logits, pre.sample_reqs)
-                host = ids
-                if ids.is_cuda:
-                    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-                    host.copy_(ids, non_blocking=True)
+            launched = eng._launch(pre, stage="encoder")
             event = self.stage.record_event()
-        self._prefills.append(_Prefill(pre, host, event))
+        self._prefills.append(_Prefill(launched, event))
         self._busy.update(r.seq_no for r in pre.reqs)
         self.num_compute_prefills += 1
 
@@ -199,15 +193,15 @@ class SpatialRuntime:
         while self._prefills and (self._prefills[0].event is None
                                   or self._prefills[0].event.query()):
             fl = self._prefills.popleft()
-            sampled = fl.host.tolist() if fl.host is not None else []
             if isinstance(fl.event, torch.cuda.Event):
                 for stream in self.partitions.decoder_streams():  # its KV writes come first
                     stream.wait_event(fl.event)
-            for r in fl.batch.reqs:
+            batch = fl.launched.batch
+            for r in batch.reqs:
                 self._busy.discard(r.seq_no)
-            eng._account(fl.batch, sampled, count_step=False)
+            eng._complete(fl.launched, count_step=False)
             now = time.monotonic()
-            for r in fl.batch.reqs:
+            for r in batch.reqs:
                 if r.seq_no in self._deferred:
                     self._deferred.discard(r.seq_no)
                     if r.status is not Status.FINISHED:
@@ -242,12 +236,12 @@ class SpatialRuntime:
 
     def sis_state(self, sched: Scheduler) -> SisState:
         """Waiting encoder jobs, prompts ready to prefill and the decode load, for SIS."""
-        prefill = [len(r.token_ids) - r.num_computed for r in sched.waiting
+        prefill = [len(r.token_ids) + r.num_placeholders - r.num_computed for r in sched.waiting
                    if r.mm is None or r.mm.embeds is not None]
         decoding = 0
         context = 0
         for r in sched.running:
-            left = len(r.token_ids) - r.num_computed
+            left = len(r.token_ids) + r.num_placeholders - r.num_computed
             if left > 1:
                 prefill.append(left)
             else:

@@ -8,12 +8,21 @@ running request is preempted by recompute: its blocks are freed, its cached-toke
 and it goes back to the front of the waiting queue with its prompt and generated tokens (and its
 image embeddings), to be prefilled again later. Sampling draws depend only on (seed, index), so
 recomputation reproduces the same tokens.
+
+Scheduling runs ahead of the device by one step (the engine pipelines steps): `schedule`
+advances every scheduled request's cached count at once and counts the token each sampled
+request will draw as a *placeholder* (``Request.num_placeholders``), known for scheduling but
+not yet in ``token_ids``; `update` later appends the drawn tokens in their place and finishes
+the requests that stop. A decode whose input token is still a placeholder is listed in
+``ScheduledBatch.pending``: the runner takes that input from the device. A request is never
+re-admitted in the step that preempted it, so a prefill never needs a placeholder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .block_manager import BlockManager
 from .request import Request, Status
@@ -34,6 +43,11 @@ class ScheduledBatch:
     num_decodes: int = 0
     num_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # decodes whose input is on the device
+    # requests given KV blocks (or a slot) this step; None: unknown, look at every request
+    grown: list[Request] | None = None
+    admissions: int = 0  # the scheduler's admission count when it was scheduled
+    input_source: Any = None  # (last-token table, slots of the decodes): set by the engine
 
     @property
     def num_seqs(self) -> int:
@@ -70,6 +84,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.num_admitted = 0  # admissions so far (a request re-taking a slot counts again)
 
     def add(self, req: Request) -> None:
         """Queue a validated request (its prompt fits the context and the cache)."""
@@ -77,29 +92,39 @@ class Scheduler:
         p = req.params
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
         req.limit_len = min(req.num_prompt_tokens + p.max_tokens, self.max_model_len)
+        req.min_len = req.num_prompt_tokens + p.min_tokens
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's sequences and give them the KV blocks their new tokens need."""
+        """Pick this step's sequences and give them the KV blocks their new tokens need; a
+        decode is accounted as it is picked (cached count advanced, its draw a placeholder)."""
         bm, bs = self.bm, self.bm.block_size
         budget = self.max_num_batched_tokens
         running = self.running
         dec: list[Request] = []
+        cached: list[int] = []
+        pending: list[int] = []
         pre: list[Request] = []
         pre_n: list[int] = []
         preempted: list[Request] = []
+        grown: list[Request] = []
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            known = len(req.token_ids)
-            n = known - req.num_computed
+            c = req.num_computed
+            known = len(req.token_ids) + req.num_placeholders
+            if known >= req.limit_len:  # its draw in flight is its last: nothing to run
+                i += 1
+                continue
+            n = known - c
             if n > budget:
                 n = budget
-            total = req.num_computed + n
+            total = c + n
             if len(req.block_ids) * bs < total:
+                grown.append(req)
                 while not bm.ensure(req.block_ids, total):
                     victim = running.pop()
                     self._preempt(victim)
@@ -108,19 +133,28 @@ class Scheduler:
                         break
                 if req.status is not Status.RUNNING:
                     break
+            elif req.synced_blocks != len(req.block_ids):  # blocks no planned step wrote yet
+                grown.append(req)
             if n == 1 and total == known:
+                if req.num_placeholders:
+                    pending.append(len(dec))
                 dec.append(req)
+                cached.append(c)
+                req.num_computed = total
+                req.num_placeholders += 1
             else:
                 pre.append(req)
                 pre_n.append(n)
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit(budget, dec, pre, pre_n)
-        return self._batch(dec, pre, pre_n, preempted)
+            self._admit(budget, dec, cached, pre, pre_n, grown)
+        batch = self._batch(dec, cached, pre, pre_n, preempted)
+        batch.pending, batch.grown = pending, grown
+        return batch
 
-    def _admit(self, budget: int, dec: list[Request], pre: list[Request],
-               pre_n: list[int]) -> int:
+    def _admit(self, budget: int, dec: list[Request], cached: list[int], pre: list[Request],
+               pre_n: list[int], grown: list[Request]) -> int:
         waiting, bm = self.waiting, self.bm
         j = 0
         while j < len(waiting) and budget > 0 and self._free_rows:
@@ -128,7 +162,7 @@ class Scheduler:
             if not self.is_ready(req):
                 j += 1
                 continue
-            known = len(req.token_ids)
+            known = len(req.token_ids) + req.num_placeholders
             n = min(known - req.num_computed, budget)
             if not bm.ensure(req.block_ids, req.num_computed + n):
                 break
@@ -136,36 +170,46 @@ class Scheduler:
             req.status = Status.RUNNING
             req.row = self._free_rows.pop()
             req.synced_blocks = 0
+            self.num_admitted += 1
+            req.admit_serial = self.num_admitted
+            grown.append(req)
             self.running.append(req)
-            if n == 1 and req.num_computed + 1 == known:
+            if n == 1 and req.num_computed + 1 == known:  # its input is known: not pending
                 dec.append(req)
+                cached.append(req.num_computed)
+                req.num_computed += 1
+                req.num_placeholders += 1
             else:
                 pre.append(req)
                 pre_n.append(n)
             budget -= n
         return budget
 
-    @staticmethod
-    def _batch(dec: list[Request], pre: list[Request], pre_n: list[int],
-               preempted: list[Request]) -> ScheduledBatch:
+    def _batch(self, dec: list[Request], cached: list[int], pre: list[Request],
+               pre_n: list[int], preempted: list[Request]) -> ScheduledBatch:
+        """The batch (decodes already accounted); advances the prefills' cached counts and
+        counts the draw of each that ends its known tokens as a placeholder."""
         nd = len(dec)
-        reqs = dec + pre
         sample = list(dec)
         need = [True] * nd
         for req, n in zip(pre, pre_n, strict=True):
-            last = req.num_computed + n == len(req.token_ids)
+            cached.append(req.num_computed)
+            req.num_computed += n
+            last = req.num_computed == len(req.token_ids) + req.num_placeholders
             need.append(last)
             if last:
                 sample.append(req)
+                req.num_placeholders += 1
         return ScheduledBatch(
-            reqs=reqs,
-            num_cached=[r.num_computed for r in reqs],
+            reqs=dec + pre,
+            num_cached=cached,
             num_new=[1] * nd + pre_n,
             need_logits=need,
             sample_reqs=sample,
             num_decodes=nd,
             num_tokens=nd + sum(pre_n),
             preempted=preempted,
+            admissions=self.num_admitted,
         )
 
     def _release_row(self, req: Request) -> None:
@@ -185,28 +229,29 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch, sampled: list[int],
                now: float) -> list[Request]:
-        """Account a finished step: advance cached counts, append the sampled tokens (one per
-        `batch.sample_reqs`), finish the requests that stop. Returns the finished requests."""
-        nd = batch.num_decodes
-        for req, n, last in zip(batch.reqs[nd:], batch.num_new[nd:], batch.need_logits[nd:],
-                                strict=True):
-            if not last:  # a prefill chunk short of the end; sampled requests follow below
-                req.num_computed += n
+        """Account a step's drawn tokens (one per `batch.sample_reqs`, in order): each takes
+        its placeholder's place; the requests that stop are finished (a stop token counts only
+        past `min_tokens`). Requests finished meanwhile are skipped. Returns the finished."""
         done: list[Request] = []
         for req, tok in zip(batch.sample_reqs, sampled, strict=True):
+            if not req.num_placeholders:  # finished (or preempted and ended) meanwhile
+                continue
+            req.num_placeholders -= 1
             toks = req.token_ids
-            req.num_computed = len(toks)  # a sampled request has computed all it knew
             toks.append(tok)
             req.token_times.append(now)
             if req.first_token_time is None:
                 req.first_token_time = now
-            if tok in req.stop_ids:
+            n = len(toks)
+            if tok in req.stop_ids and n > req.min_len:
                 reason = "stop"
-            elif len(toks) >= req.limit_len:
+                req.stop_reason = tok if tok in req.params.stop_token_ids else None
+            elif n >= req.limit_len:
                 reason = "length"
             else:
                 continue
-            self.finish(req, reason, prune=False)
+            # a running request leaves `running` below; one preempted meanwhile is waiting
+            self.finish(req, reason, prune=req.status is not Status.RUNNING)
             done.append(req)
         if done:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
@@ -225,6 +270,7 @@ class Scheduler:
         if req.block_ids:
             self.bm.free(req.block_ids)
         self._release_row(req)
+        req.num_placeholders = 0  # draws still in flight are dropped
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
