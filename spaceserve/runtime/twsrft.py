@@ -19,8 +19,8 @@ that can still finish by ``arrival + deadline_s`` (now + its remaining work) is 
 cannot is *late*. Live jobs go first, least remaining work first (SRPT: the most requests meet
 their deadline). Late jobs are demoted: they run when no live job waits, and one aged grant every
 ``max_wait_s`` (a shared clock, reset at each aged grant) goes to the late job that arrived
-first, so a late job finishes in bounded time without live jobs paying more than one window per
-``max_wait_s``. Waits are measured from arrival (never reset by a grant), so an old job stays old.
+first (among those that arrived ``max_wait_s`` ago or more), so a late job finishes in bounded
+time without live jobs paying more than one window per ``max_wait_s``. Waits are measured from arrival (never reset by a grant), so an old job stays old.
 All times come from the injected ``clock``, so a fake clock makes every decision reproducible.
 
 Batching: a waiting job at the chosen job's depth joins its launch only where that cannot delay
@@ -220,11 +220,12 @@ class TwsrftScheduler:
             return min(waiting, key=self._key)
         late = [j for j in waiting if self.late(j, now)]
         live = [j for j in waiting if not self.late(j, now)]
-        if late and (not live or now - self._aged_at >= self.max_wait_s):
-            if live:
-                self._aged_at = now  # an aged grant: the next one waits max_wait_s again
-                return min(late, key=lambda j: (j.arrival, j.seq))
+        if not live:
             return min(late, key=self._key)
+        starving = [j for j in late if now - j.arrival >= self.max_wait_s]
+        if starving and now - self._aged_at >= self.max_wait_s:
+            self._aged_at = now  # an aged grant: the next one waits max_wait_s again
+            return min(starving, key=lambda j: (j.arrival, j.seq))
         return min(live, key=self._key)
 
     def _batch(self, chosen: _Job, waiting: list[_Job]) -> _Job:
