@@ -20,8 +20,8 @@ cannot is *late*. Live jobs go first, least remaining work first (SRPT: the most
 their deadline). Late jobs are demoted: they run when no live job waits, and one aged grant every
 ``max_wait_s`` (a shared clock, reset at each aged grant) goes to the late job that arrived
 first (among those that arrived ``max_wait_s`` ago or more), so a late job finishes in bounded
-time without live jobs paying more than one window per ``max_wait_s``. Waits are measured from arrival (never reset by a grant), so an old job stays old.
-All times come from the injected ``clock``, so a fake clock makes every decision reproducible.
+time without live jobs paying more than one window per ``max_wait_s``. Waits are measured from
+arrival (never reset by a grant), so an old job stays old. All times come from the injected ``clock``, so a fake clock makes every decision reproducible.
 
 Batching: a waiting job at the chosen job's depth joins its launch only where that cannot delay
 the chosen job - the merged launch costs no more than the chosen job alone (within
