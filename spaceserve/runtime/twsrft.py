@@ -21,7 +21,8 @@ their deadline). Late jobs are demoted: they run when no live job waits, and one
 ``max_wait_s`` (a shared clock, reset at each aged grant) goes to the late job that arrived
 first (among those that arrived ``max_wait_s`` ago or more), so a late job finishes in bounded
 time without live jobs paying more than one window per ``max_wait_s``. Waits are measured from
-arrival (never reset by a grant), so an old job stays old. All times come from the injected ``clock``, so a fake clock makes every decision reproducible.
+arrival (never reset by a grant), so an old job stays old. All times come from the injected
+``clock``, so a fake clock makes every decision reproducible.
 
 Batching: a waiting job at the chosen job's depth joins its launch only where that cannot delay
 the chosen job - the merged launch costs no more than the chosen job alone (within
