@@ -34,7 +34,7 @@ That is the ``tpot`` objective (the paper's: TPOT first, at any TTFT cost). The 
    margin (``decode_margin`` x the tighter of the ``tpot`` and ``itl`` bounds) and the encoder
    may take the rest; among the splits from the comfort choice to that cap SIS takes the one with
    the fewest predicted TTFT misses (queue, ages, TWSRFT order), then the arrival load within
-   bounds, then the fewest encoder SMs.
+   bounds, then the most encoder SMs (the backlog drains as fast as the decode SLO allows).
 4. Hysteresis as above; a split that saves predicted misses is adopted at once.
 """
 
@@ -287,7 +287,9 @@ class SpaceInferenceScheduler:
         if new.encoder_sms == 0 or cur.encoder_sms == 0:
             return True  # work vanished or appeared
         shrinks = new.encoder_sms < cur.encoder_sms
-        if shrinks and self.predict_tpot(state, cur.encoder_sms) > new.tpot_target_s:
+        # the goodput objective's hard bound is the decode SLO's margin, not the calm target
+        bound = new.tpot_target_s if self.objective == "tpot" else self.slo_target()
+        if shrinks and self.predict_tpot(state, cur.encoder_sms) > bound:
             return True
         if self.objective == "goodput" and not shrinks:  # growing saves predicted misses
             p = self.predictor

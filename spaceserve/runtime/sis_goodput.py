@@ -100,10 +100,11 @@ class GoodputPredictor:
 
     def best(self, state, cands: Sequence[int]) -> Forecast:  # noqa: ANN001
         """Fewest predicted misses, then load within `max_load` (else the lowest), then the
-        fewest encoder SMs (ties go to the decoder)."""
+        most encoder SMs: under pressure the backlog drains as fast as the decoder's SLO
+        allows, so the next arrivals find a short queue."""
         fcs = [self.forecast(state, e) for e in cands]
         return min(fcs, key=lambda f: (f.misses, max(0.0, f.load - self.max_load),
-                                       f.encoder_sms))
+                                       -f.encoder_sms))
 
     def calm(self, fc: Forecast) -> bool:
         """Nothing predicted late and the arrivals leave headroom: no need to grow."""
