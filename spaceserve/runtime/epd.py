@@ -36,6 +36,7 @@ from spaceserve.kernels.budget import device_num_sms
 
 from .curves import CurveSet
 from .partition import Partition, PartitionSet, default_splits
+from .policy import OBJECTIVES, SchedulingPolicy, scheduling_policy
 from .request import Request, Status
 from .scheduler import ScheduledBatch, Scheduler
 from .sis import SisState, SpaceInferenceScheduler, Split
@@ -68,6 +69,13 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"encoder_splits={splits!r} must be ints >= 1")
     if cfg.curves is not None and not isinstance(cfg.curves, str):
         raise ValueError(f"curves={cfg.curves!r} must be a path (str) or None")
+    if cfg.sis_objective not in OBJECTIVES:
+        raise ValueError(f"sis_objective={cfg.sis_objective!r} is not one of "
+                         f"{', '.join(OBJECTIVES)}")
+    load = cfg.sis_load
+    if not isinstance(load, tuple) or len(load) != 2 or any(
+            isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in load):
+        raise ValueError(f"sis_load={load!r} must be (batch, context), ints >= 1")
     for name, zero_ok in (("encoder_window_s", False), ("encoder_launch_budget_s", True)):
         value = getattr(cfg, name)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -93,6 +101,16 @@ def load_curves(path: str | None, runner: Any) -> CurveSet:
     if key not in _CURVES:
         _CURVES[key] = analytic_curves(config)
     return _CURVES[key]
+
+
+def engine_policy(curves: CurveSet, config: Any, total_sms: int) -> SchedulingPolicy:
+    """The scheduling policy of an `EngineConfig` (`policy.py`): what `sim.sim_policy` builds
+    for a simulated GPU with the same curves, SLO, knobs and reference decode load."""
+    batch, context = config.sis_load
+    return scheduling_policy(
+        curves, config.slo, objective=config.sis_objective, total_sms=total_sms,
+        splits=config.encoder_splits, batch=batch, context=context,
+        window_s=config.encoder_window_s, launch_budget_s=config.encoder_launch_budget_s)
 
 
 def set_budgets(runner: Any, part: Partition) -> None:
@@ -132,8 +150,10 @@ class SpatialRuntime:
                  mode: str, target: Partition, sis: SpaceInferenceScheduler | None = None,
                  prefill_on: str = "auto", curve_depth: int = 32,
                  clock: Callable[[], float] = time.monotonic,
-                 graph_batch_sizes: tuple[int, ...] = ()) -> None:
+                 graph_batch_sizes: tuple[int, ...] = (),
+                 policy: SchedulingPolicy | None = None) -> None:
         self.runner, self.stage, self.partitions = runner, stage, partitions
+        self.policy = policy
         self.mode, self.target, self.sis = mode, target, sis
         self.prefill_on, self.curve_depth, self.clock = prefill_on, curve_depth, clock
         self.graph_batch_sizes = graph_batch_sizes
@@ -165,9 +185,16 @@ class SpatialRuntime:
         with part.decoder_scope():
             logits = self.runner.execute(dec)
             ids = eng.sampler(logits, dec.sample_reqs) if dec.sample_reqs else None
-            self.stage.launch()  # while the decode step runs on the device
+            self.stage.launch(self._launch_budget())  # while the decode step runs
             sampled = ids.tolist() if ids is not None else []
         eng._account(dec, sampled)
+
+    def _launch_budget(self) -> float | None:
+        """Host seconds of encoder launches beside this decode step: a share of its predicted
+        time (`SchedulingPolicy.launch_budget`), as the simulator models it."""
+        if self.policy is None or self.last_split is None:
+            return None
+        return self.policy.launch_budget(self.last_split.predicted_tpot_s)
 
     def _schedule(self, sched: Scheduler) -> ScheduledBatch:
         if not self._busy:
@@ -241,21 +268,26 @@ class SpatialRuntime:
             self.stage.resume()
 
     def sis_state(self, sched: Scheduler) -> SisState:
-        """Waiting encoder jobs, prompts ready to prefill and the decode load, for SIS."""
-        prefill = [len(r.token_ids) - r.num_computed for r in sched.waiting
-                   if r.mm is None or r.mm.embeds is not None]
+        """Waiting encoder jobs, prompts ready to prefill (with their ages), the decode load and
+        the image arrival rate, for SIS."""
+        ready = [r for r in sched.waiting if r.mm is None or r.mm.embeds is not None]
+        prefill = [len(r.token_ids) - r.num_computed for r in ready]
+        ages = [self.stage.age(r) for r in ready]
         decoding = 0
         context = 0
         for r in sched.running:
             left = len(r.token_ids) - r.num_computed
             if left > 1:
                 prefill.append(left)
+                ages.append(self.stage.age(r))
             else:
                 decoding += 1
                 context += len(r.token_ids)
         mean = context / decoding if decoding else 0.0
+        rate, patches, prompt = self.stage.arrivals.estimate(self.clock())
         return SisState(tuple(self.stage.pending_work(self.curve_depth)), tuple(prefill),
-                        decoding, round(mean / CONTEXT_BUCKET) * CONTEXT_BUCKET)
+                        decoding, round(mean / CONTEXT_BUCKET) * CONTEXT_BUCKET, tuple(ages),
+                        rate, patches, prompt)
 
     # -- aborts, failures, shutdown ------------------------------------------------------------
     def defer_abort(self, req: Request) -> bool:
@@ -309,12 +341,14 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
         pset = PartitionSet(device, [e], green=green, programs_per_sm=config.programs_per_sm)
         parts = [pset.get(e)]
     else:
-        splits = tuple(config.encoder_splits or default_splits(total))
+        splits = tuple(config.encoder_splits or ())
         if not all(0 < e < total for e in splits):
             raise ValueError(f"encoder_splits={splits} must be in 1..{total - 1}")
+        splits = engine_policy(load_curves(config.curves, runner), config, total).splits
         pset = PartitionSet(device, splits, green=green, programs_per_sm=config.programs_per_sm)
         parts = pset.partitions()
     curves = load_curves(config.curves, runner)
+    policy = engine_policy(curves, config, total) if mode == "spatial" else None
     captured: tuple[int, ...] = ()
     for part in parts:
         set_budgets(runner, part)
@@ -328,11 +362,15 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
     stage = SpatialEncoderStage(runner, pset, curves, driver=config.encoder_driver,
                                 window_s=config.encoder_window_s,
                                 launch_budget_s=config.encoder_launch_budget_s,
-                                max_held=config.max_held_embeddings, clock=clock)
+                                max_held=config.max_held_embeddings, clock=clock,
+                                plan=policy)
     sis = None
-    if mode == "spatial":
-        sis = SpaceInferenceScheduler(curves, sorted(pset.splits), total_sms=total, clock=clock)
+    if policy is not None:
+        sis = SpaceInferenceScheduler(
+            curves, sorted(pset.splits), total_sms=total, objective=policy.objective,
+            slo=policy.slo, tpot_factor=policy.tpot_factor, decode_margin=policy.decode_margin,
+            ttft_margin=policy.ttft_margin, comfort_factor=policy.comfort_factor, clock=clock)
     runtime = SpatialRuntime(runner, stage, pset, mode=mode, target=target, sis=sis,
                              prefill_on=config.prefill_on, curve_depth=curves.encoder_depth,
-                             clock=clock, graph_batch_sizes=captured)
+                             clock=clock, graph_batch_sizes=captured, policy=policy)
     return stage, runtime

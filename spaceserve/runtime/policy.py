@@ -73,7 +73,10 @@ class SchedulingPolicy:
     def launch_budget(self, step_s: float = 0.0) -> float:
         """Host seconds the cooperative driver spends launching encoder layers while a decode
         step predicted to take `step_s` runs: the host waits for that step's tokens anyway, so
-        launching for ``launch_fraction`` of it delays nothing (``launch_budget_s`` at least)."""
+        launching for ``launch_fraction`` of it delays nothing (``launch_budget_s`` at least;
+        a zero budget means one layer per step)."""
+        if self.launch_budget_s <= 0:
+            return 0.0
         return max(self.launch_budget_s, self.launch_fraction * step_s)
 
     def layers_per_step(self, step_s: float = 0.0) -> int:
