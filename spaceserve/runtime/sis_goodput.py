@@ -90,8 +90,8 @@ class GoodputPredictor:
         """Fraction of `e` encoder SMs the recent arrival rate keeps busy."""
         if state.arrival_rate <= 0:
             return 0.0
-        patches = int(round(state.arrival_patches / 256)) * 256 or 256
-        tokens = int(round(state.arrival_prompt / 64)) * 64
+        patches = max(1, int(round(state.arrival_patches)))
+        tokens = int(round(state.arrival_prompt))
         per = self.encode_s(patches, self.curves.encoder_depth, e) + self.prefill_s(tokens, e)
         return state.arrival_rate * per
 
