@@ -154,6 +154,7 @@ class SpatialRuntime:
                  policy: SchedulingPolicy | None = None) -> None:
         self.runner, self.stage, self.partitions = runner, stage, partitions
         self.policy = policy
+        self.graph_bytes: dict[int, int] = {}  # decode graph memory per partition (CUDA)
         self.mode, self.target, self.sis = mode, target, sis
         self.prefill_on, self.curve_depth, self.clock = prefill_on, curve_depth, clock
         self.graph_batch_sizes = graph_batch_sizes
@@ -350,10 +351,14 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
     curves = load_curves(config.curves, runner)
     policy = engine_policy(curves, config, total) if mode == "spatial" else None
     captured: tuple[int, ...] = ()
+    graph_bytes: dict[int, int] = {}  # device memory the decode graphs took, per partition
     for part in parts:
         set_budgets(runner, part)
+        before = torch.cuda.memory_reserved(device) if pset.cuda else 0
         with pset.capture_scope(part):
             captured = runner.capture_decode_graphs(graph_sizes)
+        if pset.cuda:
+            graph_bytes[part.requested] = torch.cuda.memory_reserved(device) - before
     target = parts[0] if mode != "spatial" else pset.full
     pset.switch(target)
     set_budgets(runner, target)
@@ -373,4 +378,5 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
     runtime = SpatialRuntime(runner, stage, pset, mode=mode, target=target, sis=sis,
                              prefill_on=config.prefill_on, curve_depth=curves.encoder_depth,
                              clock=clock, graph_batch_sizes=captured, policy=policy)
+    runtime.graph_bytes = graph_bytes
     return stage, runtime
