@@ -9,7 +9,7 @@ from typing import Any
 
 from spaceserve.runtime.curves import STAGE_AXES, CurveSet
 
-from .workload import Point
+from .points import Point
 
 
 def point_errors(measured: dict[str, float], points: Iterable[Point], reference: CurveSet

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.common import pyplot
+from spaceserve.plotting import pyplot
 from spaceserve.runtime.curves import CurveSet
 
 TITLES = {"encoder": "encoder (per layer)", "prefill": "prefill chunk", "decode": "decode step"}

@@ -13,7 +13,8 @@ one unit of work alone and while the other stage runs at the complementary budge
   was interrupted (or ran out of its time budget) resumes from it, and the final files depend
   only on its contents, so a resumed run writes the same bytes as an uninterrupted one.
 
-    python -m autotune.profile --model tiny|PATH|qwen2-vl-7b --out DIR [--quick]
+    spaceserve profile --model tiny|PATH|qwen2-vl-7b --out DIR [--quick]
+    python -m autotune.profile ...          (the same)
 
 `--quick` picks the small grid the GPU harness section affords for Qwen2-VL-7B on an H200.
 """
@@ -28,13 +29,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spaceserve.runtime.contention import Contention, from_measurements
 from spaceserve.runtime.curves import STAGE_AXES, Curve, CurveSet
 
-from .timers import Timer
-from .workload import STAGES, Point, Workload
+from .points import STAGES, Point
+
+if TYPE_CHECKING:  # torch-heavy: imported by main() when it measures
+    from .timers import Timer
+    from .workload import Workload
 
 CHECKPOINT_FORMAT = "spaceserve-profile-checkpoint-v1"
 MIN_OTHER_SMS = 8
@@ -293,15 +297,18 @@ class Profiler:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m autotune.profile",
-                                description="Measure SpaceServe resource-utility curves.")
+    from spaceserve.cli_args import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="spaceserve profile", description=__doc__,
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True,
                    help="tiny | qwen2-vl-7b (random weights) | a checkpoint directory")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--quick", action="store_true", help="the small harness grid")
-    p.add_argument("--sms", help="comma-separated SM counts instead of the grid's")
+    p.add_argument("--sms", help="comma-separated SM counts instead of the grid's "
+                                 "(default: the grid's)")
     p.add_argument("--time-budget", type=float, default=None,
-                   help="stop after this many seconds (rerun to resume)")
+                   help="stop after this many seconds; rerun to resume (default: no limit)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .workload import Point
+from .points import Point
 
 log = logging.getLogger("autotune")
 

@@ -22,27 +22,12 @@ from typing import Any, Protocol
 
 import torch
 
-STAGES = ("encoder", "prefill", "decode")
+from .points import STAGES, Point
+
+__all__ = ["BACKGROUND_DECODE", "BACKGROUND_PATCHES", "STAGES", "FunctionWorkload", "Point",
+           "Qwen2VLWorkload", "StageRun", "Workload", "image_grid", "load_model", "tiny_config"]
 BACKGROUND_PATCHES = 4096  # the encoder pass run beside prefill / decode points
 BACKGROUND_DECODE = (32, 1024)  # (batch, context) of the decode step run beside encoder points
-
-
-@dataclass(frozen=True)
-class Point:
-    """One measurement: `stage` at workload `work` on `sms` SMs, alone or co-running with the
-    other stage on `other_sms` SMs. `units`: the curve value is seconds per call / units."""
-
-    stage: str
-    work: tuple[int, ...]
-    sms: int
-    corun: bool
-    other_sms: int = 0
-    units: float = 1.0
-
-    @property
-    def key(self) -> str:
-        mode = "corun" if self.corun else "isolated"
-        return f"{self.stage}:{'x'.join(str(w) for w in self.work)}@{self.sms}:{mode}"
 
 
 @dataclass

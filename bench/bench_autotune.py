@@ -122,10 +122,14 @@ def run_suite(config: Any, name: str, device: torch.device, dtype: torch.dtype,
               backend: str | None = None, profile_share: float = 0.5) -> list[dict]:
     """Profile, analytic error and tuning for `config` on `device` (the GPU section runs it at
     7B shapes; tests at tiny shapes on CPU)."""
+    from bench.common import section_rows
+
     start = time.perf_counter()
     out = Path(out_dir)
-    rows, (profiler, result) = _profile(config, name, device, dtype, out,
-                                        time_budget_s * profile_share, grid, timer, backend)
+    rows = section_rows()  # saved after every stage's rows (the profile checkpoints itself)
+    first, (profiler, result) = _profile(config, name, device, dtype, out,
+                                         time_budget_s * profile_share, grid, timer, backend)
+    rows += first
     rows += _errors(config, name, device, dtype, out, profiler, result)
     del profiler, result
     gc.collect()
@@ -133,7 +137,7 @@ def run_suite(config: Any, name: str, device: torch.device, dtype: torch.dtype,
         torch.cuda.empty_cache()
     left = time_budget_s - (time.perf_counter() - start)
     rows += _tune(device, dtype, out, max(0.0, left * 0.8), shapes, budgets, kernels, bench)
-    return rows
+    return list(rows)
 
 
 def run(results_dir: str | Path, time_budget_s: float) -> list[dict]:

@@ -7,121 +7,36 @@ spatial-static, spatial): 32 background requests decode alone (TPOT), then 1024x
 under load, probe p99 ITL, image and probe TTFT. The discrete-event simulator
 (`spaceserve.runtime.sim`) runs the same arrivals on the curves the engine uses and its
 prediction and error are in the rows. Under green contexts the SM probe shows whether the
-encoder's and the decoder's programs shared an SM. Table + plot (colocation.png).
+encoder's and the decoder's programs shared an SM. Table + plot (colocation.png). The load
+itself is `bench.colocation_load.drive`; each mode gets an equal share of the time left when it
+starts and its drive loop stops at the end of that share, keeping what it measured. `dry_run`
+runs the same control flow on CPU with the null model.
 
-On CPU (`driver_experiment`): which encoder driver keeps decode launches on time, measured on
-the host side only - a model whose "device" is a virtual clock with one queue per partition,
-whose launches cost busy host time (holding the GIL, like Python launch overhead) and whose
-syncs sleep (releasing it). It measures when decode steps are issued, not GPU execution.
+Which encoder driver keeps decode launches on time (host side, CPU) is
+bench/colocation_driver.py.
 """
 
 from __future__ import annotations
 
 import gc
 import math
-import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import format_table, write_json
+from bench.colocation_load import BACKGROUND, BG_OUTPUT, BG_PROMPT, drive
+from bench.common import format_table, section_rows, write_json
 from spaceserve.bench.prompts import Prompts
 
 SECTION = "colocation"
 MODES = ("temporal", "shared", "spatial-static", "spatial")
 LLM_LAYERS = 8  # of Qwen2-VL-7B's 28: four engines and their graphs must fit ~120 s
-BACKGROUND, BG_PROMPT, BG_OUTPUT = 32, 256, 512
 IMAGE_MIX = {"1024x1024": 0.5, "1920x1080": 0.5}
 IMAGE_SIZES = {"1024x1024": (1024, 1024), "1920x1080": (1080, 1920)}
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
-
-
-def _ms(xs: list[float], q: float | None = None) -> float:
-    if not xs:
-        return math.nan
-    return 1e3 * (statistics.fmean(xs) if q is None else percentile(xs, q))
-
-
-def _gaps(times: tuple[float, ...], lo: float, hi: float) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:], strict=False) if a >= lo and b <= hi]
-
-
-def drive(engine: Any, arrivals: list[Any], prompts: Prompts, *, alone_s: float,
-          load_s: float, background: int = BACKGROUND, bg_prompt: int = BG_PROMPT,
-          bg_output: int = BG_OUTPUT, drain_s: float = 10.0) -> dict[str, Any]:
-    """Background decode alone for `alone_s`, then `arrivals` (sim `Request`s: kind, arrival,
-    text/output tokens, resolution) over `load_s`; returns measured metrics (ms)."""
-    from spaceserve import SamplingParams
-
-    finals: dict[str, Any] = {}
-    kinds: dict[str, str] = {}
-
-    def sink(out: Any) -> None:
-        if out.finished:
-            finals[out.request_id] = out
-
-    def add(kind: str, prompt: dict, max_tokens: int) -> None:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        kinds[engine.add_request(prompt, params, sink=sink)] = kind
-
-    def background_up() -> None:
-        alive = sum(1 for r, k in kinds.items() if k == "background" and r not in finals)
-        for _ in range(background - alive):
-            add("background", prompts.text(bg_prompt), bg_output)
-
-    background_up()
-    start = time.perf_counter()
-    while time.perf_counter() - start < alone_s:
-        engine.step()
-        background_up()
-    t_load = time.perf_counter()
-    i = 0
-    while True:
-        elapsed = time.perf_counter() - t_load
-        while i < len(arrivals) and arrivals[i].arrival <= elapsed:
-            r = arrivals[i]
-            prompt = prompts.image(r.resolution, r.text_tokens) if r.kind == "image" \
-                else prompts.text(r.text_tokens)
-            add(r.kind, prompt, r.output_tokens)
-            i += 1
-        open_ = [r for r, k in kinds.items() if k != "background" and r not in finals]
-        if (elapsed >= load_s and i == len(arrivals) and not open_) or \
-                elapsed > load_s + drain_s:
-            break
-        engine.step()
-        background_up()
-    t_end = time.perf_counter()
-    for rid, kind in kinds.items():
-        if kind == "background" and rid not in finals:
-            engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    bg = [o for r, o in finals.items() if kinds[r] == "background"]
-    by = {k: [o for r, o in finals.items() if kinds[r] == k and o.finish_reason == "length"]
-          for k in ("image", "text")}
-    gaps_alone = [g for o in bg for g in _gaps(o.metrics.token_times, start + 0.2 * alone_s,
-                                                   t_load)]
-    gaps_load = [g for o in bg for g in _gaps(o.metrics.token_times, t_load, t_end)]
-    probe_itl = [g for o in by["text"] for g in _gaps(o.metrics.token_times, 0, math.inf)]
-    ttft = {k: [o.metrics.first_token_time - o.metrics.arrival_time for o in v]
-            for k, v in by.items()}
-    return {"tpot_alone_ms": _ms(gaps_alone), "tpot_load_ms": _ms(gaps_load),
-            "tpot_load_p99_ms": _ms(gaps_load, 99), "probe_itl_p99_ms": _ms(probe_itl, 99),
-            "image_ttft_ms": _ms(ttft["image"]), "image_ttft_p99_ms": _ms(ttft["image"], 99),
-            "probe_ttft_ms": _ms(ttft["text"]), "images_done": len(by["image"]),
-            "probes_done": len(by["text"]),
-            "requests": sum(1 for k in kinds.values() if k != "background"),
-            "load_s": t_end - t_load}
 
 
 def sim_prediction(curves: Any, mode: str, workload: Any, static_sms: int | None,
@@ -199,21 +114,36 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def headline(row: dict[str, Any]) -> str:
+    """One mode's measurement against the simulator, in a line."""
+    return (f"{row['mode']}: TPOT {row['tpot_alone_ms']:.1f} alone -> "
+            f"{row['tpot_load_ms']:.1f} ms with images (sim "
+            f"{row.get('sim_tpot_load_ms', math.nan):.1f}); probe p99 ITL "
+            f"{row['probe_itl_p99_ms']:.1f} ms; image TTFT {row['image_ttft_ms']:.0f} ms"
+            + (f"; SM probe {row['probe']}" if "probe" in row else "")
+            + (" (cut at the deadline)" if "cut" in row else ""))
+
+
 def run_modes(make_engine: Any, prompts_for: Any, workload: Any, curves: Any, *,
               modes: tuple[str, ...] = MODES, alone_s: float = 2.0,
-              deadline: float = math.inf, note: str = "") -> list[dict[str, Any]]:
-    """One engine per mode on the same arrivals; rows with measurements and predictions."""
+              deadline: float = math.inf, note: str = "",
+              rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One engine per mode on the same arrivals; rows with measurements and predictions,
+    appended to `rows` (a new list if None) mode by mode. Each mode gets an equal share of the
+    time left before `deadline` when it starts, and its drive loop stops at the end of it."""
     from spaceserve.runtime.sim import generate
 
     arrivals = generate(workload)
-    rows: list[dict[str, Any]] = []
-    for mode in modes:
+    rows = [] if rows is None else rows
+    for i, mode in enumerate(modes):
         row: dict[str, Any] = {"section": SECTION, "mode": mode}
         if note:
             row["note"] = note
-        if time.perf_counter() > deadline:
+        now = time.perf_counter()
+        if now > deadline:
             rows.append(row | {"skipped": "time budget spent"})
             continue
+        share = now + (deadline - now) / (len(modes) - i)
         try:
             engine = make_engine(mode)
             if engine.spatial is not None:
@@ -225,7 +155,7 @@ def run_modes(make_engine: Any, prompts_for: Any, workload: Any, curves: Any, *,
                 if mode == "spatial-static":
                     row |= probe_partitions(engine)
             row |= drive(engine, arrivals, prompts_for(engine), alone_s=alone_s,
-                         load_s=workload.duration_s)
+                         load_s=workload.duration_s, deadline=share)
             if engine.spatial is not None and engine.spatial.sis is not None:
                 row["splits_used"] = sorted({e for _, e in engine.spatial.switches})
             engine.close()
@@ -239,27 +169,40 @@ def run_modes(make_engine: Any, prompts_for: Any, workload: Any, curves: Any, *,
                                   row.get("splits"))
         except Exception as exc:
             row["sim_error"] = f"{type(exc).__name__}: {exc}"[:200]
-        rows.append(with_errors(row))
+        row = with_errors(row)
+        if "tpot_load_ms" in row:
+            row["headline"] = headline(row)
+        rows.append(row)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
 
 
-def run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
-    """GPU harness entry point (bf16 Qwen2-VL-7B shapes, LLM cut to `LLM_LAYERS` layers)."""
-    if not torch.cuda.is_available():
-        return [{"section": SECTION, "skipped": "needs a CUDA device"}]
+@dataclass
+class Setup:
+    """The GPU section's engines: a factory per mode, their prompts, workload and curves."""
+
+    make_engine: Callable[[str], Any]
+    prompts_for: Callable[[Any], Prompts]
+    workload: Any
+    curves: Any
+
+
+def setup(llm_layers: int = LLM_LAYERS, vision_depth: int | None = None) -> Setup:
+    """bf16 Qwen2-VL-7B shapes with random weights on the GPU, the LLM cut to `llm_layers`
+    (the vision tower to `vision_depth` when given: the warm-up builds one layer of each)."""
     from bench.bench_models import image_grid
     from spaceserve import Engine, EngineConfig
     from spaceserve.models import from_state_dict, random_state_dict
     from spaceserve.runtime.analytic import qwen2_vl_7b_config
     from spaceserve.runtime.epd import load_curves
     from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
-    from spaceserve.runtime.sim import Workload, generate
+    from spaceserve.runtime.sim import Workload
 
-    deadline = time.perf_counter() + time_budget_s - 20.0  # a mode takes about this long
     config = qwen2_vl_7b_config()
-    config.text_config.num_hidden_layers = LLM_LAYERS
+    config.text_config.num_hidden_layers = llm_layers
+    if vision_depth is not None:
+        config.vision_config.depth = vision_depth
     dev = torch.device("cuda")
     state = random_state_dict(config, dtype=torch.bfloat16, device=dev)
     models = {b: from_state_dict(config, state, attention_backend=b, dtype=torch.bfloat16,
@@ -278,147 +221,67 @@ def run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
                            graph_batch_sizes=(32, 40, 48))
         return Engine(Qwen2VLRunner(model, eos_token_ids=()), cfg)
 
-    # Warm-up: Triton compiles the shapes of image prompts, probes and their chunks once here,
-    # not inside the first mode's measurement.
-    warm = Workload(image_rate=4.0, duration_s=0.6, image_mix=IMAGE_MIX, text_rate=4.0,
+    return Setup(make_engine, prompts_for, workload, curves)
+
+
+def warm(engine: Any, s: Setup) -> None:
+    """A short drive of `engine`: the shapes of image prompts, probes and their chunks run
+    once here, not inside the first mode's measurement."""
+    from spaceserve.runtime.sim import Workload, generate
+
+    load = Workload(image_rate=4.0, duration_s=0.6, image_mix=IMAGE_MIX, text_rate=4.0,
                     text_tokens=16, output_tokens=4, seed=1)
+    drive(engine, generate(load), s.prompts_for(engine), alone_s=0.3, load_s=0.6, background=4)
+
+
+def run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
+    """GPU harness entry point (bf16 Qwen2-VL-7B shapes, LLM cut to `LLM_LAYERS` layers)."""
+    if not torch.cuda.is_available():
+        return [{"section": SECTION, "skipped": "needs a CUDA device"}]
+    deadline = time.perf_counter() + time_budget_s - 5.0  # closing, the simulator, the plot
+    s = setup()
     t0 = time.perf_counter()
-    engine = make_engine("spatial-static")
-    drive(engine, generate(warm), prompts_for(engine), alone_s=0.3, load_s=0.6, background=4)
+    engine = s.make_engine("spatial-static")
+    warm(engine, s)
     engine.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
     note = (f"LLM cut to {LLM_LAYERS} of 28 layers to fit the time budget; vision tower full; "
             f"warm-up {time.perf_counter() - t0:.0f} s")
-    rows = run_modes(make_engine, prompts_for, workload, curves, alone_s=1.5,
-                     deadline=deadline, note=note)
-    for r in rows:
-        if "tpot_load_ms" in r:
-            r["headline"] = (f"{r['mode']}: TPOT {r['tpot_alone_ms']:.1f} alone -> "
-                             f"{r['tpot_load_ms']:.1f} ms with images (sim "
-                             f"{r.get('sim_tpot_load_ms', math.nan):.1f}); probe p99 ITL "
-                             f"{r['probe_itl_p99_ms']:.1f} ms; image TTFT "
-                             f"{r['image_ttft_ms']:.0f} ms" + (f"; SM probe {r['probe']}"
-                                                              if "probe" in r else ""))
-    out = Path(results_dir)
+    rows = run_modes(s.make_engine, s.prompts_for, s.workload, s.curves, alone_s=1.5,
+                     deadline=deadline, note=note, rows=section_rows())
+    return _finish(rows, Path(results_dir))
+
+
+def dry_run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
+    """The section's control flow on CPU: every mode on the null model (no kernels, tiny
+    images), with the simulator beside it, per-mode deadlines, rows and the plot."""
+    from spaceserve import Engine, EngineConfig
+    from spaceserve.runtime.epd import load_curves
+    from spaceserve.runtime.runner import NullModelRunner
+    from spaceserve.runtime.sim import Workload
+
+    deadline = time.perf_counter() + time_budget_s - 2.0
+    grids = {"1024x1024": (1, 8, 8), "1920x1080": (1, 8, 12)}
+    workload = Workload(image_rate=25.0, duration_s=0.15, image_mix=IMAGE_MIX, text_rate=25.0,
+                        text_tokens=4, output_tokens=4, seed=1)
+
+    def make_engine(mode: str) -> Any:
+        return Engine(NullModelRunner(check=False, max_model_len=4096),
+                      EngineConfig(mode=mode, num_kv_blocks=2048, block_size=16,
+                                   max_num_seqs=48, max_num_batched_tokens=1024))
+
+    rows = run_modes(make_engine, lambda eng: Prompts(eng.runner.info, grids), workload,
+                     load_curves(None, None), alone_s=0.05, deadline=deadline,
+                     note="dry run: null model on CPU", rows=section_rows())
+    return _finish(rows, Path(results_dir))
+
+
+def _finish(rows: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
     write_json(out / f"{SECTION}_rows.json", rows)
     plot(rows, out / f"{SECTION}.png")
     print(format_table(rows, ["mode", "encoder_sms", "tpot_alone_ms", "tpot_load_ms",
                               "sim_tpot_load_ms", "probe_itl_p99_ms", "sim_probe_itl_p99_ms",
                               "image_ttft_ms", "sim_image_ttft_ms", "images_done"]))
-    return rows
-
-
-# -- the encoder driver, host side (CPU) -----------------------------------------------------------
-def _busy(seconds: float) -> None:
-    """Host work that holds the GIL (Python launch overhead)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-class _VirtualEvent:
-    def __init__(self, at: float) -> None:
-        self.at = at
-
-    def query(self) -> bool:
-        return time.perf_counter() >= self.at
-
-    def synchronize(self) -> None:
-        time.sleep(max(0.0, self.at - time.perf_counter()))
-
-
-def driver_experiment(*, seconds: float = 2.0, launch_s: float = 20e-6, layer_launches: int = 12,
-                      layer_s: float = 4e-3, decode_launch_s: float = 0.5e-3,
-                      decode_s: float = 6e-3, image_every_s: float = 0.12,
-                      drivers: tuple[str, ...] = ("none", "cooperative", "thread", "temporal")
-                      ) -> list[dict[str, Any]]:
-    """Decode inter-token gaps (host side) beside a stream of 32-layer images, per driver.
-
-    A virtual device keeps one queue per partition: an encoder layer costs `layer_launches` x
-    `launch_s` of busy host time and `layer_s` on the encoder queue; a decode step costs
-    `decode_launch_s` of host time and `decode_s` on the decoder queue, and reading its tokens
-    sleeps until then. "none" runs no images; "temporal" puts encoder layers on the decoder's
-    queue (one GPU, time-multiplexed).
-    """
-    from spaceserve import Engine, EngineConfig, SamplingParams
-    from spaceserve.runtime.runner import NullModelRunner
-
-    class Device:
-        def __init__(self) -> None:
-            self.free = {"encoder": 0.0, "decoder": 0.0}
-
-        def submit(self, lane: str, s: float) -> float:
-            self.free[lane] = max(time.perf_counter(), self.free[lane]) + s
-            return self.free[lane]
-
-    class Runner(NullModelRunner):
-        def __init__(self, device: Device, temporal: bool) -> None:
-            super().__init__(check=False, encoder_layers=32, max_model_len=1 << 16)
-            self.dev, self.lane = device, "decoder" if temporal else "encoder"
-
-        def advance_encode(self, job: Any, layers: int, *, num_sms: int | None = None) -> int:
-            for _ in range(layers):
-                _busy(launch_s * layer_launches)
-                self.dev.submit(self.lane, layer_s)
-            return super().advance_encode(job, layers)
-
-        def encode(self, mms: Any) -> list[torch.Tensor]:
-            if self.lane == "decoder":  # temporal: the whole pass on the one queue, then wait
-                for _ in range(self.encoder_layers):
-                    _busy(launch_s * layer_launches)
-                    self.dev.submit("decoder", layer_s)
-            return super().encode(mms)
-
-        def execute(self, batch: Any, *, stage: str = "decoder") -> torch.Tensor:
-            _busy(decode_launch_s)
-            self.dev.submit("decoder", decode_s)
-            return super().execute(batch)
-
-    class Ids:
-        def __init__(self, ids: torch.Tensor, at: float) -> None:
-            self.ids, self.at = ids, at
-
-        def tolist(self) -> list[int]:
-            time.sleep(max(0.0, self.at - time.perf_counter()))
-            return self.ids.tolist()
-
-    rows = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: intra-op threads only add noise
-    for driver in drivers:
-        dev = Device()
-        runner = Runner(dev, driver == "temporal")
-        mode = "temporal" if driver == "temporal" else "spatial-static"
-        cfg = EngineConfig(mode=mode, num_kv_blocks=4096, block_size=16, max_num_seqs=40,
-                           max_num_batched_tokens=4096, prefill_on="decode",
-                           encoder_driver="thread" if driver == "thread" else "cooperative")
-        eng = Engine(runner, cfg)
-        sampler = eng.sampler
-        eng.sampler = lambda logits, reqs, s=sampler, d=dev: Ids(s(logits, reqs), d.free[
-            "decoder"])
-        if eng.spatial is not None:
-            eng.encoder.event_factory = lambda d=dev: _VirtualEvent(d.free["encoder"])
-        prompts = Prompts(runner.info, {"img": (1, 16, 16)})
-        params = SamplingParams(max_tokens=1 << 14, temperature=0.0, ignore_eos=True)
-        bg = [eng.add_request(prompts.text(32), params) for _ in range(BACKGROUND)]
-        times: list[float] = []
-        start = next_image = time.perf_counter()
-        while (now := time.perf_counter()) - start < seconds:
-            if driver != "none" and now >= next_image:
-                eng.add_request(prompts.image("img", 4), SamplingParams(max_tokens=2))
-                next_image += image_every_s
-            eng.step()
-            times.append(time.perf_counter())
-        for rid in bg:
-            eng.abort(rid)
-        eng.close()
-        tail = times[len(times) // 5:]
-        gaps = [b - a for a, b in zip(tail, tail[1:], strict=False)]
-        rows.append({"section": SECTION, "driver": driver, "steps": len(times),
-                     "gap_p50_ms": _ms(gaps, 50), "gap_p99_ms": _ms(gaps, 99),
-                     "gap_max_ms": 1e3 * max(gaps, default=math.nan),
-                     "encoder_layers": runner.num_encoder_layers_run})
-    torch.set_num_threads(threads)
-    return rows
+    return list(rows)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.common import bench_ms, write_json
+from bench.common import Rows, bench_ms, section_rows
 from spaceserve.bench.prompts import image_grid as prompt_image_grid
 
 SECTION = "models"
@@ -104,25 +104,6 @@ class Clock:
         return time.perf_counter() + self.reserve < self.deadline
 
 
-class Rows(list):
-    """Result rows, also written to `path` (JSON) after every row, so a section killed at its
-    hard budget still leaves what it measured."""
-
-    def __init__(self, path: Path | None = None) -> None:
-        super().__init__()
-        self.path = path
-
-    def append(self, row: dict) -> None:
-        super().append(row)
-        if self.path is not None:
-            write_json(self.path, list(self))
-
-    def __iadd__(self, rows):  # type: ignore[override]
-        for r in rows:
-            self.append(r)
-        return self
-
-
 def _measure(rows: list[dict], clock: Clock, base: dict, fn: Callable[[], Any],
              timer: Callable[[Callable[[], Any]], float], check: Callable[[], float] | None = None
              ) -> float | None:
@@ -143,8 +124,10 @@ def _measure(rows: list[dict], clock: Clock, base: dict, fn: Callable[[], Any],
 
 
 def bench_vision(models: dict[str, Any], config: Any, images: dict[str, tuple[int, int]],
-                 budgets: tuple[int | None, ...], clock: Clock, timer: Callable) -> list[dict]:
-    rows: list[dict] = []
+                 budgets: tuple[int | None, ...], clock: Clock, timer: Callable,
+                 rows: list[dict] | None = None) -> list[dict]:
+    """Vision-pass rows, appended to `rows` (a new list if None) as they are measured."""
+    rows = [] if rows is None else rows
     ours, stock = models["spaceserve"], models["torch-ops"]
     v = config.vision_config
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
@@ -211,10 +194,11 @@ def _fill_random(cache: Any, seed: int) -> None:
 
 def bench_decode(models: dict[str, Any], batches: tuple[int, ...], context: int,
                  budgets: tuple[int | None, ...], clock: Clock, timer: Callable, *,
-                 graphs: bool) -> list[dict]:
+                 graphs: bool, rows: list[dict] | None = None) -> list[dict]:
+    """Decode-step rows, appended to `rows` (a new list if None) as they are measured."""
     from spaceserve.models import DecodeGraph
 
-    rows: list[dict] = []
+    rows = [] if rows is None else rows
     ours, stock = models["spaceserve"], models["torch-ops"]
     dev, vocab = ours.device, ours.language.vocab_size
     for b in batches:
@@ -335,12 +319,12 @@ def run_suite(config: Any, device: torch.device, dtype: torch.dtype, *,
     graphs = device.type == "cuda" if graphs is None else graphs
     t0 = time.perf_counter()
     models = build_models(config, device, dtype, hf=hf, backend=backend)
-    rows = Rows(partial)
+    rows = section_rows() if partial is None else Rows(partial, SECTION)
     rows.append(dict(section=SECTION, stage="setup", build_s=time.perf_counter() - t0,
                      dtype=str(dtype), device=str(device)))
-    rows += bench_decode(models, batches[:1], context, budgets, clock, timer, graphs=graphs)
-    rows += bench_vision(models, config, images, budgets, clock, timer)
-    rows += bench_decode(models, batches[1:], context, budgets, clock, timer, graphs=graphs)
+    bench_decode(models, batches[:1], context, budgets, clock, timer, graphs=graphs, rows=rows)
+    bench_vision(models, config, images, budgets, clock, timer, rows=rows)
+    bench_decode(models, batches[1:], context, budgets, clock, timer, graphs=graphs, rows=rows)
     return list(rows)
 
 
@@ -349,5 +333,4 @@ def run(results_dir: str | Path, time_budget_s: float) -> list[dict]:
     if not torch.cuda.is_available():
         return [dict(section=SECTION, skipped="needs a CUDA device")]
     return run_suite(qwen2_vl_7b_config(), torch.device("cuda"), torch.bfloat16,
-                     time_budget_s=time_budget_s * 0.95,
-                     partial=Path(results_dir) / f"{SECTION}_partial.json")
+                     time_budget_s=time_budget_s * 0.95)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.common import bench_ms, copy_bandwidth_gbs, gbps, plot_lines, tflops, write_json
+from bench.common import bench_ms, copy_bandwidth_gbs, gbps, plot_lines, section_rows, tflops
 
 HQ, HKV, DIM, PAGE = 28, 4, 128, 16
 BATCHES = (1, 8, 32, 128)
@@ -287,8 +287,8 @@ def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
     budget = Budget(time_budget_s)
     full = torch.cuda.get_device_properties(0).multi_processor_count
     copy = copy_bandwidth_gbs(1 << 31, rep_ms=50)
-    rows: list[dict[str, Any]] = [{"kernel": "copy", "gbs": copy["gbs_read_write"],
-                                   "status": "ok"}]
+    rows = section_rows()  # saved after every row
+    rows.append({"kernel": "copy", "gbs": copy["gbs_read_write"], "status": "ok"})
     w = Workload(MAX_CACHE_TOKENS, torch.device("cuda"))
     sections = (
         lambda: decode_table(w, rows, budget, copy["gbs_read_write"], full),
@@ -301,6 +301,5 @@ def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
             section()
         except Exception as exc:  # one failing part must not lose the others' rows
             rows.append({"kernel": "paged_attention", "status": f"error: {exc!r}"[:300]})
-        write_json(results_dir / "paged_attention.partial.json", rows)
     _plot_table(rows, results_dir, full)
     return rows + _headlines(rows, copy["gbs_read_write"], full)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from bench.bench_models import Clock, Rows, _checker, _fmt, _measure, _reference, image_grid
-from bench.common import bench_ms
+from bench.bench_models import Clock, _checker, _fmt, _measure, _reference, image_grid
+from bench.common import Rows, bench_ms, section_rows
 
 SECTION = "qwen25-vision"
 IMAGES = {"1024x1024": (1024, 1024), "1920x1080": (1080, 1920)}
@@ -60,8 +60,10 @@ def build_towers(config: Any, device: torch.device, dtype: torch.dtype, *, hf: b
 
 
 def bench_towers(towers: dict[str, Any], config: Any, images: dict[str, tuple[int, int]],
-                 budgets: tuple[int | None, ...], clock: Clock, timer: Callable) -> list[dict]:
-    rows: list[dict] = []
+                 budgets: tuple[int | None, ...], clock: Clock, timer: Callable,
+                 rows: list[dict] | None = None) -> list[dict]:
+    """Rows per image, appended to `rows` (a new list if None) as they are measured."""
+    rows = [] if rows is None else rows
     ours, stock = towers["triton"], towers["torch"]
     for name, (h, w) in images.items():
         grid = torch.tensor([image_grid(h, w, config)])
@@ -121,10 +123,10 @@ def run_suite(config: Any, device: torch.device, dtype: torch.dtype, *,
     budgets = tuple(dict.fromkeys(b if b is None or b < total else None for b in budgets))
     t0 = time.perf_counter()
     towers = build_towers(config, device, dtype, hf=hf)
-    rows = Rows(partial)
+    rows = section_rows() if partial is None else Rows(partial, SECTION)
     rows.append(dict(section=SECTION, stage="setup", build_s=time.perf_counter() - t0,
                      dtype=str(dtype), device=str(device), num_sms=total))
-    rows += bench_towers(towers, config, images, budgets, clock, timer)
+    bench_towers(towers, config, images, budgets, clock, timer, rows=rows)
     return list(rows)
 
 
@@ -135,5 +137,4 @@ def run(results_dir: str | Path, time_budget_s: float) -> list[dict]:
     from spaceserve.runtime.analytic import qwen2_5_vl_7b_config
 
     return run_suite(qwen2_5_vl_7b_config(), torch.device("cuda"), torch.bfloat16,
-                     time_budget_s=time_budget_s * 0.95,
-                     partial=Path(results_dir) / f"{SECTION}_partial.json")
+                     time_budget_s=time_budget_s * 0.95)

@@ -27,7 +27,7 @@ from typing import Any
 from spaceserve.runtime.request import SamplingParams
 from spaceserve.server.app import ServerThread, create_app
 from spaceserve.server.engine_client import AsyncEngine, load_engine
-from spaceserve.server.protocol import parse_request
+from spaceserve.server.protocol import chat_messages, parse_request
 
 GOAL_MS = 2.0
 
@@ -44,7 +44,7 @@ def measure(engine: Any, pre: Any, *, requests: int = 200, max_tokens: int = 4,
     body = {"model": "m", "messages": [{"role": "user", "content": text}],
             "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     raw = json.dumps(body).encode()
-    prompt = pre.encode(pre.render(parse_request(raw))[0], [])
+    prompt = pre.encode(pre.render(chat_messages(parse_request(raw)))[0], [])
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     client = AsyncEngine(engine)
     local: list[float] = []
@@ -63,7 +63,7 @@ def measure(engine: Any, pre: Any, *, requests: int = 200, max_tokens: int = 4,
                 for _ in range(per_round):
                     t0 = time.perf_counter()
                     # rendering + tokenising is part of the in-process path too
-                    p = pre.encode(pre.render(parse_request(raw))[0], [])
+                    p = pre.encode(pre.render(chat_messages(parse_request(raw)))[0], [])
                     engine.generate(p, params)
                     local.append(time.perf_counter() - t0)
                 for _ in range(per_round):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench.common import format_table, write_json
+from bench.common import format_table, section_rows, write_json
 
 SECTION = "serving"
 LLM_LAYERS = 8  # of Qwen2-VL-7B's 28, as the colocation section: the numbers compare
@@ -147,7 +147,7 @@ def run_plan(plan: Plan, results_dir: str | Path, time_budget_s: float) -> list[
                              "built_s": time.monotonic() - start}
     print(f"{plan.model}: LLM {models.llm_layers} layers, vision tower whole, "
           f"{models.dtype}; built in {config['built_s']:.1f} s", flush=True)
-    rows: list[dict[str, Any]] = []
+    rows = section_rows()  # saved after every row
     runs: list[dict[str, Any]] = []
     for i, mode in enumerate(plan.modes):
         now = time.monotonic()
@@ -180,7 +180,7 @@ def run_plan(plan: Plan, results_dir: str | Path, time_budget_s: float) -> list[
                        ["mode", "rate", "completed", "failed", "mean_tpot_ms", "sim_mean_tpot_ms",
                         "p99_itl_ms", "sim_p99_itl_ms", "mean_ttft_ms", "sim_mean_ttft_ms",
                         "probe_p99_itl_ms"]))
-    return rows
+    return list(rows)
 
 
 def run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:

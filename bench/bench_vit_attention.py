@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench.common import bench_ms, plot_lines, tflops, write_json
+from bench.common import bench_ms, plot_lines, section_rows, tflops, write_json
 
 HEADS, DIM = 16, 80
 SWEEP = (8, 16, 32, 48, 64, 96, 132)
@@ -257,7 +257,7 @@ def measure(results_dir: Path, time_budget_s: float, dev: torch.device, full: in
     from spaceserve.kernels.vit_attention import plan_vit_attention
 
     budget = Budget(time_budget_s)
-    rows: list[dict[str, Any]] = []
+    rows = section_rows()  # saved after every row
     cases: dict[str, tuple[Case, Any]] = {}
     for name, lens in workloads.items():
         if not budget.ok(6):

@@ -3,6 +3,8 @@
 Times are medians in milliseconds. On CUDA they come from `triton.testing.do_bench` (which
 flushes L2 between calls and syncs the device); on CPU from wall-clock repeats. Nothing here
 imports a kernel module, so the demo can set TRITON_INTERPRET before kernels are imported.
+`bench_ms`, `sync` and `format_table` live in the package (`spaceserve.bench.measure`, used by
+the kernel demo) and `pyplot` in `spaceserve.plotting`; they are re-exported here.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import statistics
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,33 +20,11 @@ from typing import Any
 
 import torch
 
+from spaceserve.bench.measure import bench_ms, format_table, sync
+from spaceserve.plotting import pyplot
 
-def sync(device: torch.device | str | None = None) -> None:
-    """Wait for the device (no-op on CPU)."""
-    dev = torch.device(device) if device is not None else None
-    if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
-        torch.cuda.synchronize(dev)
-
-
-def bench_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100,
-             device: torch.device | str | None = None, min_reps: int = 1) -> float:
-    """Median time of one call of `fn` in milliseconds."""
-    dev = torch.device(device) if device is not None else (
-        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    if dev.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=int(warmup_ms), rep=int(rep_ms), return_mode="median"))
-    fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < min_reps or (time.perf_counter() - start) * 1e3 < rep_ms:
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-        if len(times) >= 1000:
-            break
-    return statistics.median(times)
+__all__ = ["bench_ms", "copy_bandwidth_gbs", "format_table", "gbps", "matmul_tflops",
+           "plot_lines", "pyplot", "sync", "tflops", "write_json"]
 
 
 def gbps(nbytes: float, ms: float) -> float:
@@ -88,23 +68,72 @@ def _jsonable(obj: Any) -> Any:
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
-    """Write `obj` as indented JSON (dtypes, devices, dataclasses turned into plain values)."""
+    """Write `obj` as indented JSON (dtypes, devices, dataclasses turned into plain values).
+    The file is replaced whole (written beside it, then renamed): a reader, or a process killed
+    mid-write, never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=1, default=_jsonable, allow_nan=True))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=_jsonable, allow_nan=True))
+    os.replace(tmp, path)
     return path
 
 
-def pyplot() -> Any:
-    """matplotlib.pyplot on the headless Agg backend; None when matplotlib is missing."""
-    try:
-        import matplotlib
+class Rows(list):
+    """Result rows, written to `path` (JSON) after every added row, so a section killed at its
+    hard limit still leaves what it measured. The file holds ``{"section", "status", "seconds",
+    "rows"}``; `on_row` (if set) is called after each write."""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
+    def __init__(self, path: str | Path | None = None, section: str = "") -> None:
+        super().__init__()
+        self.path = None if path is None else Path(path)
+        self.section = section
+        self.started = time.perf_counter()
+        self.on_row: Callable[[Rows], None] | None = None
+
+    def save(self, status: str = "running", rows: Sequence[dict] | None = None) -> None:
+        """Write the rows (or `rows` in their place) with `status`; no-op without a path."""
+        if self.path is None:
+            return
+        write_json(self.path, {"section": self.section, "status": status,
+                               "seconds": time.perf_counter() - self.started,
+                               "rows": list(self if rows is None else rows)})
+
+    def _added(self) -> None:
+        self.save()
+        if self.on_row is not None:
+            self.on_row(self)
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self._added()
+
+    def extend(self, rows) -> None:  # type: ignore[override]
+        for r in rows:
+            self.append(r)
+
+    def __iadd__(self, rows):  # type: ignore[override]
+        self.extend(rows)
+        return self
+
+
+_SECTION_ROWS: Rows | None = None
+
+
+def bind_section_rows(path: str | Path, section: str) -> Rows:
+    """Make `section_rows()` return rows written to `path` (the GPU harness does this in a
+    section's own process, before calling the section)."""
+    global _SECTION_ROWS
+    _SECTION_ROWS = Rows(path, section)
+    _SECTION_ROWS.save()
+    return _SECTION_ROWS
+
+
+def section_rows() -> Rows:
+    """The rows of the section this process runs for the GPU harness, saved as they come;
+    outside the harness a new in-memory `Rows`. A section calls it once, for its top-level
+    row list."""
+    return _SECTION_ROWS if _SECTION_ROWS is not None else Rows()
 
 
 def plot_lines(path: str | Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], *,
@@ -135,26 +164,3 @@ def plot_lines(path: str | Path, series: dict[str, tuple[Sequence[float], Sequen
     return path
 
 
-def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return str(v)
-        if v == 0:
-            return "0"
-        a = abs(v)
-        return f"{v:.3g}" if a < 1e-2 or a >= 1e5 else f"{v:.2f}" if a < 100 else f"{v:.0f}"
-    return "-" if v is None else str(v)
-
-
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
-    """Plain-text table of dict rows (columns default to the keys of the first row)."""
-    if not rows:
-        return "(no rows)"
-    cols = list(columns) if columns else list(rows[0])
-    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()
-    out = [line, "-" * len(line)]
-    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
-            for row in cells]
-    return "\n".join(out)

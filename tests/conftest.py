@@ -22,3 +22,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    """The `--model tiny` checkpoint (tokenizer, image processor, random weights), built once
+    per session."""
+    from spaceserve.server.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import bench_ms, copy_bandwidth_gbs, gbps, plot_lines, tflops, write_json
+from bench.common import bench_ms, copy_bandwidth_gbs, gbps, plot_lines, section_rows, tflops
 
 HIDDEN, INTER, V_EMBED, V_MLP = 3584, 18944, 1280, 5120
 # (label, N, K) of the projections: LLM o_proj, gate_up, down; vision fc1, fc2.
@@ -212,7 +212,7 @@ def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
     results_dir = Path(results_dir)
     budget = Budget(time_budget_s)
     found = _kernels()
-    rows: list[dict[str, Any]] = []
+    rows = section_rows()  # saved after every row
     missing = [k for k in ("linear", "gated_mlp", "rms_norm", "layer_norm") if k not in found]
     if missing:
         rows.append({"kernel": ",".join(missing), "status": "not available"})
@@ -220,11 +220,9 @@ def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
     rows.append({"kernel": "copy", "gbs": copy_gbs, "status": "ok"})
     if "linear" in found:
         bench_linear(found["linear"], rows, budget, copy_gbs)
-        write_json(results_dir / "kernels.partial.json", rows)
     if "gated_mlp" in found:
         bench_gated_mlp(found["gated_mlp"], rows, budget)
     bench_norms(found, rows, budget)
-    write_json(results_dir / "kernels.partial.json", rows)
     if "linear" in found:
         sm_sweep(found["linear"], rows, budget, results_dir)
     return rows + _headlines(rows)

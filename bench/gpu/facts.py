@@ -2,14 +2,14 @@
 
 SM count; device-to-device copy GB/s; bf16 matmul TFLOP/s on random data; green contexts through
 cuda.bindings (creatable? SMs granted for several requests); HBM read GB/s of a persistent Triton
-streaming kernel against its program count and tile size; Triton launch overhead; first-call
-(compile) time of each SpaceServe kernel.
+streaming kernel against its program count and tile size; Triton launch overhead. (Compile times
+and the cache proof are the warm-up section's: bench/gpu/warmup.py.)
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.common import bench_ms, copy_bandwidth_gbs, gbps, matmul_tflops, plot_lines, write_json
+from bench.common import (
+    bench_ms,
+    copy_bandwidth_gbs,
+    gbps,
+    matmul_tflops,
+    plot_lines,
+    section_rows,
+    write_json,
+)
 
 GREEN_REQUESTS = (8, 16, 32, 64, 66, 100)
 STREAM_PROGRAMS = (8, 16, 32, 48, 64, 66, 96, 132)
@@ -128,61 +136,45 @@ def launch_overhead_us(n: int = 2000) -> dict[str, float]:
     return {"launch_host_us": host, "launch_sync_us": synced}
 
 
-def compile_times(deadline: float) -> list[dict[str, Any]]:
-    """First call (JIT compile + run) vs second call of each demo kernel, small bf16 shapes."""
-    from bench.kernels import CASES, resolve
-
-    rows = []
-    dev = torch.device("cuda")
-    total = torch.cuda.get_device_properties(dev).multi_processor_count
-    for case in CASES:
-        if time.perf_counter() > deadline:
-            rows.append({"kernel": case.name, "status": "skipped (time)"})
-            continue
-        found = resolve(case)
-        if isinstance(found, str):
-            rows.append({"kernel": case.name, "status": found})
-            continue
-        try:
-            _, call, _ = case.make(dev, torch.bfloat16, False, found)
-            t0 = time.perf_counter()
-            call(total)
-            torch.cuda.synchronize()
-            first = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            call(total)
-            torch.cuda.synchronize()
-            rows.append({"kernel": case.name, "first_call_s": first,
-                         "second_call_ms": (time.perf_counter() - t0) * 1e3, "status": "ok"})
-        except Exception as exc:
-            rows.append({"kernel": case.name, "status": f"error: {exc}"[:160]})
-    return rows
+def _device_row(dev: torch.device) -> dict[str, Any]:
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        name, sms, gib = props.name, props.multi_processor_count, props.total_memory / 2**30
+        text = f"{name}: {sms} SMs, {gib:.0f} GiB"
+    else:
+        name, sms, gib = platform.processor() or platform.machine(), None, None
+        text = f"CPU ({os.cpu_count()} cores; dry run, no CUDA device)"
+    return {"fact": "device", "value": name, "sms": sms, "memory_gib": gib,
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "headline": f"{text}, torch {torch.__version__}, triton {triton.__version__}"}
 
 
-def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
-    if not torch.cuda.is_available():
-        return [{"section": "facts", "skipped": "needs a CUDA device"}]
-    # A fresh Triton cache: compile times below are cold, as on a fresh machine.
-    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="spaceserve-triton-"))
+def measure(results_dir: Path, time_budget_s: float, dev: torch.device) -> list[dict[str, Any]]:
+    """The facts on `dev`: CUDA measures everything; a CPU (the dry run) measures copy and
+    matmul at small sizes and marks the CUDA-only facts skipped, so the control flow runs."""
     start = time.perf_counter()
     deadline = start + time_budget_s
-    results_dir = Path(results_dir)
-    props = torch.cuda.get_device_properties(0)
-    facts: dict[str, Any] = {"name": props.name, "sms": props.multi_processor_count,
-                             "memory_gib": props.total_memory / 2**30,
-                             "torch": torch.__version__, "triton": triton.__version__,
-                             "cuda": torch.version.cuda}
-    rows: list[dict[str, Any]] = [{"fact": "device", "value": f"{props.name}",
-                                   "headline": f"{props.name}: {props.multi_processor_count} SMs, "
-                                   f"{facts['memory_gib']:.0f} GiB, torch {torch.__version__}, "
-                                   f"triton {triton.__version__}"}]
-    copy = copy_bandwidth_gbs(1 << 30)
-    mm = matmul_tflops(8192, 8192, 8192, torch.bfloat16)
-    facts.update(copy=copy, matmul=mm)
+    cuda = dev.type == "cuda"
+    rows = section_rows()  # saved after every row
+    device = _device_row(dev)
+    rows.append(device)
+    facts: dict[str, Any] = {k: device[k] for k in ("value", "sms", "memory_gib", "torch",
+                                                     "triton", "cuda")}
+    copy = copy_bandwidth_gbs(1 << 30 if cuda else 1 << 24, device=dev, rep_ms=200 if cuda else 20)
     rows.append({"fact": "copy_gbs", "value": copy["gbs_read_write"],
-                 "headline": f"d2d copy {copy['gbs_read_write']:.0f} GB/s (read+write)"})
-    rows.append({"fact": "bf16_matmul_tflops", "value": mm["tflops"],
-                 "headline": f"bf16 matmul 8192^3 {mm['tflops']:.0f} TFLOP/s"})
+                 "headline": f"{dev.type} copy {copy['gbs_read_write']:.0f} GB/s (read+write)"})
+    size, dtype = (8192, torch.bfloat16) if cuda else (256, torch.float32)
+    mm = matmul_tflops(size, size, size, dtype, device=dev, rep_ms=200 if cuda else 20)
+    facts.update(copy=copy, matmul=mm)
+    rows.append({"fact": f"{str(dtype).removeprefix('torch.')}_matmul_tflops",
+                 "value": mm["tflops"],
+                 "headline": f"{str(dtype).removeprefix('torch.')} matmul {size}^3 "
+                 f"{mm['tflops']:.3g} TFLOP/s"})
+    if not cuda:
+        for fact in ("green_contexts", "stream_read_gbs", "triton_launch_us"):
+            rows.append({"fact": fact, "skipped": "needs a CUDA device"})
+        write_json(results_dir / "facts_details.json", facts)
+        return rows
 
     green = green_contexts()
     facts["green_contexts"] = green
@@ -190,9 +182,11 @@ def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
                         for g in green if g.get("request") is not None)
     ok = all(g["created"] for g in green)
     rows.append({"fact": "green_contexts", "value": ok,
+                 "figures": {"green_granted_sms": {str(g["request"]): g["granted"]
+                                                   for g in green if g.get("request")}},
                  "headline": f"green contexts {'ok' if ok else 'FAILED'}: {granted or green}"})
 
-    sweep = hbm_stream_sweep(start + 0.55 * time_budget_s)
+    sweep = hbm_stream_sweep(start + 0.7 * time_budget_s)
     facts["hbm_stream"] = sweep
     if sweep:
         best = max(sweep, key=lambda r: r["gbs"])
@@ -204,18 +198,24 @@ def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
                                        [r["gbs"] for r in sweep if r["tile_kb"] == kb])
                     for kb in STREAM_TILE_KB},
                    xlabel="programs (persistent grid)", ylabel="read GB/s",
-                   title=f"HBM read of a persistent Triton kernel ({props.name})")
-    launch = launch_overhead_us()
-    facts["launch"] = launch
-    rows.append({"fact": "triton_launch_us", "value": launch["launch_host_us"],
-                 "headline": f"Triton launch {launch['launch_host_us']:.1f} us host, "
-                 f"{launch['launch_sync_us']:.1f} us with sync"})
-    comp = compile_times(deadline - 3)
-    facts["compile"] = comp
-    done = [c for c in comp if "first_call_s" in c]
-    if done:
-        rows.append({"fact": "compile_s_total", "value": sum(c["first_call_s"] for c in done),
-                     "headline": "first calls (cold compile): " + ", ".join(
-                         f"{c['kernel']} {c['first_call_s']:.1f}s" for c in done)})
+                   title=f"HBM read of a persistent Triton kernel ({device['value']})")
+    if time.perf_counter() < deadline - 2:
+        launch = launch_overhead_us()
+        facts["launch"] = launch
+        rows.append({"fact": "triton_launch_us", "value": launch["launch_host_us"],
+                     "headline": f"Triton launch {launch['launch_host_us']:.1f} us host, "
+                     f"{launch['launch_sync_us']:.1f} us with sync"})
     write_json(results_dir / "facts_details.json", facts)
     return rows
+
+
+def run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
+    """The GPU harness entry point (skips without CUDA)."""
+    if not torch.cuda.is_available():
+        return [{"section": "facts", "skipped": "needs a CUDA device"}]
+    return measure(Path(results_dir), time_budget_s, torch.device("cuda"))
+
+
+def dry_run(results_dir: Path, time_budget_s: float) -> list[dict[str, Any]]:
+    """The dry run's facts: the same control flow on the CPU."""
+    return measure(Path(results_dir), time_budget_s, torch.device("cpu"))

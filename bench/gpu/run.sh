@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # SpaceServe GPU harness: every GPU check in one script, from the source tree (nothing installed).
-#   bash bench/gpu/run.sh [RESULTS_DIR] [--only SECTION ...] [--list] [--total-s SECONDS]
-# Writes JSON, PNGs and per-section logs to RESULTS_DIR (default bench/results/<date>-<gpu>/) and
-# prints a summary table last. Each section runs in its own process under its own time budget.
+#   bash bench/gpu/run.sh --out OUTDIR        (on the GPU machine; at most 9 minutes, exits 0)
+#   bash bench/gpu/run.sh --dry-run OUTDIR    (the same control flow on CPU, about a minute)
+#   bash bench/gpu/run.sh [RESULTS_DIR] [--only SECTION ...] [--budget SECTION=S] [--list]
+# OUTDIR receives results.tar.gz, summary.json and harness.log, refreshed after every section;
+# the full results stay in RESULTS_DIR (default bench/results/<date>-<gpu>/).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
 PYTHON="${PYTHON:-python3}"

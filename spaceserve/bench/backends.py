@@ -14,9 +14,8 @@ import json
 import time
 from typing import Any
 
-from spaceserve.runtime.request import SamplingParams
-from spaceserve.server.images import ImageLimits, to_data_url
-from spaceserve.server.protocol import APIError, ChatCompletionRequest
+from spaceserve.runtime.inputs import ImageLimits, to_data_url
+from spaceserve.server.errors import APIError
 
 from .metrics import Result
 from .prompts import prompt_shape
@@ -59,11 +58,16 @@ class InProcessBackend:
     def _prepare(self, body: Any) -> Any:
         if self.prompts is not None:
             return body
+        # pydantic: chat bodies only
+        from spaceserve.server.protocol import ChatCompletionRequest, prepare_chat
+
         chat = ChatCompletionRequest.model_validate(body | {"stream": False,
                                                             "stream_options": None})
-        return self.pre.prepare(chat, self.limits)
+        return prepare_chat(self.pre, chat, self.limits)
 
     async def send(self, req: BenchRequest, body: Any) -> Result:
+        from spaceserve.runtime.request import SamplingParams
+
         res = Result(req.idx, req.kind, req.resolution, time.monotonic())
         params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
         info = getattr(getattr(getattr(self.client, "engine", None), "runner", None), "info",

@@ -5,23 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
+from spaceserve.plotting import pyplot
 
 
 def plot_vs_rate(runs: list[dict[str, Any]], path: Path, title: str = "") -> Path | None:
     """Mean TPOT, p99 ITL and mean TTFT of the load (solid) and probes (dashed) per mode, and
     the simulator's prediction for the load (dotted) where the runs carry one; `title` names
     the device, model and modes."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
@@ -56,7 +47,7 @@ def plot_timeline(runs: list[dict[str, Any]], path: Path, title: str = "") -> Pa
     """Encoder and decoder SMs over time, one row per run. Both stages stay visible where
     their lines coincide (temporal: both own the whole device): the encoder is a wide pale
     band, the decoder a thin dashed line drawn over it."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None or not runs:
         return None
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.6 * len(runs) + 0.9), sharex=True,

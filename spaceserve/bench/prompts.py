@@ -9,9 +9,7 @@ Qwen2-VL preprocessor gives it with the hub checkpoint's pixel limits.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .workload import BenchRequest, parse_resolution
 
@@ -19,6 +17,9 @@ MIN_PIXELS, MAX_PIXELS = 56 * 56, 12845056  # the hub Qwen2-VL preprocessor's li
 # What a Qwen2-VL chat template adds around one user turn: the default system prompt, role
 # markers and the vision start / end tokens.
 TEMPLATE_TOKENS = 20
+
+if TYPE_CHECKING:
+    import torch
 
 
 def image_grid(resolution: str, vision_config: Any, *, min_pixels: int = MIN_PIXELS,
@@ -45,6 +46,8 @@ class Prompts:
 
     def __init__(self, info: Any, grids: dict[str, tuple[int, int, int]], seed: int = 0,
                  *, share_pixels: bool = False, max_id: int | None = None) -> None:
+        import torch
+
         self.info, self.grids = info, grids
         self.gen = torch.Generator().manual_seed(seed)
         self.vocab = min(int(info.vocab_size), 30000, *(() if max_id is None else (max_id,)))
@@ -52,11 +55,15 @@ class Prompts:
         self._pixels: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def text(self, n: int) -> dict:
+        import torch
+
         lo = 10 if self.vocab > 20 else 4
         return {"prompt_token_ids": torch.randint(lo, self.vocab, (n,), generator=self.gen)
                 .tolist()}
 
     def image(self, resolution: str, n_text: int) -> dict:
+        import torch
+
         t, h, w = self.grids[resolution]
         merge = self.info.spatial_merge_size
         ids = self.text(n_text)["prompt_token_ids"]
@@ -105,6 +112,8 @@ def prompt_shape(prompt: Any, merge: int) -> tuple[int, int]:
     grid = prompt.get("image_grid_thw")
     image = 0
     if grid is not None:
+        import torch
+
         g = torch.as_tensor(grid).reshape(-1, 3)
         image = int(g.prod(dim=1).sum()) // merge ** 2
     return len(prompt["prompt_token_ids"]), image

@@ -10,11 +10,12 @@ tower stays whole). There is no tokenizer or image processor: requests become to
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .prompts import TokenPrompts
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _qwen2_vl_7b() -> Any:
@@ -66,6 +67,8 @@ def default_backend(mode: str, device: torch.device) -> str:
 
 
 def _device(device: str | torch.device | None) -> torch.device:
+    import torch
+
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -77,7 +80,10 @@ class RandomModels:
 
     def __init__(self, name: str, *, llm_layers: int | None = None,
                  backends: Iterable[str] = ("triton",), device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, seed: int = 0) -> None:
+                 dtype: torch.dtype | None = None, seed: int = 0,
+                 tensor_parallel_size: int = 1) -> None:
+        import torch
+
         from spaceserve.models import from_state_dict, random_state_dict
 
         self.name, self.seed = name, seed
@@ -85,6 +91,11 @@ class RandomModels:
         self.llm_layers = int(self.config.text_config.num_hidden_layers)
         self.device = _device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.backends = tuple(dict.fromkeys(backends))
+        self.models: dict[str, Any] = {}
+        if tensor_parallel_size > 1:  # every engine's ranks draw their own shards
+            return
         state = random_state_dict(self.config, dtype=self.dtype, device=self.device, seed=seed)
         self.models = {b: from_state_dict(self.config, state, attention_backend=b,
                                           dtype=self.dtype, device=self.device)
@@ -101,9 +112,26 @@ class RandomModels:
 
         run_mode, note = resolve_mode(mode)
         backend = attention_backend or default_backend(run_mode, self.device)
-        if backend not in self.models:
+        if backend not in self.backends:
             raise ValueError(f"attention_backend={backend!r}: this model was built for "
-                             f"{', '.join(self.models)}")
-        runner = Qwen2VLRunner(self.models[backend], eos_token_ids=())
-        engine = Engine(runner, EngineConfig(mode=run_mode, **config))
+                             f"{', '.join(self.backends)}")
+        cfg = EngineConfig(mode=run_mode, **config)
+        if cfg.tensor_parallel_size != self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size}: these models "
+                             f"were set up for {self.tensor_parallel_size}")
+        if cfg.tensor_parallel_size > 1:
+            from spaceserve.runtime.tp import TensorParallelRunner
+
+            runner: Any = TensorParallelRunner.for_engine(
+                cfg, model_config=self.config.to_dict(), seed=self.seed,
+                attention_backend=backend, dtype=self.dtype, device=self.device)
+        else:
+            runner = Qwen2VLRunner(self.models[backend], eos_token_ids=())
+        try:
+            engine = Engine(runner, cfg)
+        except BaseException:
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()
+            raise
         return engine, TokenPrompts(runner.info, self.config, seed=self.seed), note

@@ -4,43 +4,17 @@ collected (cut at a deadline), the SM split timeline sampled, the metrics summar
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from typing import Any
 
 from spaceserve.runtime.slo import Slo
 
-from .backends import HttpBackend, chat_body
+from .backends import chat_body
 from .metrics import Result, summarize_results
+from .timeline import poll_split, thin_timeline
 from .workload import ServeWorkload, build_requests
 
 CUT = "unfinished at the time limit"
-
-
-async def _poll_split(backend: HttpBackend, samples: list[dict[str, float]], t0: float,
-                      period: float | None = None) -> None:
-    from spaceserve.server.metrics import parse_gauges
-
-    while True:
-        try:
-            g = parse_gauges(await backend.metrics_text())
-            samples.append({"t": time.monotonic() - t0,
-                            "encoder_sms": g.get("spaceserve:encoder_sms", math.nan),
-                            "decoder_sms": g.get("spaceserve:decoder_sms", math.nan)})
-        except Exception:  # a missed scrape is a gap in the timeline, not a failure
-            pass
-        await asyncio.sleep(period or backend.POLL_S)
-
-
-def _thin(samples: list[dict[str, float]], period: float = 0.1) -> list[dict[str, float]]:
-    """Keep split changes and one sample per `period` otherwise."""
-    out: list[dict[str, float]] = []
-    for s in samples:
-        if not out or (s["encoder_sms"], s["decoder_sms"]) != (
-                out[-1]["encoder_sms"], out[-1]["decoder_sms"]) or s["t"] - out[-1]["t"] >= \
-                period:
-            out.append(s)
-    return out
 
 
 async def _collect(tasks: list[asyncio.Future], reqs: list[Any], t0: float,
@@ -75,7 +49,7 @@ async def run_one(backend: Any, workload: ServeWorkload, model: str, slo: Slo | 
         end_by = t0 + workload.duration_s + drain_s
         deadline = end_by if deadline is None else min(deadline, end_by)
     polled: list[dict[str, float]] = []
-    poller = asyncio.ensure_future(_poll_split(backend, polled, t0)) \
+    poller = asyncio.ensure_future(poll_split(backend, polled, t0)) \
         if getattr(backend, "poll_metrics", False) else None
     tasks = []
     for r, body in zip(reqs, bodies, strict=True):
@@ -97,4 +71,4 @@ async def run_one(backend: Any, workload: ServeWorkload, model: str, slo: Slo | 
                                 window_s=workload.duration_s,
                                 unsent_images=sum(r.kind == "image" for r in unsent))
     return {"rate": workload.request_rate, "num_requests": len(tasks), "unsent": len(unsent),
-            "metrics": metrics, "timeline": _thin(polled), "results": results, "t0": t0}
+            "metrics": metrics, "timeline": thin_timeline(polled), "results": results, "t0": t0}

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spaceserve.cli_args import HelpFormatter
 from spaceserve.runtime.slo import DEFAULT_SLO_TEXT, Slo
 
 from .backends import HttpBackend, InProcessBackend, Unreachable
@@ -122,9 +123,11 @@ async def _run_inprocess(args: argparse.Namespace, workloads: list[ServeWorkload
         backends = [args.attention_backend] if args.attention_backend else \
             [default_backend(m, device) for m in run_modes]
         randoms = RandomModels(args.model, llm_layers=args.llm_layers, backends=backends,
-                               device=device, seed=args.seed)
+                               device=device, seed=args.seed,
+                               tensor_parallel_size=args.tensor_parallel_size)
     cfg = dict(max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-               slo=slo, encoder_window_s=args.encoder_window_ms / 1e3)
+               tensor_parallel_size=args.tensor_parallel_size, slo=slo,
+               encoder_window_s=args.encoder_window_ms / 1e3)
     runs = []
     for mode in args.modes:
         pre = prompts = None
@@ -175,16 +178,19 @@ async def _run_http(args: argparse.Namespace, workloads: list[ServeWorkload],
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spaceserve bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=("inprocess", "http"), default="inprocess")
+                                formatter_class=HelpFormatter)
+    p.add_argument("--backend", choices=("inprocess", "http"), default="inprocess",
+                   help="where requests go: engines in this process, or a server over HTTP")
     p.add_argument("--model", default="tiny", help="checkpoint directory, 'tiny', or a "
                    f"random-weight model: {', '.join(RANDOM_MODELS)}")
-    p.add_argument("--llm-layers", type=int, help="random-weight models: LLM layers to keep")
+    p.add_argument("--llm-layers", type=int,
+                   help="random-weight models: LLM layers to keep (default: all)")
     p.add_argument("--sim", action="store_true",
                    help="in-process: add the simulator's prediction beside each run")
     p.add_argument("--modes", default="spatial,temporal", help="in-process engine modes")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="http backend")
-    p.add_argument("--served-model", help="http: the model name the server serves")
+    p.add_argument("--served-model",
+                   help="http: the model name the server serves (default: --model)")
     p.add_argument("--label", default="server", help="http: the run's label in the outputs")
     p.add_argument("--rates", default="2,8", help="comma-separated request rates (req/s)")
     p.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per rate")
@@ -192,20 +198,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-mix", default="112x112=0.4,224x224=0.3,448x448=0.1,text=0.2",
                    help="WxH=weight entries; 'text' = text-only requests")
     p.add_argument("--probe-rate", type=float, default=2.0, help="probe requests/s (0: none)")
-    p.add_argument("--input-words", type=int, default=12)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--probe-output-len", type=int, default=8)
+    p.add_argument("--input-words", type=int, default=12, help="words of each text prompt")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens per request")
+    p.add_argument("--probe-output-len", type=int, default=8,
+                   help="output tokens per probe request")
     p.add_argument("--slo", default=DEFAULT_SLO_TEXT,
                    help="goodput SLO in ms: any of ttft, tpot, itl (p99 per request), e2el "
                         f"(default {DEFAULT_SLO_TEXT})")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload random seed")
     p.add_argument("--device", help="in-process: cuda or cpu (default: cuda when present)")
-    p.add_argument("--attention-backend", help="in-process: triton or torch")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--out", type=Path, default=Path("runs/bench-serve"))
+    p.add_argument("--attention-backend", help="in-process: triton or torch (default: triton "
+                   "on CUDA except in shared mode, torch on CPU)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="in-process: ranks the decoder is split over (a process and GPU each)")
+    p.add_argument("--max-num-seqs", type=int, default=128,
+                   help="in-process: requests in the running batch at most")
+    p.add_argument("--num-kv-blocks", type=int,
+                   help="in-process: KV cache blocks (default: sized from free memory)")
+    p.add_argument("--out", type=Path, default=Path("runs/bench-serve"),
+                   help="output directory")
     p.add_argument("--show", type=int, default=3, help="outputs to print per mode")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="skip the figures")
     p.add_argument("--encoder-window-ms", type=float, default=20.0,
                    help="in-process: temporal-chunked's encoder chunk between decode steps, "
                         "TWSRFT's grant in the spatial modes")

@@ -12,7 +12,8 @@ Triton's own compiler and bundled ptxas, then checks what the H200 would refuse 
 Registers and spill bytes are reported, not judged. The check needs real `@triton.jit`
 functions, so it runs with TRITON_INTERPRET unset, in its own process::
 
-    python -m spaceserve.kernels.aot [--json OUT] [--module NAME_OR_FILE ...] [--jobs N]
+    spaceserve compile-check [--json OUT] [--module NAME_OR_FILE ...] [--jobs N]
+    python -m spaceserve.kernels.aot ...          (the same)
 
 Pointer arguments get the 16-byte divisibility hint the JIT gives torch allocations; an integer
 type written "i32:16" gets it too.
@@ -290,15 +291,14 @@ def format_table(results: list[CompileResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spaceserve.kernels.aot",
-                                     description="Compile every kernel configuration for sm_90a.")
-    parser.add_argument("--json", type=Path, help="write the results as JSON here")
-    parser.add_argument("--module", action="append", default=None,
-                        help="a module (dotted name or .py path) to check instead of the package")
-    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
-    parser.add_argument("--no-spills", action="store_true",
-                        help="skip the second ptxas run that counts spill bytes")
-    args = parser.parse_args(argv)
+    """`python -m spaceserve.kernels.aot` (= `spaceserve compile-check`)."""
+    from spaceserve.cli_args import build_compile_check_parser
+
+    return run(build_compile_check_parser("python -m spaceserve.kernels.aot").parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """The compile check for parsed arguments (see `build_compile_check_parser`)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("TRITON_INTERPRET is set: unset it, the check needs the real compiler",
               file=sys.stderr)

@@ -21,23 +21,20 @@ import triton
 import triton.language as tl
 
 from .budget import resolve_num_sms
-from .linear import (
+from .gemm import (
     block_meta,
     check_input,
     check_operand,
     choose_split_k,
-    default_config,
     gemm_config,
     gemm_grid,
     gemm_signature,
     gemm_tile,
     k_contiguous,
-    linear_into,
     mma,
-    reduce_spec,
     row_align,
-    splitk_reduce,
 )
+from .linear import default_config, linear_into, reduce_spec, splitk_reduce
 from .persistent import CompileSpec, launch_persistent
 
 # Two accumulators per tile: half the N width of `linear`'s tiles at the same register cost.

@@ -12,6 +12,7 @@ kernel derives tiles itself from a bound of ``S * H * cdiv(max_seqlen, BLOCK_M)`
 segment order, skipping empty query blocks (`device_worklist=True` forces this path, e.g. for a
 CUDA graph replayed with new cu_seqlens). Both paths compute each tile identically, so they agree
 bitwise, and the KV reduction order is fixed by the segment, so every budget gives the same bits.
+The host side (block config, argument checks, the work list and its plan) is `vit_plan.py`.
 
 Head dim. `tl.arange` needs powers of two, so D is covered by two dot widths of at least 16:
 D=80 runs as 64 + 16 (two dots per product) instead of a padded 128, which would cost 1.6x the
@@ -28,21 +29,30 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from .budget import device_num_sms, resolve_num_sms
-from .configs import kernel_config
+from .budget import resolve_num_sms
 from .persistent import CompileSpec, launch_persistent
+from .vit_plan import (
+    DTYPE_NAMES,
+    NAME,
+    VitAttentionPlan,
+    block_config,
+    build_tiles,
+    check_qkv,
+    check_rotary,
+    default_config,
+    head_dim_split,
+    host_cu_seqlens,
+    plan_vit_attention,
+)
 
-NAME = "vit_attention"
-MAX_HEAD_DIM = 256
+__all__ = ["compile_specs", "head_dim_split", "plan_vit_attention", "ref_vit_attention",
+           "vit_attention", "VitAttentionPlan"]
 _LOG2E = 1.4426950408889634
-_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @triton.jit
@@ -144,121 +154,6 @@ def _vit_attention_kernel(
                      mask=row_ok[:, None] & (d1 < HEAD_DIM)[None, :])
 
 
-def head_dim_split(head_dim: int) -> tuple[int, int]:
-    """Two power-of-two dot widths (>= 16, second may be 0) covering `head_dim`: 80 -> (64, 16)."""
-    d0 = max(16, 1 << (head_dim.bit_length() - 1))
-    if d0 >= head_dim:
-        return d0, 0
-    return d0, max(16, triton.next_power_of_2(head_dim - d0))
-
-
-def default_config(head_dim: int, dtype: torch.dtype, device_type: str,
-                   rotary: bool = False) -> dict[str, Any]:
-    """Block sizes, warps and stages used when no tuned table is installed.
-
-    Fused rotary pipelines fp32 cos/sin tiles beside K, so it takes fewer stages and, past D=80,
-    a narrower BLOCK_N (D=128 with three stages needs 288 KiB of shared memory, over sm_90's
-    227 KiB; with BLOCK_N=64 it spills registers).
-    """
-    if device_type != "cuda":
-        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
-    wide = sum(head_dim_split(head_dim)) > 128
-    if dtype == torch.float32:
-        stages = 1 if wide and rotary else 2
-        return {"BLOCK_M": 32 if wide else 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": stages}
-    if wide:
-        return {"BLOCK_M": 64, "BLOCK_N": 32 if rotary else 64, "num_warps": 4,
-                "num_stages": 2}
-    if rotary:
-        return {"BLOCK_M": 128, "BLOCK_N": 32 if head_dim > 80 else 64, "num_warps": 8,
-                "num_stages": 2}
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-
-
-def _config(head_dim: int, dtype: torch.dtype, device: torch.device,
-            rotary: bool = False) -> dict[str, Any]:
-    # Looked up at the whole-device bucket: block sizes and warps change the reduction order,
-    # so a per-budget choice would make the result depend on the budget.
-    default = default_config(head_dim, dtype, device.type, rotary)
-    return kernel_config(NAME, device_num_sms(device), default)
-
-
-def _host_cu_seqlens(cu: torch.Tensor | Sequence[int], total: int | None) -> torch.Tensor:
-    """Validate host cu_seqlens (int32 tensor or int list) and return it as an int64 CPU tensor."""
-    if isinstance(cu, torch.Tensor):
-        if cu.device.type != "cpu":
-            raise ValueError("cu_seqlens host copy must be a CPU tensor or a list of ints")
-        if cu.dtype != torch.int32:
-            raise ValueError(f"cu_seqlens must be int32, got {cu.dtype}")
-        host = cu.to(torch.int64)
-    else:
-        host = torch.tensor([int(x) for x in cu], dtype=torch.int64)
-    if host.dim() != 1 or host.numel() < 1:
-        raise ValueError(f"cu_seqlens must be 1-D with S+1 >= 1 entries, got {tuple(host.shape)}")
-    if host[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {int(host[0])}")
-    if total is not None and host[-1] != total:
-        raise ValueError(f"cu_seqlens must end at T={total}, got {int(host[-1])}")
-    if host.numel() > 1 and bool((host[1:] < host[:-1]).any()):
-        raise ValueError("cu_seqlens must be non-decreasing")
-    return host
-
-
-def _build_tiles(cu: torch.Tensor, num_heads: int, block_m: int) -> torch.Tensor:
-    """(seg_start, seg_end, q_start, head) int32 rows, longest segment first (stable)."""
-    lens = cu[1:] - cu[:-1]
-    _, order = torch.sort(-lens, stable=True)
-    nblk = (lens[order] + block_m - 1) // block_m
-    counts = nblk * num_heads
-    seg = torch.repeat_interleave(order, counts)
-    nb = torch.repeat_interleave(nblk, counts)
-    first = torch.cumsum(counts, 0) - counts
-    j = torch.arange(seg.numel(), dtype=torch.int64) - torch.repeat_interleave(first, counts)
-    start = cu[seg]
-    tiles = torch.stack([start, cu[seg + 1], start + (j % nb) * block_m, j // nb], dim=1)
-    return tiles.to(torch.int32).contiguous()
-
-
-@dataclass(frozen=True)
-class VitAttentionPlan:
-    """A host-built LPT work list for one cu_seqlens, reused by every layer of a vision pass."""
-
-    tiles: torch.Tensor  # int32 [num_tiles, 4] on the run device
-    num_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    total_tokens: int
-    max_seqlen: int
-    block_m: int
-
-    @property
-    def num_tiles(self) -> int:
-        return self.tiles.shape[0]
-
-
-def plan_vit_attention(cu_seqlens: torch.Tensor | Sequence[int], num_heads: int, head_dim: int,
-                       *, dtype: torch.dtype = torch.bfloat16,
-                       device: torch.device | str | None = None) -> VitAttentionPlan:
-    """Plan tiles for `vit_attention(..., plan=plan)` from a host copy of cu_seqlens.
-
-    The work list and block config do not depend on the budget, so one plan serves every split.
-    """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not (
-            1 <= head_dim <= MAX_HEAD_DIM):
-        raise ValueError(f"head_dim must be an int in 1..{MAX_HEAD_DIM}, got {head_dim!r}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    cu = _host_cu_seqlens(cu_seqlens, None)
-    dev = torch.device(device) if device is not None else (
-        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    block_m = _config(head_dim, dtype, dev)["BLOCK_M"]
-    tiles = _build_tiles(cu, num_heads, block_m).to(dev)
-    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    return VitAttentionPlan(tiles, num_heads, head_dim, dtype, int(cu[-1]), max_len, block_m)
-
-
 _DUMMY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -268,49 +163,6 @@ def _dummy_fp32(device: torch.device) -> torch.Tensor:
     if buf is None:
         buf = _DUMMY[device] = torch.zeros(1, dtype=torch.float32, device=device)
     return buf
-
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a [T, H, D] tensor")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name} dtype must be float32, float16 or bfloat16, got {t.dtype}")
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError("q, k, v must be on one device")
-    total, heads, head_dim = q.shape
-    if head_dim > MAX_HEAD_DIM or head_dim < 1:
-        raise ValueError(f"head dim D={head_dim} must be in 1..{MAX_HEAD_DIM}")
-    return total, heads, head_dim
-
-
-def _check_rotary(cos: torch.Tensor | None, sin: torch.Tensor | None, q: torch.Tensor) -> int:
-    """Validate fused-rotary tables; returns their column count (0 when no rotary)."""
-    if cos is None and sin is None:
-        return 0
-    if cos is None or sin is None:
-        raise ValueError("cos and sin must be given together")
-    total, _, head_dim = q.shape
-    if head_dim % 2:
-        raise ValueError(f"rotary needs an even head dim, got D={head_dim}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on {q.device}")
-        if t.dim() != 2 or t.shape[0] != total or t.shape[1] not in (head_dim, head_dim // 2):
-            raise ValueError(f"{name} must be [T, D] or [T, D/2] = [{total}, {head_dim}] or "
-                             f"[{total}, {head_dim // 2}], got {tuple(t.shape)}")
-        if t.stride(1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim")
-    if sin.shape != cos.shape or sin.stride() != cos.stride():
-        raise ValueError("sin must have the shape and strides of cos")
-    return cos.shape[1]
 
 
 def vit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -327,7 +179,7 @@ def vit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     segment. `cos`/`sin` fuse rotate-half RoPE into the loads; `out` (``[T, H, D]``, unit last
     stride) receives the result. Never syncs with the device.
     """
-    total, heads, head_dim = _check_qkv(q, k, v)
+    total, heads, head_dim = check_qkv(q, k, v)
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or not cu_seqlens.numel():
         raise ValueError("cu_seqlens must be a 1-D tensor of S+1 >= 1 offsets")
     if cu_seqlens.dtype != torch.int32:
@@ -342,7 +194,7 @@ def vit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     if not math.isfinite(sm_scale):
         raise ValueError(f"scale must be finite, got {scale!r}")
     budget = resolve_num_sms(num_sms, q.device)
-    cos_cols = _check_rotary(cos, sin, q)
+    cos_cols = check_rotary(cos, sin, q)
     rotary = cos_cols > 0
     num_segments = cu_seqlens.numel() - 1
 
@@ -358,7 +210,7 @@ def vit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         name = "cu_seqlens_cpu" if cu_seqlens_cpu is not None else "cu_seqlens"
         src = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
         try:
-            host = _host_cu_seqlens(src, total)
+            host = host_cu_seqlens(src, total)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         if host.numel() != cu_seqlens.numel():
@@ -376,13 +228,13 @@ def vit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     if total == 0:
         return out
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
-    cfg = dict(_config(head_dim, q.dtype, q.device, rotary))
+    cfg = dict(block_config(head_dim, q.dtype, q.device, rotary))
     if plan is not None:
         cfg["BLOCK_M"] = plan.block_m
     block_m = cfg["BLOCK_M"]
     use_tiles = not device_worklist and (plan is not None or host is not None)
     if use_tiles:
-        tiles = plan.tiles if plan is not None else _build_tiles(host, heads, block_m).to(q.device)
+        tiles = plan.tiles if plan is not None else build_tiles(host, heads, block_m).to(q.device)
         cu_dev, num_tiles, num_q_blocks = tiles, tiles.shape[0], 1
     else:
         tiles = cu_dev = cu_seqlens.to(q.device)
@@ -442,7 +294,7 @@ def compile_specs() -> list[CompileSpec]:
     specs = []
     for dtype, head_dim, use_tiles, rotary in itertools.product(
             (torch.bfloat16, torch.float16), (64, 80, 128), (True, False), (False, True)):
-        ty, (d0, d1) = _DTYPES[dtype], head_dim_split(head_dim)
+        ty, (d0, d1) = DTYPE_NAMES[dtype], head_dim_split(head_dim)
         cfg = default_config(head_dim, dtype, "cuda", rotary)
         sig = {n: f"*{ty}" for n in ("Q", "K", "V", "Out")}
         sig.update(COS="*fp32", SIN="*fp32", CU_SEQLENS="*i32", TILES="*i32")

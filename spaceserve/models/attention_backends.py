@@ -7,13 +7,16 @@ calls only launch (so a decode step can be captured in a CUDA graph).
 
 - ``triton``: SpaceServe's persistent kernels, every launch under the caller's SM budget.
 - ``torch``: SDPA / plain torch on any device; the stock-kernel baseline and the reference.
-- ``flash_attn``, ``flashinfer``: the libraries of those names, when importable on CUDA.
+- ``flash_attn``, ``flashinfer``: the libraries of those names, when importable on CUDA
+  (`library_backends.py`, registered as lazy ``module:Class`` entries: imported only when asked
+  for, so this module never imports them).
 
 KV caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer for K and for V.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 
 from spaceserve import kernels
 
-from .context import StepContext
+from .step_context import StepContext
 
 Tensor = torch.Tensor
 
@@ -248,13 +251,50 @@ class TritonBackend(AttentionBackend):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-_REGISTRY: dict[str, type[AttentionBackend]] = {"triton": TritonBackend, "torch": TorchBackend}
+# A name maps to a backend class, or (lazy entry) to "module:Class", imported only when the
+# backend is asked for: the optional library backends are never imported by this module.
+_REGISTRY: dict[str, type[AttentionBackend] | str] = {
+    "triton": TritonBackend,
+    "torch": TorchBackend,
+    "flash_attn": "spaceserve.models.library_backends:FlashAttnBackend",
+    "flashinfer": "spaceserve.models.library_backends:FlashInferBackend",
+}
 
 
-def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    """Add a backend class to the name registry (used by the optional library backends)."""
-    _REGISTRY[cls.name] = cls
+def register_backend(cls: type[AttentionBackend] | str, name: str | None = None
+                     ) -> type[AttentionBackend] | str:
+    """Add a backend to the name registry: a class (under ``cls.name``; usable as a class
+    decorator), or a lazy ``"package.module:Class"`` path under `name`, imported on first use."""
+    if isinstance(cls, str):
+        if name is None or ":" not in cls:
+            raise ValueError(f"a lazy backend needs a name and a 'module:Class' path, got "
+                             f"name={name!r}, path={cls!r}")
+        _REGISTRY[name] = cls
+        return cls
+    _REGISTRY[name or cls.name] = cls
     return cls
+
+
+def _resolve(name: str) -> tuple[type[AttentionBackend] | None, str | None]:
+    """(backend class, None), or (None, why it cannot be imported) for a lazy entry whose module
+    or class fails to load. A loaded lazy entry is replaced by its class."""
+    entry = _REGISTRY[name]
+    if not isinstance(entry, str):
+        return entry, None
+    module, _, attr = entry.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        return None, f"{entry} is not importable ({type(exc).__name__}: {exc})"
+    if _REGISTRY.get(name) == entry:
+        _REGISTRY[name] = cls
+    return cls, None
+
+
+def _unavailable(name: str) -> tuple[type[AttentionBackend] | None, str | None]:
+    """(class, why it cannot run here or None)."""
+    cls, reason = _resolve(name)
+    return cls, reason if cls is None else cls.unavailable_reason()
 
 
 def known_backends() -> list[str]:
@@ -263,7 +303,7 @@ def known_backends() -> list[str]:
 
 def available_backends() -> list[str]:
     """Names of the backends that can run in this process."""
-    return [n for n, cls in _REGISTRY.items() if cls.unavailable_reason() is None]
+    return [n for n in list(_REGISTRY) if _unavailable(n)[1] is None]
 
 
 def get_backend(name: str | AttentionBackend) -> AttentionBackend:
@@ -271,15 +311,11 @@ def get_backend(name: str | AttentionBackend) -> AttentionBackend:
     `BackendUnavailable` for a known one that cannot run here (saying why)."""
     if isinstance(name, AttentionBackend):
         return name
-    cls = _REGISTRY.get(name)
-    if cls is None:
+    if name not in _REGISTRY:
         raise ValueError(
             f"attention_backend={name!r} is unknown; known backends: {', '.join(_REGISTRY)}"
         )
-    reason = cls.unavailable_reason()
-    if reason is not None:
+    cls, reason = _unavailable(name)
+    if cls is None or reason is not None:
         raise BackendUnavailable(f"attention backend {name!r} is unavailable: {reason}")
     return cls()
-
-
-from . import library_backends  # noqa: E402,F401  (registers flash_attn and flashinfer)

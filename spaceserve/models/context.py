@@ -27,7 +27,9 @@ numpy operations into a pinned staging buffer, and moves it to the device in two
 copies. Where a buffer lies depends only on the step's shape, so a CUDA graph captured on one
 of its contexts replays every later context of that shape with no copy at all; the attention
 backend's plan is refilled in place rather than rebuilt. `plan_step` is the functional form
-(lists in, a context with buffers of its own out) over the same code.
+(lists in, a context with buffers of its own out) over the same code. The pieces: the context
+itself (`step_context.py`), the per-row sequence state (`step_rows.py`) and the device buffer
+with its staging and per-shape views (`step_buffers.py`).
 
 Layers receive the context explicitly (not through a global), so the encoder and decoder stages
 can run in different threads at the same time.
@@ -36,96 +38,17 @@ can run in different threads at the same time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from .step_buffers import StepBuffers
+from .step_context import HostMeta, StepContext
+from .step_rows import SequenceRows, as_list, int_array
+
+__all__ = ["ContextPlanner", "HostMeta", "StepContext", "plan_step"]
 Tensor = torch.Tensor
-_BUFFERS = ("positions", "slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables",
-            "logits_indices")
-
-
-@dataclass
-class HostMeta:
-    """Host copies of the step metadata, as numpy arrays (``positions`` and ``slot_mapping``
-    as CPU tensors); the torch backend and the attention plans read these. A planner's copies
-    are views of its buffers, valid until its next plan."""
-
-    num_cached_tokens: np.ndarray  # [B] int64
-    num_new_tokens: np.ndarray  # [B] int64
-    seq_lens: np.ndarray  # [B] int32
-    cu_seqlens_q: np.ndarray  # [B + 1] int32
-    block_tables: np.ndarray  # [B, width] int32
-    logits_indices: np.ndarray  # [R] int64
-    logits_seqs: np.ndarray  # [R] int64
-    positions: torch.Tensor  # [3, T] int64
-    slot_mapping: torch.Tensor  # [T] int64
-    input_ids: np.ndarray | None = None  # [T] int64 when the step was given its token ids
-
-
-@dataclass
-class StepContext:
-    """Device tensors of one LM step, their host copies, and the attention backend's plan."""
-
-    num_seqs: int
-    num_tokens: int
-    num_real_seqs: int
-    num_decode_seqs: int
-    block_size: int
-    max_seqlen_q: int
-    max_seqlen_k: int
-    positions: torch.Tensor  # [3, T] int64 (M-RoPE rows t, h, w)
-    slot_mapping: torch.Tensor  # [T] int64, -1 = do not store
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32
-    seq_lens: torch.Tensor  # [B] int32, cached + new (0 = padding)
-    block_tables: torch.Tensor  # [B, width] int32
-    logits_indices: torch.Tensor  # [R] int64, flattened token index of each logits row
-    host: HostMeta
-    plan: Any = None
-    extras: dict[str, Any] = field(default_factory=dict)
-    input_ids: torch.Tensor | None = None  # [T] int64 (padding tokens 0) when planned with ids
-    logits_seqs: torch.Tensor | None = None  # [R] int64, sequence of each logits row
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.num_decode_seqs == self.num_seqs
-
-    @property
-    def device(self) -> torch.device:
-        return self.positions.device
-
-    def shares_buffers(self, other: StepContext) -> bool:
-        """Whether `other`'s metadata tensors are this context's (same memory and shapes), as
-        for two same-shaped steps of one planner: nothing to copy between them."""
-        for name in _BUFFERS:
-            a, b = getattr(self, name), getattr(other, name)
-            if a.data_ptr() != b.data_ptr() or a.shape != b.shape or a.stride() != b.stride():
-                return False
-        return True
-
-    def copy_from(self, other: StepContext) -> None:
-        """Copy `other`'s metadata into this context's tensors in place (same shapes), so a
-        CUDA graph captured with this context replays `other`'s step; the plan is kept."""
-        for name in _BUFFERS:
-            dst, src = getattr(self, name), getattr(other, name)
-            if dst.shape != src.shape:
-                raise ValueError(f"{name}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
-            dst.copy_(src, non_blocking=True)
-        for name in ("num_seqs", "num_tokens", "num_real_seqs", "num_decode_seqs", "block_size",
-                     "max_seqlen_q", "max_seqlen_k", "host"):
-            setattr(self, name, getattr(other, name))
-
-
-def _int_array(name: str, values: Any, n: int | None = None) -> np.ndarray:
-    """A fresh 1-D int64 array of host values; ValueError naming `name` on a wrong length."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    out = np.array(values, dtype=np.int64, ndmin=1)
-    if out.ndim != 1 or (n is not None and out.size != n):
-        raise ValueError(f"{name} has {out.size} entries for {n} sequences")
-    return out
 
 
 class ContextPlanner:
@@ -133,12 +56,13 @@ class ContextPlanner:
 
     Capacities: `max_num_seqs` sequences (padding included), `max_num_tokens` tokens, block
     tables `max_blocks_per_seq` wide. A step names, per sequence, a *row* of the planner's
-    state: ``table[row]`` (block ids, written by the caller as blocks are allocated; ids past a
-    sequence's length may be stale but must be valid, so the torch backend can gather them),
-    and the rope delta and prompt M-RoPE positions `set_row` records. `backend` (an attention
-    backend) gets its plan refilled per step unless ``plan_attention=False``.
+    `SequenceRows` state: ``table[row]`` (block ids, written by the caller as blocks are
+    allocated; ids past a sequence's length may be stale but must be valid, so the torch
+    backend can gather them), and the rope delta and prompt M-RoPE positions `set_row` records.
+    `backend` (an attention backend) gets its plan refilled per step unless
+    ``plan_attention=False``.
 
-    A context's tensors are views of the planner's device buffer, valid until the next `plan`,
+    A context's tensors are views of the planner's `StepBuffers`, valid until the next `plan`,
     whose copy is ordered after the work of the stream that planned last. When `staged`
     (default: on a GPU) the host side alternates between `staging` (pinned) buffers, each
     rewritten only after the copy that last read it has completed. Stages that run steps at
@@ -164,79 +88,23 @@ class ContextPlanner:
         if rows is not None:
             if (rows.max_num_seqs, rows.max_blocks_per_seq) != (s, w):
                 raise ValueError("rows: a planner with other max_num_seqs / max_blocks_per_seq")
-            self.table, self.rope_delta = rows.table, rows.rope_delta
-            self.prompt_len, self.prompt_positions = rows.prompt_len, rows.prompt_positions
+            self.row_state = rows.row_state
         else:
-            self.table = np.zeros((s, w), dtype=np.int32)
-            self.rope_delta = np.zeros(s, dtype=np.int64)
-            self.prompt_len = np.zeros(s, dtype=np.int64)
-            self.prompt_positions: list[np.ndarray | None] = [None] * s
+            self.row_state = SequenceRows(s, w)
+        st = self.row_state
+        self.table, self.rope_delta = st.table, st.rope_delta
+        self.prompt_len, self.prompt_positions = st.prompt_len, st.prompt_positions
         self._arange = np.arange(t + 2, dtype=np.int64)
-        self._base_bt = 5 * t + 3 * s + 1  # int64 words before the block-table region
-        words = self._base_bt + (s * w + 1) // 2
-        cuda = self.device.type == "cuda"
-        self._staged = cuda if staged is None else bool(staged)
-        self._dev = torch.zeros(words, dtype=torch.int64, device=self.device)
-        self._host = [self._dev]
-        self._events: list[Any] = []
-        if self._staged:
-            self._host = [torch.zeros(words, dtype=torch.int64, pin_memory=cuda)
-                          for _ in range(staging)]
-            self._events = [torch.cuda.Event() for _ in range(staging)] if cuda else []
-        self._turn = self._serial = 0
-        self._stream: Any = None
-        self._views: dict[tuple[int, ...], tuple[Any, ...]] = {}
+        self.buffers = StepBuffers(s, t, w, self.device, staging=staging, staged=staged)
+        self._serial = 0
         self.attention_plan: Any = None
 
     def set_row(self, row: int, block_ids: Sequence[int] | None = None, *, rope_delta: int = 0,
                 mrope_positions: Tensor | np.ndarray | None = None) -> None:
         """Give `row` to a sequence: its first block ids (when given), its rope delta, and its
         prompt's ``[3, L]`` M-RoPE positions (None: positions are index + delta)."""
-        if not 0 <= row < self.max_num_seqs:
-            raise ValueError(f"row={row} is outside 0..{self.max_num_seqs - 1}")
-        if block_ids is not None:
-            n = len(block_ids)
-            if n > self.max_blocks_per_seq:
-                raise ValueError(f"block_ids has {n} blocks > max_blocks_per_seq="
-                                 f"{self.max_blocks_per_seq}")
-            self.table[row, :n] = block_ids
-        self.rope_delta[row] = rope_delta
-        if mrope_positions is None:
-            self.prompt_positions[row], self.prompt_len[row] = None, 0
-            return
-        p = mrope_positions
-        arr = p.detach().cpu().numpy() if isinstance(p, torch.Tensor) else np.asarray(p)
-        if arr.ndim != 2 or arr.shape[0] != 3:
-            raise ValueError(f"mrope_positions must be [3, L], got {tuple(arr.shape)}")
-        self.prompt_positions[row] = arr.astype(np.int64, copy=False)
-        self.prompt_len[row] = arr.shape[1]
-
-    def _layout(self, turn: int, t: int, r: int, b: int, width: int) -> tuple[Any, ...]:
-        """(host numpy views, host position/slot tensors, device views) of one step shape."""
-        key = (turn, t, r, b, width)
-        views = self._views.get(key)
-        if views is not None:
-            return views
-        if len(self._views) > 512:
-            self._views.clear()
-        o32 = 2 * (5 * t + 2 * r)
-        bt0 = 2 * self._base_bt
-
-        def cut(buf: Any, as32: Any) -> tuple[Any, ...]:
-            return (buf[:t], buf[t:4 * t].reshape(3, t), buf[4 * t:5 * t],
-                    buf[5 * t:5 * t + r], buf[5 * t + r:5 * t + 2 * r],
-                    as32[o32:o32 + b + 1], as32[o32 + b + 1:o32 + 2 * b + 1],
-                    as32[bt0:bt0 + b * width].reshape(b, width))
-
-        host = self._host[turn]
-        hnp = host.numpy()
-        hv = cut(hnp, hnp.view(np.int32))
-        dv = cut(self._dev, self._dev.view(torch.int32))
-        hpos, hslot = (dv[1], dv[2]) if not self._staged else (torch.from_numpy(hv[1]),
-                                                              torch.from_numpy(hv[2]))
-        views = (hv, hpos, hslot, dv, 5 * t + 2 * r + b + 1, (b * width + 1) // 2)
-        self._views[key] = views
-        return views
+        self.row_state.set_row(row, block_ids, rope_delta=rope_delta,
+                               mrope_positions=mrope_positions)
 
     def plan(self, rows: Sequence[int] | np.ndarray, num_cached_tokens: Sequence[int] | np.ndarray,
              num_new_tokens: Sequence[int] | np.ndarray, *,
@@ -251,10 +119,10 @@ class ContextPlanner:
         width otherwise); `copy_width` how many leading columns of each row are refreshed from
         ``table`` (default: the needed ones). Raises ValueError on inconsistent inputs.
         """
-        rows = _int_array("rows", rows)
+        rows = int_array("rows", rows)
         b = rows.size
-        cached = _int_array("num_cached_tokens", num_cached_tokens, b)
-        new = _int_array("num_new_tokens", num_new_tokens, b)
+        cached = int_array("num_cached_tokens", num_cached_tokens, b)
+        new = int_array("num_new_tokens", num_new_tokens, b)
         pad = 0 if pad_seqs_to is None else int(pad_seqs_to) - b
         if pad < 0:
             raise ValueError(f"pad_seqs_to={pad_seqs_to} is smaller than the batch ({b})")
@@ -298,16 +166,9 @@ class ContextPlanner:
         if input_ids is not None and len(input_ids) != t_real:
             raise ValueError(f"input_ids has {len(input_ids)} tokens, the step {t_real}")
 
-        turn = self._turn
-        self._turn = (turn + 1) % len(self._host)
-        if self._events:
-            self._events[turn].synchronize()  # the copy that last read this staging buffer
-            stream = torch.cuda.current_stream(self.device)
-            if self._stream is not None and stream != self._stream:
-                stream.wait_stream(self._stream)  # the last step's kernels read the buffer
-            self._stream = stream
-        hv, hpos, hslot, dv, words, bt_words = self._layout(turn, ntok, nlog + pad, nseq, width)
-        ids, pos, slot, lidx, lseq, cu, seq_lens, bt = hv
+        views = self.buffers.begin(ntok, nlog + pad, nseq, width)
+        ids, pos, slot, lidx, lseq, cu, seq_lens, bt = views.host
+        hpos, hslot, dv = views.host_positions, views.host_slots, views.device
         ar = self._arange
         cu64 = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(new, out=cu64[1:])
@@ -344,12 +205,7 @@ class ContextPlanner:
         if cw:
             bt[:b, :cw] = self.table[rows, :cw]
             bt[b:, :cw] = 0
-        if self._staged:
-            host, base = self._host[turn], self._base_bt
-            self._dev[:words].copy_(host[:words], non_blocking=True)
-            self._dev[base:base + bt_words].copy_(host[base:base + bt_words], non_blocking=True)
-            if self._events:
-                self._events[turn].record()
+        self.buffers.upload(views)
         meta = HostMeta(
             num_cached_tokens=np.concatenate([cached, np.zeros(pad, np.int64)]) if pad else cached,
             num_new_tokens=np.concatenate([new, np.ones(pad, np.int64)]) if pad else new,
@@ -380,41 +236,9 @@ class ContextPlanner:
                   mrope_positions: Sequence[Any] | None = None) -> None:
         """Put explicit per-sequence tables (and rope state) into rows ``0..B-1``, checking
         that each covers its cached + new tokens with non-negative block ids."""
-        b = len(num_cached_tokens)
-        tables = _as_list("block_tables", block_tables, b, [])
-        deltas = _int_array("rope_deltas", rope_deltas if rope_deltas is not None else [0] * b, b)
-        mpos = _as_list("mrope_positions", mrope_positions, b, None)
-        if b > self.max_num_seqs:
-            raise ValueError(f"{b} sequences exceed max_num_seqs={self.max_num_seqs}")
-        cached = np.maximum(_int_array("num_cached_tokens", num_cached_tokens), 0)
-        new = np.maximum(_int_array("num_new_tokens", num_new_tokens, b), 0)
-        pages = -(-(cached + new) // self.block_size)
-        for i, t in enumerate(tables):
-            n = len(t)
-            if n < pages[i]:
-                raise ValueError(f"block_tables[{i}] has {n} blocks, {pages[i]} needed for "
-                                 f"{cached[i] + new[i]} tokens of block size {self.block_size}")
-            if n:
-                self.table[i, :min(n, width)] = t[:width]
-        used = self.table[:b, :width] < 0
-        used &= np.arange(width)[None, :] < pages[:, None]
-        if used.any():
-            raise ValueError(f"block_tables[{int(np.argmax(used.any(1)))}] holds a negative "
-                             "block id")
-        for i in range(b):
-            try:
-                self.set_row(i, rope_delta=int(deltas[i]), mrope_positions=mpos[i])
-            except ValueError as err:
-                raise ValueError(f"mrope_positions[{i}]: {err}") from None
-
-
-def _as_list(name: str, values: Sequence[Any] | None, n: int, default: Any) -> list[Any]:
-    if values is None:
-        return [default] * n
-    values = list(values)
-    if len(values) != n:
-        raise ValueError(f"{name} has {len(values)} entries for {n} sequences")
-    return values
+        self.row_state.load(num_cached_tokens, num_new_tokens, block_tables, width=width,
+                            block_size=self.block_size, rope_deltas=rope_deltas,
+                            mrope_positions=mrope_positions)
 
 
 def plan_step(
@@ -449,9 +273,9 @@ def plan_step(
         raise ValueError("num_cached_tokens: a step needs at least one sequence")
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be >= 1")
-    cached = _int_array("num_cached_tokens", num_cached_tokens)
-    new = _int_array("num_new_tokens", num_new_tokens, b)
-    tables = _as_list("block_tables", block_tables, b, [])
+    cached = int_array("num_cached_tokens", num_cached_tokens)
+    new = int_array("num_new_tokens", num_new_tokens, b)
+    tables = as_list("block_tables", block_tables, b, [])
     nseq = b if pad_seqs_to is None else int(pad_seqs_to)
     width = max([len(t) for t in tables], default=1) or 1
     if max_blocks_per_seq is not None:

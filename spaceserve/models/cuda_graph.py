@@ -44,7 +44,7 @@ class DecodeGraph:
             self._own_planner = True
         else:
             self._own_planner = False
-            if (planner.block_size, planner._dev.device) != (bs, kv_cache.k[0].device):
+            if (planner.block_size, planner.buffers.device) != (bs, kv_cache.k[0].device):
                 raise ValueError("planner: block size or device differs from the cache's")
             if planner.max_num_seqs < batch_size or planner.max_blocks_per_seq < \
                     max_blocks_per_seq:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .attention_backends import AttentionBackend, VitMeta, _scale, register_backend
-from .context import StepContext
+from .step_context import StepContext
 
 Tensor = torch.Tensor
 

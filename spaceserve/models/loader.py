@@ -1,6 +1,12 @@
 """Building Qwen2-VL and Qwen2.5-VL: from a local checkpoint directory, from a state dict, or
 with random weights from a config (benchmarks). Configs are transformers' own `Qwen2VLConfig` /
-`Qwen2_5_VLConfig`; the architecture follows the config's ``model_type``."""
+`Qwen2_5_VLConfig`; the architecture follows the config's ``model_type``.
+
+Every builder takes ``tp=TensorParallel(rank, size)`` and a `comm` (`parallel.Communicator`) to
+build one rank's shard of a tensor-parallel model: a checkpoint is then read slice by slice
+with safetensors' ``get_slice`` (`weights.py`), so a rank materialises only what it holds. The
+model's ``load_stats`` say how many bytes were read.
+"""
 
 from __future__ import annotations
 
@@ -12,31 +18,25 @@ from typing import Any
 import torch
 
 from .attention_backends import AttentionBackend
+from .parallel import Communicator, TensorParallel, check_text_config
 from .qwen2_5_vl import Qwen25VL
 from .qwen2_5_vl_vision import vision_weight_shapes
 from .qwen2_vl import Qwen2VL
+from .weights import (
+    LoadStats,
+    MemorySource,
+    RandomSource,
+    SafetensorsSource,
+    canonical_name,
+    iter_random,
+    shard_getter,
+)
 
 Tensor = torch.Tensor
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 MODEL_CLASSES: dict[str, type[Qwen2VL]] = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen25VL}
-
-# Checkpoint key prefixes (old hub layout and transformers 5.x layout) -> internal prefixes.
-_PREFIXES = (
-    ("model.visual.", "visual."),
-    ("visual.", "visual."),
-    ("model.language_model.", "language."),
-    ("language_model.model.", "language."),
-    ("model.", "language."),
-    ("lm_head.", "lm_head."),
-)
-
-
-def canonical_name(key: str) -> str | None:
-    """Internal name of a checkpoint key (``visual.*``, ``language.*``, ``lm_head.*``)."""
-    for old, new in _PREFIXES:
-        if key.startswith(old):
-            return new + key[len(old):]
-    return None
+__all__ = ["SUPPORTED_MODEL_TYPES", "canonical_name", "config_class", "from_config",
+           "from_pretrained", "from_state_dict", "random_state_dict", "weight_shapes"]
 
 
 def _resolve_dtype(dtype: Any, fallback: torch.dtype) -> torch.dtype:
@@ -77,64 +77,44 @@ def _as_config(config: Any) -> Any:
     return config
 
 
+def _build(config: Any, source: Any, *, attention_backend: str | AttentionBackend,
+           dtype: torch.dtype | str | None, device: Any, dense_ops: str | None,
+           tp: TensorParallel | None, comm: Communicator | None) -> Qwen2VL:
+    tp = tp or TensorParallel()
+    if tp.size > 1:
+        check_text_config(config.text_config, tp)
+    dt = _resolve_dtype(dtype, source.dtype() or torch.float32)
+    dev = _resolve_device(device)
+    stats = LoadStats()
+    weight = shard_getter(source, config, tp, dt, dev, stats)
+    model = MODEL_CLASSES[config.model_type](config, weight, attention_backend=attention_backend,
+                                             dtype=dt, device=dev, dense_ops=dense_ops, tp=tp,
+                                             comm=comm)
+    model.load_stats = stats
+    return model
+
+
 def from_state_dict(config: Any, state_dict: Mapping[str, Tensor], *,
                     attention_backend: str | AttentionBackend = "triton",
                     dtype: torch.dtype | str | None = None, device: Any = None,
-                    dense_ops: str | None = None) -> Qwen2VL:
+                    dense_ops: str | None = None, tp: TensorParallel | None = None,
+                    comm: Communicator | None = None) -> Qwen2VL:
     """Build from tensors named as transformers names them (either checkpoint layout); a
-    Qwen2.5-VL config gives a `Qwen25VL`."""
-    config = _as_config(config)
-    weights: dict[str, Tensor] = {}
-    for key, t in state_dict.items():
-        name = canonical_name(key)
-        if name is not None:
-            weights[name] = t
-    first = next(iter(weights.values()), None)
-    dt = _resolve_dtype(dtype, first.dtype if first is not None else torch.float32)
-    dev = _resolve_device(device)
-    if "lm_head.weight" not in weights and "language.embed_tokens.weight" in weights:
-        if not (getattr(config, "tie_word_embeddings", False)
-                or getattr(config.text_config, "tie_word_embeddings", False)):
-            raise ValueError("the checkpoint has no lm_head.weight and the config does not tie "
-                             "word embeddings")
-        weights["lm_head.weight"] = weights["language.embed_tokens.weight"]
-    cache: dict[str, Tensor] = {}
-
-    def weight(name: str) -> Tensor:
-        if name not in cache:
-            if name not in weights:
-                raise ValueError(f"the checkpoint has no tensor for {name!r}")
-            cache[name] = weights[name].to(device=dev, dtype=dt).contiguous()
-        return cache[name]
-
-    return MODEL_CLASSES[config.model_type](config, weight, attention_backend=attention_backend,
-                                            dtype=dt, device=dev, dense_ops=dense_ops)
-
-
-def _read_checkpoint(path: str) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no .safetensors weights found")
-    out: dict[str, Tensor] = {}
-    for name in files:
-        out.update(load_file(os.path.join(path, name), device="cpu"))
-    return out
+    Qwen2.5-VL config gives a `Qwen25VL`. With `tp`, this rank's shard (module docstring)."""
+    return _build(_as_config(config), MemorySource(state_dict),
+                  attention_backend=attention_backend, dtype=dtype, device=device,
+                  dense_ops=dense_ops, tp=tp, comm=comm)
 
 
 def from_pretrained(path: str | os.PathLike, *,
                     attention_backend: str | AttentionBackend = "triton",
                     dtype: torch.dtype | str | None = None, device: Any = None,
-                    dense_ops: str | None = None) -> Qwen2VL:
+                    dense_ops: str | None = None, tp: TensorParallel | None = None,
+                    comm: Communicator | None = None) -> Qwen2VL:
     """Load a local checkpoint directory (config.json + safetensors, as save_pretrained writes
-    it; no hub access). `dtype` defaults to the checkpoint's, `device` to CUDA when present.
-    Raises ValueError for an unsupported architecture or an unknown backend."""
+    it; no hub access), tensor by tensor, and with `tp` only this rank's slices. `dtype`
+    defaults to the checkpoint's, `device` to CUDA when present. Raises ValueError for an
+    unsupported architecture, an unknown backend, or head counts that do not split over `tp`."""
     path = os.fspath(path)
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
@@ -147,12 +127,12 @@ def from_pretrained(path: str | os.PathLike, *,
         raise ValueError(f"{path}: model_type {model_type!r} ({arch}) is not supported; "
                          f"SpaceServe runs {', '.join(SUPPORTED_MODEL_TYPES)}")
     config = config_class(model_type).from_pretrained(path)
-    state = _read_checkpoint(path)
     if dtype is None:
         stored = raw.get("dtype") or raw.get("torch_dtype")
         dtype = stored if isinstance(stored, str) else None
-    return from_state_dict(config, state, attention_backend=attention_backend, dtype=dtype,
-                           device=device, dense_ops=dense_ops)
+    with SafetensorsSource(path) as source:
+        return _build(config, source, attention_backend=attention_backend, dtype=dtype,
+                      device=device, dense_ops=dense_ops, tp=tp, comm=comm)
 
 
 def _qwen2_vl_vision_shapes(v: Any) -> dict[str, tuple[int, ...]]:
@@ -211,28 +191,25 @@ def random_state_dict(config: Any, *, dtype: torch.dtype | str | None = None,
                       device: Any = None, seed: int = 0, std: float = 0.02
                       ) -> dict[str, Tensor]:
     """Random weights in the hub layout, generated on `device`: matrices and biases
-    ~ N(0, std), norm weights ~ 1 + N(0, std)."""
+    ~ N(0, std), norm weights ~ 1 + N(0, std); each tensor from a generator seeded by
+    (`seed`, its name), so `from_config` gives the same weights, whole or sharded."""
     config = _as_config(config)
     dt = _resolve_dtype(dtype, torch.float32)
     dev = _resolve_device(device)
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(seed)
-    state: dict[str, Tensor] = {}
-    for name, shape in weight_shapes(config).items():
-        w = torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * std
-        if ("norm" in name or "ln_q" in name) and name.endswith("weight"):
-            w = w + 1.0
-        state[name] = w.to(dt)
-    return state
+    return {name: w.to(dt) for name, w in iter_random(weight_shapes(config), seed=seed,
+                                                      std=std, device=dev)}
 
 
 def from_config(config: Any, *, attention_backend: str | AttentionBackend = "triton",
                 dtype: torch.dtype | str | None = None, device: Any = None,
-                dense_ops: str | None = None, seed: int = 0, std: float = 0.02) -> Qwen2VL:
+                dense_ops: str | None = None, seed: int = 0, std: float = 0.02,
+                tp: TensorParallel | None = None, comm: Communicator | None = None) -> Qwen2VL:
     """Random weights for `config` (a Qwen2VLConfig / Qwen2_5_VLConfig or its dict), for
-    benchmarks; see `random_state_dict`."""
+    benchmarks; those of `random_state_dict`, drawn one tensor at a time (with `tp`, each rank
+    keeps only its slices)."""
     config = _as_config(config)
     dt = _resolve_dtype(dtype, torch.float32)
-    state = random_state_dict(config, dtype=dt, device=device, seed=seed, std=std)
-    return from_state_dict(config, state, attention_backend=attention_backend, dtype=dt,
-                           device=device, dense_ops=dense_ops)
+    dev = _resolve_device(device)
+    source = RandomSource(weight_shapes(config), seed=seed, std=std, device=dev)
+    return _build(config, source, attention_backend=attention_backend, dtype=dt, device=dev,
+                  dense_ops=dense_ops, tp=tp, comm=comm)

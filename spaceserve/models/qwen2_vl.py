@@ -13,6 +13,7 @@ from . import context as _context
 from .attention_backends import AttentionBackend, get_backend
 from .mrope import mrope_positions
 from .ops import TorchOps, make_ops
+from .parallel import Communicator, TensorParallel
 from .qwen2_vl_text import KVCache, LanguageModel
 from .qwen2_vl_vision import EncoderJob, VisionEncoder
 
@@ -22,7 +23,11 @@ Tensor = torch.Tensor
 class Qwen2VL:
     """Qwen2-VL with two stage entry points, each under its own SM budget:
     `encode_images` (the encoder; preemptible through ``vision.start/advance/finish``) and
-    `forward` (one LM step over the paged cache, metadata from `plan_step`)."""
+    `forward` (one LM step over the paged cache, metadata from `plan_step`).
+
+    With `tp` (`parallel.TensorParallel`) and `comm`, the decoder is this rank's shard of a
+    tensor-parallel group (`weight` then returns shards, and ``weight(name, rows=(a, b))`` full
+    rows); the vision tower is whole on every rank."""
 
     # The vision tower class and the vision config field giving its output width (architecture
     # variants override these).
@@ -31,8 +36,10 @@ class Qwen2VL:
 
     def __init__(self, config: Any, weight: Callable[[str], Tensor], *,
                  attention_backend: str | AttentionBackend = "triton",
-                 dtype: torch.dtype, device: torch.device, dense_ops: str | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, dense_ops: str | None = None,
+                 tp: TensorParallel | None = None, comm: Communicator | None = None) -> None:
         self.config = config
+        self.tp = tp or TensorParallel()
         self.dtype = dtype
         self.device = device
         self.backend = get_backend(attention_backend)
@@ -45,8 +52,14 @@ class Qwen2VL:
             raise ValueError(f"vision_config.{self.vision_out_field}={out} must equal "
                              f"text_config.hidden_size={tcfg.hidden_size}")
         head = weight("lm_head.weight")
-        self.language = LanguageModel(tcfg, lambda n: weight("language." + n), head,
-                                      config.image_token_id, self.ops, self.backend, device, dtype)
+        img = int(config.image_token_id)
+        vid = getattr(config, "video_token_id", None)
+        media = [t for t in (img, vid) if t is not None]
+        rows = {t: weight("language.embed_tokens.weight", rows=(t, t + 1)) for t in media} \
+            if self.tp.size > 1 else None
+        self.language = LanguageModel(tcfg, lambda n: weight("language." + n), head, img,
+                                      self.ops, self.backend, device, dtype, tp=self.tp,
+                                      comm=comm, video_token_id=vid, media_token_rows=rows)
 
     @property
     def attention_backend(self) -> str:
@@ -59,7 +72,8 @@ class Qwen2VL:
     def encode_images(self, pixel_values: Tensor, image_grid_thw: Tensor | Sequence[Sequence[int]],
                       *, num_sms: int | None = None) -> Tensor:
         """Merged image embeddings ``[image_tokens, text_hidden]`` (transformers' pooler_output),
-        every launch under `num_sms`."""
+        every launch under `num_sms`. Videos go the same way: `image_grid_thw` rows with t > 1
+        temporal patches (transformers' ``pixel_values_videos`` / ``video_grid_thw``)."""
         return self.vision.encode(pixel_values, image_grid_thw, num_sms=self._budget(num_sms))
 
     def start_encode(self, pixel_values: Tensor, image_grid_thw: Any) -> EncoderJob:
@@ -78,17 +92,25 @@ class Qwen2VL:
                                   backend=self.backend, **kwargs)
 
     def forward(self, input_ids: Tensor, ctx: _context.StepContext, kv_cache: KVCache, *,
-                image_embeds: Tensor | None = None, num_sms: int | None = None) -> Tensor:
-        """One LM step; logits of the rows `ctx` selects (see `context.py`)."""
+                image_embeds: Tensor | None = None, num_sms: int | None = None,
+                comm: Communicator | None = None) -> Tensor:
+        """One LM step; logits of the rows `ctx` selects (see `context.py`). `comm` replaces
+        the decoder's communicator for this step (tensor parallelism only)."""
         return self.language.forward(input_ids, ctx, kv_cache, image_embeds=image_embeds,
-                                     num_sms=self._budget(num_sms))
+                                     num_sms=self._budget(num_sms), comm=comm)
 
     __call__ = forward
 
     # -- host helpers ----------------------------------------------------------------------
-    def mrope_positions(self, input_ids: Any, image_grid_thw: Any = None) -> tuple[Tensor, int]:
-        """M-RoPE positions ``[3, L]`` and rope delta of one prompt (see `mrope.py`)."""
-        return mrope_positions(input_ids, image_grid_thw, self.config)
+    def mrope_positions(self, input_ids: Any, image_grid_thw: Any = None, *,
+                        video_grid_thw: Any = None,
+                        second_per_grid_ts: Tensor | Sequence[float] | None = None
+                        ) -> tuple[Tensor, int]:
+        """M-RoPE positions ``[3, L]`` and rope delta of one prompt (see `mrope.py`);
+        `second_per_grid_ts` spaces video frames on Qwen2.5-VL only."""
+        return mrope_positions(input_ids, image_grid_thw, self.config,
+                               video_grid_thw=video_grid_thw,
+                               second_per_grid_ts=second_per_grid_ts)
 
     def image_processor(self, **kwargs: Any) -> Any:
         """transformers' Qwen2VLImageProcessor with this model's patch geometry."""

@@ -3,6 +3,11 @@
 One `forward` runs a flattened batch mixing prefill chunks and decode tokens (layout in
 `context.py`), splices image embeddings in at image-token positions, and returns logits only
 for the rows the step context asks for. Every kernel launch runs under the given `num_sms`.
+
+Under tensor parallelism (`parallel.py`) the weights handed in are this rank's shards: the
+layers run on the rank's heads and MLP columns, its KV cache holds only its KV heads, and the
+hidden state is all-reduced after o_proj, after down_proj and after the vocabulary-parallel
+embedding lookup; the logits shards are all-gathered, so every rank returns full logits.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from .attention_backends import AttentionBackend
-from .context import StepContext
 from .ops import TorchOps
+from .parallel import Communicator, SingleRank, TensorParallel, Unconnected
+from .step_context import StepContext
 
 Tensor = torch.Tensor
 
@@ -45,25 +51,42 @@ def mrope_section_index(section: list[int], half: int) -> Tensor:
 
 
 class LanguageModel:
-    """The Qwen2-VL decoder on SpaceServe ops; weights come from a name -> tensor getter.
-    Q/K/V and gate/up projections are fused into one GEMM each at load time."""
+    """The Qwen2-VL decoder on SpaceServe ops; weights come from a name -> tensor getter (this
+    rank's shards under tensor parallelism, see the module docstring). Q/K/V and gate/up
+    projections are fused into one GEMM each at load time. `num_heads` / `num_kv_heads` are the
+    rank's own; `total_heads` / `total_kv_heads` the model's. `media_token_rows` maps the image
+    (and video) token id to its full embedding row (needed only when the vocabulary is split:
+    a generated media token is plain text and embeds as its own row)."""
 
     def __init__(self, config: Any, weight: Callable[[str], Tensor], lm_head: Tensor,
                  image_token_id: int, ops: TorchOps, backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, *, tp: TensorParallel | None = None,
+                 comm: Communicator | None = None, video_token_id: int | None = None,
+                 media_token_rows: dict[int, Tensor] | None = None) -> None:
         self.config = config
         self.ops = ops
         self.backend = backend
         self.device = device
         self.dtype = dtype
+        self.tp = tp or TensorParallel()
+        self.comm = comm or (SingleRank() if self.tp.size == 1 else
+                             Unconnected(self.tp.rank, self.tp.size))
+        if (self.comm.rank, self.comm.size) != (self.tp.rank, self.tp.size):
+            raise ValueError(f"communicator rank {self.comm.rank} of {self.comm.size} does not "
+                             f"match tensor-parallel rank {self.tp.rank} of {self.tp.size}")
         self.image_token_id = int(image_token_id)
+        self.video_token_id = None if video_token_id is None else int(video_token_id)
         self.hidden = int(config.hidden_size)
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(config.num_key_value_heads or self.num_heads)
-        self.head_dim = self.hidden // self.num_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_kv_heads}")
+        self.total_heads = int(config.num_attention_heads)
+        self.total_kv_heads = int(config.num_key_value_heads or self.total_heads)
+        self.head_dim = self.hidden // self.total_heads
+        if self.total_heads % self.total_kv_heads:
+            raise ValueError(f"num_attention_heads={self.total_heads} is not a multiple of "
+                             f"num_key_value_heads={self.total_kv_heads}")
+        split = self.tp.heads(self.total_heads, self.total_kv_heads)
+        self.num_heads, self.num_kv_heads = split.q_heads, split.kv_heads
+        if self.tp.size > 1:
+            self.tp.even(int(config.intermediate_size), "intermediate_size")
         self.eps = float(config.rms_norm_eps)
         self.num_layers = int(config.num_hidden_layers)
         self.vocab_size = int(config.vocab_size)
@@ -78,7 +101,25 @@ class LanguageModel:
         self.section_index = mrope_section_index(section, d // 2).to(device)
 
         backend.bind_lm(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.vocab_start, vocab_end, shard_rows = self.tp.vocab(self.vocab_size)
         self.embed = weight("embed_tokens.weight")
+        if self.embed.shape[0] != vocab_end - self.vocab_start:
+            raise ValueError(f"embed_tokens.weight has {self.embed.shape[0]} rows, vocabulary "
+                             f"shard [{self.vocab_start}, {vocab_end}) of vocab_size="
+                             f"{self.vocab_size} needs {vocab_end - self.vocab_start}")
+        media = [t for t in (self.image_token_id, self.video_token_id) if t is not None]
+        if self.tp.size > 1:
+            missing = [t for t in media if t not in (media_token_rows or {})]
+            if missing:
+                raise ValueError(f"a split vocabulary needs media_token_rows for token ids "
+                                 f"{missing} (their full embedding rows)")
+            self.media_token_rows = {t: media_token_rows[t].reshape(self.hidden)
+                                     for t in media}
+            if lm_head.shape[0] < shard_rows:  # a short last shard: zero logits, cut after
+                lm_head = torch.cat([lm_head, lm_head.new_zeros(shard_rows - lm_head.shape[0],
+                                                                lm_head.shape[1])])
+        else:
+            self.media_token_rows = {t: self.embed[t] for t in media}
         self.layers = []
         for i in range(self.num_layers):
             p = f"layers.{i}."
@@ -113,27 +154,40 @@ class LanguageModel:
         full = torch.cat([freqs, freqs], dim=-1)
         return full.cos(), full.sin()
 
-    def embed_tokens(self, input_ids: Tensor, image_embeds: Tensor | None) -> Tensor:
-        h = F.embedding(input_ids, self.embed)
+    def embed_tokens(self, input_ids: Tensor, image_embeds: Tensor | None,
+                     comm: Communicator | None = None) -> Tensor:
+        """Token embeddings (vocabulary-parallel: local rows, others zeroed, all-reduced over
+        `comm`, default the model's) with `image_embeds` spliced in at image-token positions."""
+        if self.tp.size == 1:
+            h = F.embedding(input_ids, self.embed)
+        else:
+            local = input_ids - self.vocab_start
+            inside = (local >= 0) & (local < self.embed.shape[0])
+            h = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.embed)
+            h = (comm or self.comm).all_reduce(h.masked_fill_(~inside.unsqueeze(-1), 0))
         if image_embeds is None:
             return h
         mask = input_ids == self.image_token_id
+        if self.video_token_id is not None:  # video tokens take encoder rows the same way
+            mask |= input_ids == self.video_token_id
         if image_embeds.dim() != 2 or image_embeds.shape[1] != self.hidden:
             raise ValueError(f"image_embeds must be [image_tokens, {self.hidden}], got "
                              f"{tuple(image_embeds.shape)}")
         if input_ids.device.type == "cpu":
             n = int(mask.sum())
             if n != image_embeds.shape[0]:
-                raise ValueError(f"input_ids hold {n} image tokens, image_embeds has "
+                raise ValueError(f"input_ids hold {n} image/video tokens, image_embeds has "
                                  f"{image_embeds.shape[0]} rows")
         return h.masked_scatter(mask.unsqueeze(-1), image_embeds.to(h.dtype))
 
     def forward(self, input_ids: Tensor, ctx: StepContext, kv_cache: KVCache, *,
-                image_embeds: Tensor | None = None, num_sms: int | None = None) -> Tensor:
+                image_embeds: Tensor | None = None, num_sms: int | None = None,
+                comm: Communicator | None = None) -> Tensor:
         """Logits ``[len(ctx.logits_indices), vocab]`` of one step over the flattened batch.
 
         `input_ids` ``[T]`` is the flattened batch; `image_embeds` the embedding rows of the
-        image tokens it holds, in order (for prefill chunks covering image tokens).
+        image tokens it holds, in order (for prefill chunks covering image tokens). `comm`
+        replaces the model's communicator for this step (a stage with a group of its own).
         """
         if input_ids.dim() != 1 or input_ids.shape[0] != ctx.num_tokens:
             raise ValueError(f"input_ids must be [{ctx.num_tokens}] (the step's tokens), got "
@@ -143,10 +197,11 @@ class LanguageModel:
         if ctx.plan is None:
             ctx.plan = self.backend.plan(ctx)
         ops, be = self.ops, self.backend
+        comm = comm or self.comm
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self.rotary_tables(ctx.positions)
-        h = self.embed_tokens(input_ids, image_embeds)
+        h = self.embed_tokens(input_ids, image_embeds, comm)
         residual = None
         for i, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down) in enumerate(self.layers):
             if residual is None:
@@ -160,12 +215,17 @@ class LanguageModel:
             q, k = ops.rotary(q, k, cos, sin, num_sms=num_sms)
             be.store_kv(k, v, kv_cache.k[i], kv_cache.v[i], ctx, num_sms=num_sms)
             o = be.paged_attention(q, kv_cache.k[i], kv_cache.v[i], ctx, num_sms=num_sms)
-            h = ops.linear(o.reshape(t, hq * d), o_w, num_sms=num_sms)
+            h = comm.all_reduce(ops.linear(o.reshape(t, hq * d), o_w, num_sms=num_sms))
             x, residual = ops.rms_norm(h, ln2, self.eps, residual=residual, num_sms=num_sms)
-            h = ops.gated_mlp(x, gate_up, down, num_sms=num_sms)
+            h = comm.all_reduce(ops.gated_mlp(x, gate_up, down, num_sms=num_sms))
         sel = ctx.logits_indices
         if sel.numel() == 0:
             return h.new_empty(0, self.vocab_size)
         x, _ = ops.rms_norm(h.index_select(0, sel), self.norm, self.eps,
                             residual=residual.index_select(0, sel), num_sms=num_sms)
-        return ops.linear(x, self.lm_head, num_sms=num_sms)
+        logits = ops.linear(x, self.lm_head, num_sms=num_sms)
+        if self.tp.size == 1:
+            return logits
+        rows, shard = logits.shape
+        full = comm.all_gather(logits).view(self.tp.size, rows, shard).transpose(0, 1)
+        return full.reshape(rows, self.tp.size * shard)[:, :self.vocab_size]

@@ -19,6 +19,14 @@ from .request import Request, Status
 from .runner import ModelRunner
 
 
+def release_encoding(runner: ModelRunner, req: Request) -> None:
+    """Tell a runner that keeps per-request encoder state elsewhere (a tensor-parallel group's
+    workers) that `req` ended; runners without ``release_encoding`` keep nothing."""
+    release = getattr(runner, "release_encoding", None)
+    if release is not None:
+        release(req.mm)
+
+
 class EncoderStage(Protocol):
     """What the engine needs from an encoder stage."""
 
@@ -124,4 +132,5 @@ class TemporalEncoderStage:
     def release(self, req: Request) -> None:
         if req.mm is not None:
             req.mm.embeds = None
+            release_encoding(self.runner, req)
         self._held.discard(req.request_id)

@@ -24,6 +24,7 @@ takes effect when the prefill completes.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -106,6 +107,9 @@ def load_curves(path: str | None, runner: Any) -> CurveSet:
 def engine_policy(curves: CurveSet, config: Any, total_sms: int) -> SchedulingPolicy:
     """The scheduling policy of an `EngineConfig` (`policy.py`): what `sim.sim_policy` builds
     for a simulated GPU with the same curves, SLO, knobs and reference decode load."""
+    splits = config.encoder_splits
+    if splits and not all(0 < e < total_sms for e in splits):
+        raise ValueError(f"encoder_splits={tuple(splits)} must be in 1..{total_sms - 1}")
     batch, context = config.sis_load
     return scheduling_policy(
         curves, config.slo, objective=config.sis_objective, total_sms=total_sms,
@@ -319,20 +323,21 @@ class SpatialRuntime:
         self.partitions.close()
 
 
-def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
-                  clock: Callable[[], float] = time.monotonic
-                  ) -> tuple[SpatialEncoderStage, SpatialRuntime]:
-    """Partitions, decode graphs per partition, the encoder stage and the step runtime of a
-    co-located mode from an `EngineConfig`; ValueError names a bad setting."""
-    mode, device = config.mode, torch.device(runner.device)
+def make_partitions(config: Any, device: torch.device, splits: Sequence[int] | None = None
+                    ) -> tuple[PartitionSet, list[Partition]]:
+    """The partition set of a co-located mode and the partitions it uses, from an
+    `EngineConfig` (or anything with its mode, encoder_sms, encoder_splits, green_contexts and
+    programs_per_sm fields: a tensor-parallel worker builds the same set on its own device).
+    `splits`: ``spatial``'s split set when chosen elsewhere (`engine_policy`)."""
+    mode = config.mode
     if mode not in SPATIAL_MODES:
         raise ValueError(f"mode={mode!r} is not a co-located mode ({', '.join(SPATIAL_MODES)})")
     total = device_num_sms(device)
     green = None if config.green_contexts else False
     if mode == "shared":
         pset = PartitionSet(device, shared=True)
-        parts = [pset.full]
-    elif mode == "spatial-static":
+        return pset, [pset.full]
+    if mode == "spatial-static":
         e = config.encoder_sms
         if e is None:
             splits = default_splits(total)
@@ -340,16 +345,27 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
         if not 0 < e < total:
             raise ValueError(f"encoder_sms={e} must be in 1..{total - 1} (SMs of this device)")
         pset = PartitionSet(device, [e], green=green, programs_per_sm=config.programs_per_sm)
-        parts = [pset.get(e)]
-    else:
-        splits = tuple(config.encoder_splits or ())
-        if not all(0 < e < total for e in splits):
-            raise ValueError(f"encoder_splits={splits} must be in 1..{total - 1}")
-        splits = engine_policy(load_curves(config.curves, runner), config, total).splits
-        pset = PartitionSet(device, splits, green=green, programs_per_sm=config.programs_per_sm)
-        parts = pset.partitions()
+        return pset, [pset.get(e)]
+    splits = tuple(splits or config.encoder_splits or default_splits(total))
+    if not all(0 < e < total for e in splits):
+        raise ValueError(f"encoder_splits={splits} must be in 1..{total - 1}")
+    pset = PartitionSet(device, splits, green=green, programs_per_sm=config.programs_per_sm)
+    return pset, pset.partitions()
+
+
+def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
+                  clock: Callable[[], float] = time.monotonic
+                  ) -> tuple[SpatialEncoderStage, SpatialRuntime]:
+    """Partitions, decode graphs per partition, the encoder stage and the step runtime of a
+    co-located mode from an `EngineConfig`; ValueError names a bad setting."""
+    mode, device = config.mode, torch.device(runner.device)
+    total = device_num_sms(device)
     curves = load_curves(config.curves, runner)
     policy = engine_policy(curves, config, total) if mode == "spatial" else None
+    if policy is not None and config.encoder_splits is None and \
+            getattr(runner, "tp_size", 1) > 1:  # tensor-parallel ranks build default splits
+        policy = dataclasses.replace(policy, splits=default_splits(total))
+    pset, parts = make_partitions(config, device, policy.splits if policy else None)
     captured: tuple[int, ...] = ()
     graph_bytes: dict[int, int] = {}  # device memory the decode graphs took, per partition
     for part in parts:

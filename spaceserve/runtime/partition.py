@@ -6,13 +6,14 @@ budget per stage and a stream per stage. Switching split is switching streams, o
 events. Besides the splits there is always the `full` partition (no encoder partition: the
 decoder gets every SM).
 
-Where the driver offers green contexts (CUDA >= 12.4, reached through ``cuda.bindings``), every
-split is made with ``cuDeviceGetDevResource -> cuDevSmResourceSplitByCount ->
-cuDevResourceGenerateDesc -> cuGreenCtxCreate -> cuGreenCtxStreamCreate``: one green context
-for the encoder's SM group and one for the remaining SMs, each with a stream wrapped as a torch
-stream. A kernel on such a stream can only use its context's SMs. The SM counts actually granted
-are read back from the green contexts and become the budgets passed to every launch (a request
-may be rounded), and inside a green partition launches may run ``programs_per_sm > 1``.
+Where the driver offers green contexts (CUDA >= 12.4, reached through ``cuda.bindings``; the
+driver calls are `green_context.py`), every split is made with ``cuDeviceGetDevResource ->
+cuDevSmResourceSplitByCount -> cuDevResourceGenerateDesc -> cuGreenCtxCreate ->
+cuGreenCtxStreamCreate``: one green context for the encoder's SM group and one for the
+remaining SMs, each with a stream wrapped as a torch stream. A kernel on such a stream can only
+use its context's SMs. The SM counts actually granted are read back from the green contexts and
+become the budgets passed to every launch (a request may be rounded), and inside a green
+partition launches may run ``programs_per_sm > 1``.
 
 Without green contexts (no CUDA, an old driver, no ``cuda.bindings``: every CPU run) the set
 falls back, with one logged line per process, to kernel budgets alone: the budgets are the
@@ -41,8 +42,19 @@ import torch
 
 from spaceserve.kernels.budget import device_num_sms, programs_per_sm_scope
 
+from .green_context import (
+    MIN_DRIVER_VERSION,
+    destroy_handles,
+    green_context_stream,
+    green_context_support,
+    sm_resource,
+    split_sm_resource,
+)
+
+__all__ = ["MIN_DRIVER_VERSION", "Partition", "PartitionSet", "default_splits",
+           "green_context_stream", "green_context_support", "sm_resource", "split_sm_resource"]
+
 log = logging.getLogger("spaceserve.runtime")
-MIN_DRIVER_VERSION = 12040  # green context streams arrived in CUDA 12.4
 _LOGGED: set[str] = set()
 
 
@@ -70,82 +82,6 @@ def _device_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
         values = [getattr(obj, n, None) for n in getattr(obj, "__slots__", ())]
     for v in values:
         yield from _device_tensors(v, depth + 1)
-
-
-def green_context_support(device: torch.device | str | None = None) -> str | None:
-    """Why green contexts cannot be used on `device` (None when they can)."""
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type != "cuda" or not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return "cuda.bindings is not installed"
-    if not hasattr(driver, "cuGreenCtxStreamCreate"):
-        return "cuda.bindings has no green-context streams"
-    torch.cuda.init()
-    err, version = driver.cuDriverGetVersion()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return f"cuDriverGetVersion failed ({err})"
-    if version < MIN_DRIVER_VERSION:
-        return f"driver CUDA {version // 1000}.{version % 1000 // 10} < 12.4"
-    return None
-
-
-def _check(result: tuple, what: str) -> Any:
-    """Unwrap a cuda.bindings (CUresult, value...) tuple; RuntimeError with the error name."""
-    from cuda.bindings import driver
-
-    err = result[0]
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise RuntimeError(f"{what}: {name.decode() if isinstance(name, bytes) else name}")
-    return result[1] if len(result) == 2 else result[1:]
-
-
-def sm_resource(index: int) -> tuple[Any, Any]:
-    """(CUdevice, its whole SM resource) of CUDA device `index`, through cuda.bindings."""
-    from cuda.bindings import driver
-
-    dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
-    whole = _check(driver.cuDeviceGetDevResource(
-        dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource")
-    return dev, whole
-
-
-def split_sm_resource(whole: Any, count: int) -> tuple[Any, Any]:
-    """(a group of about `count` SMs, the remaining SMs) split off an SM resource; the driver
-    may round the group (on Hopper to a multiple of 8)."""
-    from cuda.bindings import driver
-
-    groups, _, rest = _check(driver.cuDevSmResourceSplitByCount(1, whole, 0, count),
-                             "cuDevSmResourceSplitByCount")
-    return groups[0], rest
-
-
-def green_context_stream(dev: Any, resource: Any) -> tuple[Any, Any, int]:
-    """A green context over an SM `resource` of `dev` and a non-blocking stream in it: (context,
-    raw stream, SMs the context was granted). On failure nothing created is left behind; the
-    caller destroys both (cuStreamDestroy, then cuGreenCtxDestroy) when done."""
-    from cuda.bindings import driver
-
-    desc = _check(driver.cuDevResourceGenerateDesc([resource], 1), "cuDevResourceGenerateDesc")
-    ctx = _check(driver.cuGreenCtxCreate(
-        desc, dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM), "cuGreenCtxCreate")
-    raw = None
-    try:
-        raw = _check(driver.cuGreenCtxStreamCreate(
-            ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate")
-        granted = _check(driver.cuGreenCtxGetDevResource(
-            ctx, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
-            "cuGreenCtxGetDevResource").sm.smCount
-    except Exception:
-        if raw is not None:
-            driver.cuStreamDestroy(raw)
-        driver.cuGreenCtxDestroy(ctx)
-        raise
-    return ctx, raw, int(granted)
 
 
 @dataclass
@@ -280,14 +216,8 @@ class PartitionSet:
         """Destroy the green contexts and their streams (after the device is idle)."""
         if not self._raw:
             return
-        from cuda.bindings import driver
-
         torch.cuda.synchronize(self.device)
-        for kind, handle in reversed(self._raw):
-            if kind == "stream":
-                driver.cuStreamDestroy(handle)
-            else:
-                driver.cuGreenCtxDestroy(handle)
+        destroy_handles(self._raw)
         self._raw = []
 
     # -- choosing and switching --------------------------------------------------------------

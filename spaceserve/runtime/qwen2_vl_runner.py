@@ -3,7 +3,9 @@
 Per step the engine's `ScheduledBatch` becomes the model's step context through one
 preallocated planner (`runner.StepPlanner` over `models.context.ContextPlanner`: M-RoPE
 positions sliced from each prompt's precomputed table, rope deltas after it, the flattened
-token ids), plus the image-embedding rows of the image tokens the step covers, in token order.
+token ids), plus the embedding rows of the image and video tokens the step covers, in token
+order. A request's images and videos are one encoder job (a video is an item of t temporal
+patches; the vision tower attends within each of them).
 Decode-only steps replay a CUDA graph of the next larger captured batch size when one exists;
 the graphs are captured on the planner's own buffers, so a replay copies nothing.
 Images are encoded one request at a time, so a request's embeddings never depend on which
@@ -13,7 +15,8 @@ other requests arrived with it.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,23 @@ from .memory import kv_block_bytes
 from .request import MultiModalData, Request
 from .runner import ModelInfo, StepLimits, StepPlanner
 from .scheduler import ScheduledBatch
+from .step_plan import StepInputs
+
+# Where media-token embedding rows come from: (source, lo, hi), see `image_pieces`.
+ImagePiece = tuple[Any, int, int]
+
+
+@dataclass
+class PreparedStep:
+    """A step after its host half (`Qwen2VLRunner.prepare_step`): the stage and budget it runs
+    under, the captured batch size it replays (None: eager), its planner inputs and image
+    pieces. Everything but the pieces' sources is plain data another process can run."""
+
+    stage: str
+    budget: int | None
+    graph: int | None
+    inputs: StepInputs
+    pieces: list[ImagePiece]
 
 
 def _eos_ids(config: Any, path: str | None) -> tuple[int, ...]:
@@ -59,7 +79,12 @@ class Qwen2VLRunner:
             image_token_id=int(cfg.image_token_id),
             spatial_merge_size=int(vcfg.spatial_merge_size),
             patch_dim=int(vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size ** 2),
+            video_token_id=None if getattr(cfg, "video_token_id", None) is None
+            else int(cfg.video_token_id),
         )
+        self._media_ids = np.array([t for t in (self.info.image_token_id,
+                                                self.info.video_token_id) if t is not None])
+        self._media_set = frozenset(self._media_ids.tolist())
         lm = model.language
         self._lm_shape = (lm.num_layers, lm.num_kv_heads, lm.head_dim)
         self.kv: Any = None
@@ -135,8 +160,14 @@ class Qwen2VLRunner:
         return tuple(sizes)
 
     def prepare_request(self, req: Request) -> None:
-        grid = req.mm.image_grid_thw if req.mm is not None else None
-        req.model_state = self.model.mrope_positions(req.prompt_token_ids, grid)
+        mm = req.mm
+        if mm is None or not mm.num_videos:
+            grid = mm.image_grid_thw if mm is not None else None
+            req.model_state = self.model.mrope_positions(req.prompt_token_ids, grid)
+            return
+        req.model_state = self.model.mrope_positions(
+            req.prompt_token_ids, mm.grid_of("image"), video_grid_thw=mm.grid_of("video"),
+            second_per_grid_ts=list(mm.second_per_grid_ts))
 
     def encode(self, mms: Sequence[MultiModalData]) -> list[torch.Tensor]:
         out = []
@@ -165,51 +196,92 @@ class Qwen2VLRunner:
     def finish_encode(self, job: Any, *, num_sms: int | None = None) -> torch.Tensor:
         return self.model.vision.finish(job, num_sms=self.model._budget(num_sms))
 
-    def _image_rows(self, batch: ScheduledBatch, ids: np.ndarray) -> torch.Tensor | None:
-        """One embedding row per image-token id among the step's token ids `ids`, in token
-        order: the encoder's row for a prompt image token, the token's own embedding for a
-        generated one (the model may emit the image token id; it is then plain text)."""
-        img = self.info.image_token_id
-        if not (ids == img).any():
-            return None
-        embeds: list[torch.Tensor] = []
+    def image_pieces(self, batch: ScheduledBatch, ids: np.ndarray) -> list[ImagePiece]:
+        """Where the embedding row of each image- or video-token id among the step's token ids
+        `ids` comes from, in token order: rows ``lo..hi-1`` of a prompt's media embeddings
+        (source: its `MultiModalData`), or, for media-token ids the model generated (plain text
+        then), ``hi`` copies of token ``lo``'s own embedding row (source None)."""
+        if not np.isin(ids, self._media_ids).any():
+            return []
+        pieces: list[ImagePiece] = []
         for req, s, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
             p, mm = req.num_prompt_tokens, req.mm
             if mm is not None and s < p:
                 lo, hi = np.searchsorted(mm.positions, [s, min(s + n, p)])
                 if hi > lo:
-                    embeds.append(mm.embeds[lo:hi])
+                    pieces.append((mm, int(lo), int(hi)))
             if s + n > p:
-                k = req.token_ids[max(s, p):s + n].count(img)
-                if k:
-                    row = self.model.language.embed[img]
-                    embeds.append(row.expand(k, row.shape[0]))
-        return torch.cat(embeds) if embeds else None
+                for tok in req.token_ids[max(s, p):s + n]:
+                    if tok not in self._media_set:
+                        continue
+                    if pieces and pieces[-1][0] is None and pieces[-1][1] == tok:
+                        pieces[-1] = (None, tok, pieces[-1][2] + 1)  # a run of the same token
+                    else:
+                        pieces.append((None, tok, 1))
+        return pieces
 
-    def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
-        """One step under the decoder's budget, or under the encoder's with
-        ``stage="encoder"`` (prefill placed in the compute partition; never a graph)."""
-        assert self.kv is not None, "allocate_kv_cache first"
+    def image_rows(self, pieces: Sequence[ImagePiece],
+                   embeds_of: Callable[[Any], torch.Tensor] | None = None
+                   ) -> torch.Tensor | None:
+        """The embedding rows of `pieces` (see `image_pieces`) in one tensor, or None;
+        `embeds_of(source)` gives a source's embeddings (default: ``source.embeds``)."""
+        if not pieces:
+            return None
+        rows: list[torch.Tensor] = []
+        for src, lo, hi in pieces:
+            if src is None:  # `hi` generated copies of media token `lo`
+                row = self.model.language.media_token_rows[lo]
+                rows.append(row.expand(hi, row.shape[0]))
+            else:
+                rows.append((embeds_of(src) if embeds_of is not None else src.embeds)[lo:hi])
+        return torch.cat(rows)
+
+    def prepare_step(self, batch: ScheduledBatch, *, stage: str = "decoder") -> PreparedStep:
+        """The host half of `execute`: the stage's budget, the graph a decode-only step replays
+        (None: eager), the planner's `StepInputs` (row state written) and the image pieces."""
+        assert self.kv is not None and self.planner is not None, "allocate_kv_cache first"
         if stage not in ("decoder", "encoder"):
             raise ValueError(f"stage={stage!r} must be 'decoder' or 'encoder'")
-        assert self.planner is not None
         nb, graph = batch.num_seqs, None
         budget = self.decoder_num_sms if stage == "decoder" else self.encoder_num_sms
         if batch.num_decodes == nb and stage == "decoder":
             fits = [b for b, sms in self.graphs if sms == budget and b >= nb]
             if fits:
-                graph = self.graphs[min(fits), budget]
-        planner = self.planner
-        if stage == "encoder":  # may run beside a decoder step: buffers of its own
-            if self._encoder_planner is None:
-                self._encoder_planner = StepPlanner(
-                    self.limits, self.device, backend=self.model.backend,
-                    rope=self.planner.rope, share_rows_with=self.planner)
-            planner = self._encoder_planner
-        plan = planner.plan(batch, pad_to=graph.batch_size if graph is not None else None)
-        ctx = plan.context
-        if graph is not None:  # the graph captured the planner's buffers: nothing to copy
+                graph = min(fits)
+        inputs = self._planner(stage).prepare(batch, pad_to=graph)
+        pieces = [] if graph is not None else self.image_pieces(batch, inputs.input_ids)
+        return PreparedStep(stage, budget, graph, inputs, pieces)
+
+    def _planner(self, stage: str) -> StepPlanner:
+        assert self.planner is not None, "allocate_kv_cache first"
+        if stage == "decoder":
+            return self.planner
+        if self._encoder_planner is None:  # may run beside a decoder step: buffers of its own
+            self._encoder_planner = StepPlanner(
+                self.limits, self.device, backend=self.model.backend, rope=self.planner.rope,
+                share_rows_with=self.planner)
+        return self._encoder_planner
+
+    def run_step(self, step: PreparedStep, *, embeds_of: Callable[[Any], torch.Tensor] |
+                 None = None, comm: Any = None, apply_sync: bool = False) -> torch.Tensor:
+        """The device half of `execute`: plan the prepared step (after applying its row-state
+        changes when `apply_sync`: a step prepared by another process) and run it, replaying
+        its graph or eagerly under its budget (`comm`: the stage's communicator, TP only)."""
+        planner = self._planner(step.stage)
+        if apply_sync:
+            planner.apply(step.inputs.sync)
+        ctx = planner.plan_inputs(step.inputs).context
+        if step.graph is not None:  # the graph captured the planner's buffers: nothing to copy
+            graph = self.graphs.get((step.graph, step.budget))
+            if graph is None:
+                raise RuntimeError(f"no decode graph of batch {step.graph} for budget "
+                                   f"{step.budget}")
             return graph.replay(ctx.input_ids, ctx)
-        embeds = self._image_rows(batch, plan.host["input_ids"])
+        embeds = self.image_rows(step.pieces, embeds_of)
         return self.model.forward(ctx.input_ids, ctx, self.kv, image_embeds=embeds,
-                                  num_sms=budget)
+                                  num_sms=step.budget, comm=comm)
+
+    def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
+        """One step under the decoder's budget, or under the encoder's with
+        ``stage="encoder"`` (prefill placed in the compute partition; never a graph)."""
+        return self.run_step(self.prepare_step(batch, stage=stage))

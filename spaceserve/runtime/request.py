@@ -19,7 +19,7 @@ import torch
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
+def check_int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an int, got {type(value).__name__}")
     if value < low:
@@ -45,7 +45,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, 1)
+        check_int("max_tokens", self.max_tokens, 1)
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -58,14 +58,14 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.seed is not None:
-            _check_int("seed", self.seed, 0)
+            check_int("seed", self.seed, 0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise ValueError("stop_token_ids must be a sequence of ints")
         object.__setattr__(
-            self, "stop_token_ids", tuple(_check_int("stop_token_ids", t, 0) for t in ids)
+            self, "stop_token_ids", tuple(check_int("stop_token_ids", t, 0) for t in ids)
         )
 
 
@@ -77,21 +77,66 @@ class Status(enum.Enum):
 
 @dataclass
 class MultiModalData:
-    """A prompt's images: patches, grids, the prompt index of every image token, and (once
-    encoded) one embedding row per image token, kept until the request ends."""
+    """A prompt's media: patches, grids, the prompt index of every media token, and (once
+    encoded) one embedding row per media token, kept until the request ends.
+
+    Images and videos are items in prompt order: `pixel_values` holds their patches and
+    `image_grid_thw` one (t, h, w) row each, so the encoder runs a request's media as one job
+    (a video is an item of t temporal patches; transformers passes its patches apart, as
+    ``pixel_values_videos``). `video_items` are the rows that are videos and
+    `second_per_grid_ts` their seconds per temporal patch (Qwen2.5-VL's M-RoPE).
+    `content_hashes` has one hash per item (decoded pixels and processor settings); the input
+    module gives them, else they are computed from the patches when first asked for.
+    """
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
-    positions: np.ndarray  # sorted prompt indices of the image tokens; row i of embeds <-> [i]
+    positions: np.ndarray  # sorted prompt indices of the media tokens; row i of embeds <-> [i]
     embeds: torch.Tensor | None = None
+    video_items: tuple[int, ...] = ()
+    second_per_grid_ts: tuple[float, ...] = ()
+    hashes: tuple[str, ...] | None = None
+
+    @property
+    def num_items(self) -> int:
+        return int(self.image_grid_thw.shape[0])
 
     @property
     def num_images(self) -> int:
-        return int(self.image_grid_thw.shape[0])
+        return self.num_items - len(self.video_items)
+
+    @property
+    def num_videos(self) -> int:
+        return len(self.video_items)
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def grid_of(self, kind: str) -> torch.Tensor | None:
+        """The grid rows of the images or of the videos (``kind`` "image" / "video"), in prompt
+        order, or None when there are none."""
+        videos = set(self.video_items)
+        rows = [i for i in range(self.num_items) if (i in videos) == (kind == "video")]
+        return self.image_grid_thw[rows] if rows else None
+
+    @property
+    def content_hashes(self) -> tuple[str, ...]:
+        """One content hash per item, in prompt order."""
+        if self.hashes is None:
+            import hashlib
+
+            out, start = [], 0
+            for row in self.image_grid_thw.tolist():
+                n = row[0] * row[1] * row[2]
+                h = hashlib.blake2b(digest_size=16, person=b"ss-patches")
+                h.update(repr((row, str(self.pixel_values.dtype))).encode())
+                h.update(self.pixel_values[start:start + n].detach().cpu().contiguous()
+                         .view(torch.uint8).numpy().tobytes())
+                out.append(h.hexdigest())
+                start += n
+            self.hashes = tuple(out)
+        return self.hashes
 
 
 @dataclass(frozen=True)
@@ -185,132 +230,3 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens},"
                 f" out={self.num_output_tokens}, computed={self.num_computed})")
-
-
-# Input processing: prompts in, validated token ids and images out (ValueError on bad input).
-
-
-def load_image(item: Any, index: int) -> Any:
-    """Decode one image: a PIL image, encoded bytes, a ``data:`` URL, a ``file://`` URL or a
-    path. Raises ValueError naming ``images[index]`` when it cannot be decoded."""
-    import base64
-    import io
-
-    from PIL import Image
-
-    try:
-        if isinstance(item, Image.Image):
-            img = item
-        elif isinstance(item, (bytes, bytearray)):
-            img = Image.open(io.BytesIO(item))
-        elif isinstance(item, str) and item.startswith("data:"):
-            img = Image.open(io.BytesIO(base64.b64decode(item.split(",", 1)[1], validate=True)))
-        elif isinstance(item, str):
-            img = Image.open(item.removeprefix("file://"))
-        else:
-            raise TypeError(f"unsupported image type {type(item).__name__}")
-        img.load()
-        return img.convert("RGB")
-    except Exception as exc:  # PIL raises many types; all mean "not an image"
-        raise ValueError(f"images[{index}] cannot be decoded: {type(exc).__name__}: {exc}") from exc
-
-
-def _grid(value: Any) -> torch.Tensor:
-    # Host metadata: the planner and the vision tower read it on the host every step, so a
-    # device tensor is brought over once here rather than synchronised on later.
-    grid = torch.as_tensor(value).to(device="cpu", dtype=torch.int64)
-    if grid.dim() == 1 and grid.numel() == 3:
-        grid = grid.view(1, 3)
-    if grid.dim() != 2 or grid.shape[1] != 3:
-        raise ValueError(f"image_grid_thw must be [num_images, 3], got {tuple(grid.shape)}")
-    if grid.numel() and int(grid.min()) < 1:
-        raise ValueError("image_grid_thw holds a non-positive size")
-    return grid
-
-
-def process_prompt(prompt: Any, info: Any, *, context_len: int, capacity: int, max_images: int,
-                   processor: Any = None, tokenizer: Any = None
-                   ) -> tuple[list[int], MultiModalData | None]:
-    """Validate a prompt against the model (`info`: a runner's ModelInfo) and the engine limits.
-
-    A prompt is ``{"prompt_token_ids", "pixel_values"?, "image_grid_thw"?}`` (image tokens
-    already expanded) or ``{"prompt": str, "images": [...]}`` / a bare string when a processor
-    exists (a tokenizer alone takes text without images). Returns (token ids, images or None);
-    raises ValueError with the reason.
-    """
-    if isinstance(prompt, str):
-        prompt = {"prompt": prompt}
-    if not isinstance(prompt, dict):
-        raise ValueError(f"prompt must be a dict or a str, got {type(prompt).__name__}")
-    if "prompt_token_ids" in prompt:
-        ids, pv, grid = prompt["prompt_token_ids"], prompt.get("pixel_values"), \
-            prompt.get("image_grid_thw")
-    elif "prompt" in prompt:
-        images = list(prompt.get("images") or [])
-        if not isinstance(prompt["prompt"], str):
-            raise ValueError("prompt must be a str")
-        if processor is None and tokenizer is not None and not images:
-            return process_prompt({"prompt_token_ids": tokenizer.encode(prompt["prompt"])},
-                                  info, context_len=context_len, capacity=capacity,
-                                  max_images=max_images)
-        if processor is None:
-            what = "an image processor" if tokenizer is not None else "a tokenizer"
-            raise ValueError(f"prompt: this needs {what}, and this checkpoint has none; pass "
-                             "prompt_token_ids (and pixel_values / image_grid_thw)")
-        if len(images) > max_images:
-            raise ValueError(f"images: {len(images)} images, more than allowed "
-                             f"(max_images_per_prompt={max_images})")
-        decoded = [load_image(x, i) for i, x in enumerate(images)]
-        enc = processor(text=[prompt["prompt"]], images=decoded or None, return_tensors="pt")
-        ids, pv, grid = enc["input_ids"][0], enc.get("pixel_values"), enc.get("image_grid_thw")
-    else:
-        raise ValueError("prompt needs 'prompt_token_ids' or 'prompt'")
-    if isinstance(ids, torch.Tensor):
-        ids = ids.flatten().tolist()
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise ValueError("prompt_token_ids must be a sequence of ints")
-    ids = [_check_int("prompt_token_ids", t, 0) for t in ids]
-    if not ids:
-        raise ValueError("prompt_token_ids is empty")
-    if max(ids) >= info.vocab_size:
-        raise ValueError(f"prompt_token_ids holds {max(ids)}, outside the vocabulary "
-                         f"({info.vocab_size})")
-    if len(ids) >= context_len:
-        raise ValueError(f"prompt_token_ids has {len(ids)} tokens; the context holds "
-                         f"{context_len} (max_model_len), leaving no room to generate")
-    if len(ids) >= capacity:
-        raise ValueError(f"prompt of {len(ids)} tokens can never fit in the KV cache "
-                         f"({capacity} tokens in all)")
-    img_tok = info.image_token_id
-    num_img_tokens = 0 if img_tok is None else sum(1 for t in ids if t == img_tok)
-    if pv is None and grid is None:
-        if num_img_tokens:
-            raise ValueError(f"prompt_token_ids holds {num_img_tokens} image tokens but no "
-                             "pixel_values / image_grid_thw were given")
-        return ids, None
-    if pv is None or grid is None:
-        missing = "pixel_values" if pv is None else "image_grid_thw"
-        raise ValueError(f"{missing} is missing (images need pixel_values and image_grid_thw)")
-    if img_tok is None:
-        raise ValueError("pixel_values: this model takes no images")
-    grid = _grid(grid)
-    if grid.shape[0] > max_images:
-        raise ValueError(f"image_grid_thw: {grid.shape[0]} images, more than allowed "
-                         f"(max_images_per_prompt={max_images})")
-    merge = info.spatial_merge_size
-    if bool(((grid[:, 1:] % merge) != 0).any()):
-        raise ValueError(f"image_grid_thw: h and w must be multiples of the merge size {merge}")
-    if not isinstance(pv, torch.Tensor) or pv.dim() != 2:
-        raise ValueError("pixel_values must be a 2-D tensor [patches, patch_dim]")
-    patches = int(grid.prod(dim=1).sum())
-    if pv.shape[0] != patches:
-        raise ValueError(f"pixel_values has {pv.shape[0]} patch rows; image_grid_thw needs "
-                         f"{patches}")
-    if info.patch_dim is not None and pv.shape[1] != info.patch_dim:
-        raise ValueError(f"pixel_values rows have {pv.shape[1]} values; the model expects "
-                         f"{info.patch_dim}")
-    if num_img_tokens != patches // merge**2:
-        raise ValueError(f"prompt_token_ids holds {num_img_tokens} image tokens; "
-                         f"image_grid_thw gives {patches // merge**2}")
-    positions = np.flatnonzero(np.asarray(ids, dtype=np.int64) == img_tok)
-    return ids, MultiModalData(pv, grid, positions)

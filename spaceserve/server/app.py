@@ -2,10 +2,11 @@
 
 Routes: ``POST /v1/chat/completions`` (non-streaming, or SSE with ``stream``), ``GET
 /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every client mistake is an
-OpenAI-style JSON error with a 4xx status: 400 for a malformed body, field or image, 404 for an
+OpenAI-style JSON error with a 4xx status: 400 for a malformed body, field or medium, 404 for an
 unknown model, 413 for an oversized body, 503 when the bounded queue is full. Prompt rendering
-and image decoding run in a worker pool; the engine steps on its own thread. A client that goes
-away (non-streaming or streaming) aborts its request, which frees its KV blocks.
+and media decoding run in a worker pool (remote media fetches on the fetcher's own bounded
+pool); the engine steps on its own thread. A client that goes away (non-streaming or
+streaming) aborts its request, which frees its KV blocks.
 
 A stream sends its first chunk only once the first token exists (so a request that fails
 before generating anything still gets a JSON error and a 4xx), then one chunk per new text,
@@ -19,33 +20,52 @@ import argparse
 import asyncio
 import json
 import sys
-import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+# starlette's Request and responses are fastapi's own; FastAPI itself, the engine and torch are
+# imported where they are used, so `spaceserve serve --help` answers at once
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
-from spaceserve.runtime.request import RequestOutput, SamplingParams
+from spaceserve.cli_args import HelpFormatter
+from spaceserve.runtime.inputs import (
+    ChatPreprocessor,
+    ImageLimits,
+    RemoteFetcher,
+    RemotePolicy,
+    VideoLimits,
+    check_dir,
+)
 from spaceserve.runtime.slo import DEFAULT_SLO_TEXT
 
 from . import protocol as P
-from .chat import ChatPreprocessor
 from .engine_client import AsyncEngine, QueueFull, RequestHandle
-from .images import ImageLimits, check_dir
+from .media_args import add_media_args, media_limits
 from .protocol import APIError
+from .replicas.args import add_data_parallel_args
+from .thread import ServerThread
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from spaceserve.runtime.request import RequestOutput
+
+# ServerThread lives in thread.py; tests and benchmarks import it from here too
+__all__ = ["ServerLimits", "ServerThread", "build_parser", "create_app", "main"]
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Bounds on what one request may carry."""
+    """Bounds on what one request may carry; `remote` None refuses http(s) media URLs."""
 
     max_body_bytes: int = 32 * 1024 * 1024
     images: ImageLimits = ImageLimits()
+    videos: VideoLimits = VideoLimits()
+    remote: RemotePolicy | None = None
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -83,6 +103,10 @@ async def _next(handle: RequestHandle, gone: asyncio.Task) -> RequestOutput | No
 
 def _error_of(out: RequestOutput) -> APIError:
     msg = out.error or "request failed"
+    status = out.extra.get("status") if out.extra else None
+    if isinstance(status, int):  # the engine client's verdict (503: a replica failed)
+        return APIError(status, msg, type="server_error" if status >= 500 else
+                        "invalid_request_error")
     if msg.startswith("engine step failed"):
         return APIError(500, msg, type="server_error")
     return APIError(400, msg)
@@ -109,9 +133,15 @@ class _Deltas:
 def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_name: str,
                limits: ServerLimits | None = None, root: str | None = None) -> FastAPI:
     """The FastAPI application serving `client`'s engine under the name `model_name`."""
+    from fastapi import FastAPI
+
+    from spaceserve.runtime.request import SamplingParams
+
     limits = limits or ServerLimits()
     app = FastAPI(title="SpaceServe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.client = client
+    # remote media fetches: the server's own bounded pool, off the loop and the step thread
+    fetcher = app.state.fetcher = RemoteFetcher(limits.remote) if limits.remote else None
     created = P.now()
     metrics = client.metrics
 
@@ -134,7 +164,11 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     @app.get("/health")
     async def health() -> Response:
         body = {"status": "ok" if client.alive else "dead", "mode": client.mode,
-                "note": client.mode_note, "device": client.device}
+                "note": client.mode_note}
+        if getattr(client, "device", None):
+            body["device"] = client.device
+        if not client.alive and client.last_error:
+            body["error"] = client.last_error
         return _json(body, 200 if client.alive else 503)
 
     @app.get("/v1/models")
@@ -183,7 +217,8 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
         gone = asyncio.ensure_future(_until_disconnect(request))
         streaming = False
         try:
-            await handle.start(lambda: preprocessor.prepare(req, limits.images),
+            await handle.start(lambda: P.prepare_chat(preprocessor, req, limits.images,
+                                                      limits.videos, fetcher=fetcher),
                                lambda prompt: sampling(req, prompt), stream=req.stream)
             first = await _next(handle, gone)
             if first is None:
@@ -244,69 +279,47 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     return app
 
 
-class ServerThread:
-    """uvicorn serving `app` on a background thread (loopback tests, benchmarks); port 0
-    picks a free port, readable as `port` once started."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning") -> None:
-        import uvicorn
-
-        self.host, self.port = host, port
-        # uvicorn binds the socket itself: asyncio then sets TCP_NODELAY on every connection
-        # (a socket passed in without IPPROTO_TCP misses it, and each response waits ~40 ms
-        # for a delayed ACK).
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                                    log_level=log_level, lifespan="off",
-                                                    timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spaceserve serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
     p.add_argument("--served-model-name", help="name clients use (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--mode", default="temporal",
                    help="engine mode: temporal, temporal-chunked, spatial, spatial-static, shared")
     p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
-    p.add_argument("--attention-backend", help="triton or torch (default by device)")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend",
+                   help="triton or torch (default: triton on CUDA, torch on CPU)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the decoder is split over (one process and GPU each)")
+    p.add_argument("--max-num-seqs", type=int, default=128,
+                   help="requests in the running batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per engine step at most (chunked prefill)")
+    p.add_argument("--num-kv-blocks", type=int,
+                   help="KV cache blocks (default: sized from free device memory)")
+    p.add_argument("--max-model-len", type=int,
+                   help="context length (default: the model's, capped by the KV cache)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="engine seed for requests that bring none")
     p.add_argument("--max-pending", type=int, default=256,
                    help="requests in flight before answering 503")
-    p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes)
-    p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_image_bytes)
-    p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_image_pixels)
+    p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes,
+                   help="request body size limit; larger bodies get 413")
+    p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_image_bytes,
+                   help="encoded size limit of one image")
+    p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_image_pixels,
+                   help="pixel limit of one image (checked before decoding)")
     p.add_argument("--max-images-per-request", type=int,
-                   default=ImageLimits.max_images_per_request)
+                   default=ImageLimits.max_images_per_request, help="images per request at most")
     p.add_argument("--allowed-local-media-path",
-                   help="folder file:// image URLs may read from (default: none allowed)")
-    p.add_argument("--log-level", default="info")
+                   help="folder file:// image and video URLs may read from (default: none "
+                        "allowed)")
+    add_media_args(p)
+    p.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_data_parallel_args(p)
     p.add_argument("--slo", default=DEFAULT_SLO_TEXT,
                    help="latency SLO finished requests are judged by (/metrics "
                         "request_slo_total), ms: any of ttft, tpot, itl (p99 per request), "
@@ -318,25 +331,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     import uvicorn
+
+    from spaceserve.runtime.tp.group import TensorParallelError
 
     from .engine_client import load_engine
 
-    args = build_parser().parse_args(argv)
     try:
+        videos, remote = media_limits(args)
         limits = ServerLimits(args.max_body_bytes, ImageLimits(
             args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
-            check_dir(args.allowed_local_media_path)))
+            check_dir(args.allowed_local_media_path)), videos, remote)
         engine, pre, note = load_engine(
             args.model, mode=args.mode, device=args.device, dtype=args.dtype,
             attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len, seed=args.seed,
-            max_images_per_prompt=args.max_images_per_request, slo=args.slo,
+            max_images_per_prompt=args.max_images_per_request,
+            tensor_parallel_size=args.tensor_parallel_size, slo=args.slo,
             encoder_window_s=args.encoder_window_ms / 1e3)
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2
+    except TensorParallelError as exc:  # a worker failed to start
+        print(f"spaceserve serve: {exc}", file=sys.stderr)
+        return 1
     if note:
         print(f"spaceserve serve: {note}", file=sys.stderr)
     client = AsyncEngine(engine, max_pending=args.max_pending, mode_note=note)
@@ -348,4 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         client.close()
+        engine.close()  # partitions, and a tensor-parallel group's workers
+        if app.state.fetcher is not None:
+            app.state.fetcher.close()
     return 0

@@ -18,15 +18,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
-from spaceserve.runtime.engine import Engine
-from spaceserve.runtime.request import RequestOutput, SamplingParams
 from spaceserve.runtime.slo import DEFAULT_SLO
 
+from .errors import APIError
 from .metrics import ServerMetrics
-from .protocol import APIError
+
+if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
+    from spaceserve.runtime.engine import Engine
+    from spaceserve.runtime.request import RequestOutput, SamplingParams
 
 KNOWN_MODES = ("temporal", "temporal-chunked", "spatial", "spatial-static", "shared")
 
@@ -125,6 +127,7 @@ class AsyncEngine:
         self._pending = 0
         self._plock = threading.Lock()
         self._closing = False
+        self._dead = False
         self._ids = 0
         self._device_sms = _device_sms(engine)
         try:
@@ -159,7 +162,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closing
+        return self._thread.is_alive() and not self._closing and not self._dead
 
     def wake(self) -> None:
         with self._cond:
@@ -179,6 +182,9 @@ class AsyncEngine:
             except Exception as exc:  # end every request with the reason instead of hanging
                 self.last_error = f"engine step failed: {type(exc).__name__}: {exc}"
                 eng.fail_all(self.last_error)
+                if _engine_dead(exc):  # nothing can run any more: /health says so
+                    self._dead = True
+                    return
             self._sample()
             if eng.num_steps == before:
                 time.sleep(0.0005)  # nothing could run (only drains): do not spin
@@ -257,6 +263,14 @@ class AsyncEngine:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _engine_dead(exc: BaseException) -> bool:
+    """Whether a step's exception leaves the engine unable to run any step (a tensor-parallel
+    group that lost a worker)."""
+    from spaceserve.runtime.tp.group import TensorParallelError
+
+    return isinstance(exc, TensorParallelError)
+
+
 def device_label(device: Any) -> str:
     """``"NVIDIA H200 (132 SMs)"`` for a CUDA device, ``"CPU (16 cores)"`` otherwise."""
     import os
@@ -272,9 +286,7 @@ def device_label(device: Any) -> str:
 
 def _device_sms(engine: Engine) -> int:
     try:
-        from spaceserve.kernels.budget import device_num_sms
-
-        return int(device_num_sms(engine.runner.device))
+        return int(engine.device_sms)
     except Exception:  # no device query possible: count the H200's
         return 132
 
@@ -301,10 +313,10 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
     and the torch one on CPU (the Triton interpreter is far too slow to serve)."""
     import torch
 
-    from spaceserve.runtime.engine import EngineConfig
-    from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
+    from spaceserve.runtime.engine import Engine, EngineConfig
+    from spaceserve.runtime.inputs import ChatPreprocessor
+    from spaceserve.runtime.runners import load_runner
 
-    from .chat import ChatPreprocessor
     from .tiny import resolve_model
 
     run_mode, note = resolve_mode(mode)
@@ -314,8 +326,18 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if attention_backend is None:
         attention_backend = "triton" if str(device).startswith("cuda") else "torch"
-    runner = Qwen2VLRunner.from_pretrained(path, attention_backend=attention_backend,
-                                           dtype=dtype, device=device)
-    pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id)
-    engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
+    runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
+                         device=device)
+    try:
+        pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id,
+                                               video_token_id=runner.info.video_token_id)
+        engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
+    except BaseException:
+        close = getattr(runner, "close", None)  # a tensor-parallel runner's workers
+        if close is not None:
+            close()
+        raise
+    if pre.video_sampling is not None:  # a video's total token budget is the context at most
+        pre.video_sampling = replace(pre.video_sampling, max_video_tokens=min(
+            pre.video_sampling.max_video_tokens, engine.max_model_len))
     return engine, pre, note

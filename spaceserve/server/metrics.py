@@ -11,8 +11,11 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-from spaceserve.runtime.request import RequestOutput
+if TYPE_CHECKING:
+    from spaceserve.runtime.request import RequestOutput
+
 from spaceserve.runtime.slo import DEFAULT_SLO, RequestLatency, Slo
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -1,5 +1,8 @@
 """OpenAI chat-completions wire format: validated requests, response and chunk builders, errors.
 
+Input processing (`spaceserve.runtime.inputs`) takes a request's messages as plain dicts
+(`chat_messages`); its `InputError`s become OpenAI-style errors here (`input_error`).
+
 Requests are pydantic models validated in strict mode (a string is not a number, a number is
 not a bool), so a malformed field is a 400 that names it. Responses are plain dicts built by the
 functions below: they sit on the per-token path of streaming, where model validation would only
@@ -13,6 +16,10 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, InputError, VideoLimits
+
+from .errors import APIError  # noqa: F401  (re-exported)
 
 
 class _Model(BaseModel):
@@ -34,7 +41,16 @@ class ImagePart(_Model):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Model):
+    url: str = Field(min_length=1)
+
+
+class VideoPart(_Model):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Model):
@@ -73,20 +89,6 @@ class ChatCompletionRequest(_Model):
             else self.max_tokens
 
 
-class APIError(Exception):
-    """An error answered as OpenAI-style JSON with an HTTP status."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = \
-            status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
 def _loc(loc: tuple[Any, ...]) -> str:
     """pydantic's error location as a field path; union branch and tag names dropped."""
     out = ""
@@ -95,7 +97,7 @@ def _loc(loc: tuple[Any, ...]) -> str:
             out += f"[{part}]"
         elif "[" in str(part) or "-" in str(part) or part == "str":
             continue  # a union branch, not a field
-        elif part in ("text", "image_url") and i and isinstance(loc[i - 1], int) \
+        elif part in ("text", "image_url", "video_url") and i and isinstance(loc[i - 1], int) \
                 and i + 1 < len(loc):
             continue  # the tag of a content part, followed by its field
         else:
@@ -126,6 +128,50 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
         raise APIError(400, "stream_options is only allowed with stream=true",
                        param="stream_options")
     return req
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """A validated request's messages as the plain dicts input processing takes (no copy of
+    the media URLs)."""
+    out: list[dict[str, Any]] = []
+    for m in req.messages:
+        if m.content is None or isinstance(m.content, str):
+            content: Any = m.content
+        else:
+            content = [{"type": "text", "text": part.text} if part.type == "text" else
+                       {"type": part.type, part.type: {"url": getattr(part, part.type).url}}
+                       for part in m.content]
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+# InputError kind -> HTTP status (OpenAI answers every client input error with a 400)
+INPUT_ERROR_STATUS: dict[str, int] = {
+    "invalid": 400,
+    "too_large": 400,
+    "bad_image": 400,
+    "bad_video": 400,
+    "not_allowed": 400,
+    "fetch_failed": 400,
+    "not_found": 400,
+    "unsupported": 400,
+}
+
+
+def input_error(exc: InputError) -> APIError:
+    """The OpenAI-style error answering an input-processing error."""
+    return APIError(INPUT_ERROR_STATUS.get(exc.kind, 400), str(exc), param=exc.param)
+
+
+def prepare_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest,
+                 limits: ImageLimits, video_limits: VideoLimits | None = None, *,
+                 fetcher: Any = None) -> dict[str, Any]:
+    """A request's engine prompt (blocking: run it off the event loop; remote media through
+    `fetcher`); APIError on anything the client got wrong."""
+    try:
+        return preprocessor.prepare(chat_messages(req), limits, video_limits, fetcher=fetcher)
+    except InputError as exc:
+        raise input_error(exc) from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -3,7 +3,8 @@
 `spaceserve serve --model tiny` and the serving benchmark run on it on a fresh machine with no
 hub access: the tokenizer is a byte-level BPE trained here on a few sentences (special tokens
 as Qwen2-VL names them, a chat template of the same shape), the image processor is Qwen2-VL's
-own with a small pixel budget, and the weights are random. Everything is written with
+own with a small pixel budget, videos are sampled with a small pixel budget too, and the weights
+are random. Everything is written with
 `save_pretrained` into a cache directory, once; a finished build is marked by a stamp file and
 installed by an atomic rename, so concurrent builders never see half a checkpoint.
 """
@@ -16,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_VERSION = 1
+TINY_VERSION = 2
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 CHAT_TEMPLATE = (
@@ -24,11 +25,16 @@ CHAT_TEMPLATE = (
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for c in m['content'] %}{% if c['type'] == 'image' %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # Pixel budget of the tiny image processor: 4 to 256 LLM tokens per image (28x28 px each).
 MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 256 * 28 * 28
+# ... and of a video frame: 4 to 16 LLM tokens per two frames, 2 frames per second, 2 to 8 frames.
+VIDEO = {"size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28}, "fps": 2.0,
+         "min_frames": 2, "max_frames": 8, "patch_size": 14, "temporal_patch_size": 2,
+         "merge_size": 2}
 _CORPUS = (
     "A small model answers questions about pictures. The encoder looks at the image in patches "
     "and the decoder writes one word at a time. Describe this image. What is in the picture? "
@@ -90,6 +96,9 @@ def _write(path: Path, seed: int, vocab_size: int) -> None:
                      ).save_pretrained(path)
     tokenizer.save_pretrained(path)
     Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(path)
+    # transformers' Qwen2VLVideoProcessor field names (it needs torchvision to write them itself)
+    (path / "video_preprocessor_config.json").write_text(json.dumps(
+        {"video_processor_type": "Qwen2VLVideoProcessor", **VIDEO}, indent=2))
 
 
 def build_tiny_checkpoint(path: str | os.PathLike | None = None, *, seed: int = 0,

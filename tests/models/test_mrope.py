@@ -70,8 +70,8 @@ def test_decode_positions_match_transformers(hf_model):
     for layer in range(cfg.num_hidden_layers):
         kv = torch.zeros(1, cfg.num_key_value_heads, len(ids), d)
         cache.update(kv, kv, layer)
-    ref = hf_model.compute_3d_position_ids(input_ids=None, inputs_embeds=torch.zeros(1, 3, 64),
-                                           cache=cache)
+    # The cache goes in by position: transformers 5.17 names it `past_key_values`, 5.24 `cache`.
+    ref = hf_model.compute_3d_position_ids(None, torch.zeros(1, 3, 64), None, None, None, cache)
     _, delta = mrope_positions(ids, grid, hf_model.config)
     assert torch.equal(text_positions(len(ids), 3, delta), ref[:, 0])
 

@@ -163,6 +163,27 @@ def _prompt(grids, text=(7, 9)):
     return torch.tensor(ids)
 
 
+def _video_positions(ids, grids, seconds, per_second, merge=2):
+    """Qwen2.5-VL's M-RoPE written out for text and videos: text advances all three rows by one;
+    frame f of a video sits at start + int(f * seconds * tokens_per_second) in time and at
+    start + row / col of its merged grid; the next text follows at start + max(rows, cols)."""
+    pos: list[list[int]] = []
+    nxt = i = j = 0
+    ids = ids.tolist()
+    while i < len(ids):
+        if ids[i] != VIDEO:
+            pos.append([nxt] * 3)
+            nxt, i = nxt + 1, i + 1
+            continue
+        t, h, w = grids[j][0], grids[j][1] // merge, grids[j][2] // merge
+        sec = 1.0 if seconds is None else float(seconds[j])
+        frames = [[nxt + int(f * sec * per_second), nxt + r, nxt + c]
+                  for f in range(t) for r in range(h) for c in range(w)]
+        pos += frames
+        nxt, i, j = nxt + max(h, w), i + len(frames), j + 1
+    return torch.tensor(pos).T
+
+
 def test_mrope_matches_get_rope_index(checkpoint, load):
     hf, model = checkpoint[1], load("torch")
     images = torch.tensor([[1, 6, 10], [1, 4, 4]])
@@ -178,10 +199,16 @@ def test_mrope_matches_get_rope_index(checkpoint, load):
     vid = torch.tensor(vid)
     for seconds in (None, torch.tensor([0.5, 1.3]), [1.0, 0.25]):
         pos, delta = model.mrope_positions(vid, video_grid_thw=videos, second_per_grid_ts=seconds)
+        want = _video_positions(vid, videos.tolist(), seconds, per_second=2)
+        assert torch.equal(pos, want) and delta == int(want.max()) + 1 - len(vid), seconds
         kw = {} if seconds is None else {"second_per_grid_ts": seconds}
         ref, ref_delta = hf.model.get_rope_index(vid[None], (vid == VIDEO).int()[None] * 2,
                                                  video_grid_thw=videos, **kw)
-        assert torch.equal(pos, ref[:, 0]) and delta == int(ref_delta), seconds
+        # transformers 5.17 truncates each second_per_grid_t to an int before scaling it
+        # (0.5 s -> 0); later versions scale first, as Qwen2.5-VL's reference code does.
+        whole = None if seconds is None else [float(int(s)) for s in seconds]
+        assert torch.equal(ref[:, 0], want) or torch.equal(
+            ref[:, 0], _video_positions(vid, videos.tolist(), whole, per_second=2)), seconds
     # 1 s per temporal patch x tokens_per_second=2: frames 2 apart (Qwen2-VL: 1 apart)
     assert pos[0, 3:15].unique().diff().tolist() == [2, 2]
     with pytest.raises(ValueError, match="second_per_grid_ts"):

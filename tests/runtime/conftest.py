@@ -87,11 +87,15 @@ def hf_greedy() -> Callable[[Any, dict, int], list[int]]:
 
     def generate(hf, prompt: dict, max_new_tokens: int) -> list[int]:
         ids = torch.tensor([prompt["prompt_token_ids"]])
-        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
-                  mm_token_type_ids=(ids == hf.config.image_token_id).int())
+        types = (ids == hf.config.image_token_id).int() + \
+            2 * (ids == hf.config.video_token_id).int()
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types)
         if "pixel_values" in prompt:
             kw.update(pixel_values=prompt["pixel_values"],
                       image_grid_thw=prompt["image_grid_thw"])
+        if "pixel_values_videos" in prompt:
+            kw.update(pixel_values_videos=prompt["pixel_values_videos"],
+                      video_grid_thw=prompt["video_grid_thw"])
         with torch.no_grad():
             out = hf.generate(**kw, max_new_tokens=max_new_tokens, do_sample=False)
         return out[0, ids.shape[1]:].tolist()

@@ -9,7 +9,7 @@ import torch
 
 from spaceserve import Engine, RequestOutput, SamplingParams
 from spaceserve.runtime.engine import EngineConfig
-from spaceserve.runtime.request import process_prompt
+from spaceserve.runtime.inputs import process_prompt
 from spaceserve.runtime.runner import NullModelRunner
 from spaceserve.runtime.sampler import fold_seed, sample
 

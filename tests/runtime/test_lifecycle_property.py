@@ -15,7 +15,7 @@ import torch
 
 from spaceserve import Engine, SamplingParams
 from spaceserve.runtime.engine import EngineConfig
-from spaceserve.runtime.request import process_prompt
+from spaceserve.runtime.inputs import process_prompt
 from spaceserve.runtime.runner import NullModelRunner
 
 IMG = 3

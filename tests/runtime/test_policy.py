@@ -14,7 +14,7 @@ from spaceserve.runtime.epd import engine_policy, load_curves
 from spaceserve.runtime.policy import RateEstimator, SchedulingPolicy, graph_count
 from spaceserve.runtime.runner import NullModelRunner
 from spaceserve.runtime.sim import SimConfig, Simulator
-from spaceserve.runtime.sim.engine import sim_policy
+from spaceserve.runtime.sim.config import sim_policy
 from spaceserve.runtime.slo import Slo
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,7 +12,8 @@ import torch
 from spaceserve import Engine, SamplingParams
 from spaceserve.runtime import partition
 from spaceserve.runtime.engine import MODES, EngineConfig
-from spaceserve.runtime.request import Status, process_prompt
+from spaceserve.runtime.inputs import process_prompt
+from spaceserve.runtime.request import Status
 from spaceserve.runtime.runner import NullModelRunner
 from spaceserve.runtime.sis import Split
 

@@ -1,6 +1,7 @@
 """The co-location benchmark's CPU-side logic: the per-mode driver and metrics on the null model,
-the simulator's prediction and its error, the plot, the host-side driver experiment, and the
-entry point the GPU harness calls (the GPU run itself needs a GPU)."""
+the simulator's prediction and its error, the plot, the drive loop's deadline, the host-side
+driver experiment, and the entry point the GPU harness calls (the GPU run itself needs a
+GPU)."""
 
 import math
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from bench import bench_colocation as bc
+from bench.colocation_driver import driver_experiment
 from spaceserve import Engine, EngineConfig
 from spaceserve.kernels import device_num_sms
 from spaceserve.runtime.epd import load_curves
@@ -67,8 +69,51 @@ def test_run_modes_records_failures_and_spent_budgets() -> None:
     assert rows[0]["skipped"] == "time budget spent"
 
 
+def test_drive_stops_at_its_deadline_and_keeps_what_it_measured() -> None:
+    """A deadline inside the load phase cuts the drive loop there (not after the whole load and
+    drain): the open requests are aborted and the background's TPOT so far is kept."""
+    import time
+
+    from bench.colocation_load import drive
+
+    workload = Workload(image_rate=25.0, duration_s=30.0, image_mix=bc.IMAGE_MIX,
+                        text_rate=25.0, text_tokens=4, output_tokens=4, seed=2)
+    engine = Engine(NullModelRunner(check=False, max_model_len=4096),
+                    EngineConfig(mode="spatial-static", num_kv_blocks=2048, block_size=16,
+                                 max_num_seqs=48, max_num_batched_tokens=1024))
+    t0 = time.perf_counter()
+    row = drive(engine, generate(workload), bc.Prompts(engine.runner.info, GRIDS), alone_s=0.2,
+                load_s=workload.duration_s, deadline=t0 + 0.8)
+    assert time.perf_counter() - t0 < 5.0  # not the 30 s load
+    assert "while load" in row["cut"] and row["load_s"] < 2.0
+    assert math.isfinite(row["tpot_alone_ms"]) and math.isfinite(row["tpot_load_ms"])
+    assert not engine.has_unfinished() and engine.block_manager.num_free == 2048
+    engine.close()
+
+
+def test_run_modes_gives_each_mode_a_share_of_the_deadline() -> None:
+    import time
+
+    workload = Workload(image_rate=25.0, duration_s=8.0, image_mix=bc.IMAGE_MIX,
+                        text_rate=25.0, text_tokens=4, output_tokens=4, seed=2)
+
+    def make(mode):
+        return Engine(NullModelRunner(check=False, max_model_len=4096),
+                      EngineConfig(mode=mode, num_kv_blocks=2048, block_size=16,
+                                   max_num_seqs=48, max_num_batched_tokens=1024))
+
+    curves = load_curves(None, None)
+    t0 = time.perf_counter()
+    rows = bc.run_modes(make, lambda eng: bc.Prompts(eng.runner.info, GRIDS), workload,
+                        curves, modes=("temporal", "spatial-static"), alone_s=0.1,
+                        deadline=t0 + 3.0)
+    assert time.perf_counter() - t0 < 10.0  # not 2 x 8 s of load
+    assert [r["mode"] for r in rows] == ["temporal", "spatial-static"]
+    assert all("cut" in r and "headline" in r for r in rows), rows
+
+
 def test_driver_experiment_runs_each_driver() -> None:
-    rows = bc.driver_experiment(seconds=0.3, image_every_s=0.05,
+    rows = driver_experiment(seconds=0.3, image_every_s=0.05,
                                 drivers=("none", "cooperative", "thread"))
     by = {r["driver"]: r for r in rows}
     assert by["none"]["encoder_layers"] == 0

@@ -1,23 +1,31 @@
 """Server fixtures: the tiny checkpoint (built once per session), engines on it or on the null
-model with the tiny tokenizer, apps, and live uvicorn servers on loopback."""
+model with the tiny tokenizer, apps, and live uvicorn servers on loopback. The app and the live
+server need the serve extra (fastapi, uvicorn): tests that use them skip without it, the rest run
+(the GPU image has no serve extra)."""
 
 from __future__ import annotations
 
 import io
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import torch
 
 from spaceserve.runtime.engine import Engine, EngineConfig
+from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits
 from spaceserve.runtime.runner import NullModelRunner
-from spaceserve.server.app import ServerLimits, ServerThread, create_app
-from spaceserve.server.chat import ChatPreprocessor
-from spaceserve.server.engine_client import AsyncEngine, load_engine
-from spaceserve.server.images import ImageLimits
-from spaceserve.server.tiny import build_tiny_checkpoint
+
+# The server's request models need pydantic, which comes with the serve extra: without it (the
+# GPU image) these tests skip and the rest of the suite is collected.
+pytest.importorskip("pydantic", reason="the serve extra is not installed")
+
+from spaceserve.server.engine_client import AsyncEngine, load_engine  # noqa: E402
+
+if TYPE_CHECKING:
+    from spaceserve.server.app import ServerLimits
 
 MODEL = "tiny-test"
 
@@ -29,11 +37,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="session")
-def tiny_path(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
 
 
 @pytest.fixture(scope="session")
@@ -72,13 +75,17 @@ def null_engine(pre: ChatPreprocessor, *, delay: float = 0.0, max_model_len: int
     tok = pre.tokenizer
     runner = GatedNullRunner(delay, vocab_size=len(tok), max_model_len=max_model_len,
                              eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-                             image_token_id=pre.image_token_id, patch_dim=1176)
+                             image_token_id=pre.image_token_id, patch_dim=1176,
+                             video_token_id=pre.video_token_id)
     config = dict(num_kv_blocks=256, block_size=4, max_num_seqs=16, max_num_batched_tokens=512)
     return Engine(runner, EngineConfig(**(config | cfg)), tokenizer=tok, processor=pre)
 
 
 def make_app(engine: Engine, pre: ChatPreprocessor, *, max_pending: int = 64,
              limits: ServerLimits | None = None):
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    from spaceserve.server.app import ServerLimits, create_app
+
     client = AsyncEngine(engine, max_pending=max_pending)
     return client, create_app(client, pre, model_name=MODEL, limits=limits or ServerLimits(
         max_body_bytes=1 << 20, images=ImageLimits(max_image_bytes=200_000,
@@ -97,6 +104,9 @@ def tiny_engine(tiny_path):
 @pytest.fixture(scope="module")
 def live_tiny(tiny_engine):
     """(client, server) of the tiny model on a free loopback port."""
+    pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+    from spaceserve.server.app import ServerThread
+
     engine, pre = tiny_engine
     client, app = make_app(engine, pre)
     with ServerThread(app) as server:

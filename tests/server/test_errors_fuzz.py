@@ -11,8 +11,10 @@ import random
 import httpx
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+
+from spaceserve.runtime.inputs import ImageLimits  # noqa: E402
 from spaceserve.server.app import ServerLimits
-from spaceserve.server.images import ImageLimits
 
 from .conftest import MODEL, make_app, null_engine, png, wait_until
 

@@ -12,6 +12,9 @@ import time
 import httpx
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+
 from spaceserve.server.app import ServerThread
 
 from .conftest import MODEL, make_app, null_engine, wait_until
@@ -96,13 +99,13 @@ def test_full_queue_answers_503_and_recovers(slow_server) -> None:
 
 def test_preprocessing_runs_off_the_event_loop(slow_server, monkeypatch) -> None:
     engine, client, server = slow_server
-    import spaceserve.server.chat as chat
+    import spaceserve.runtime.inputs.chat as chat
 
     original = chat.ChatPreprocessor.prepare
 
-    def slow_prepare(self, req, limits):
+    def slow_prepare(self, req, limits, *args, **kw):
         time.sleep(0.8)  # a huge image being decoded
-        return original(self, req, limits)
+        return original(self, req, limits, *args, **kw)
 
     monkeypatch.setattr(chat.ChatPreprocessor, "prepare", slow_prepare)
 

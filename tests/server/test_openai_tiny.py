@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from spaceserve import SamplingParams
-from spaceserve.server.protocol import parse_request
+from spaceserve.server.protocol import chat_messages, parse_request
 
 from .conftest import MODEL, png
 
@@ -30,8 +30,8 @@ def expected(tiny_engine):
     from PIL import Image
 
     engine, pre = tiny_engine
-    text = pre.render(parse_request(json.dumps({"model": MODEL, "messages": MESSAGES})
-                                    .encode()))[0]
+    text = pre.render(chat_messages(parse_request(json.dumps({"model": MODEL,
+                                                              "messages": MESSAGES}).encode())))[0]
     img = Image.open(io.BytesIO(IMAGE)).convert("RGB")
     out = engine.generate({"prompt": text, "images": [img]},
                           SamplingParams(ignore_eos=True, **PARAMS))[0]
@@ -41,7 +41,7 @@ def expected(tiny_engine):
 
 @pytest.fixture(scope="module")
 def openai_client(live_tiny):
-    import openai
+    openai = pytest.importorskip("openai", reason="the serve extra is not installed")
 
     return openai.OpenAI(base_url=live_tiny[1].url + "/v1", api_key="unused", max_retries=0)
 

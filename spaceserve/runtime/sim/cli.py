@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from spaceserve.cli_args import HelpFormatter
+
 from ..analytic import PRESETS, analytic_curves
 from ..contention import Contention
 from ..curves import CurveSet
@@ -65,10 +67,11 @@ def _seeds(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spaceserve sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--device", default="H200", choices=sorted(PRESETS),
                    help="device preset for analytic curves")
-    p.add_argument("--curves", type=Path, help="a curves JSON file (measured) instead")
+    p.add_argument("--curves", type=Path,
+                   help="a curves JSON file (measured) instead (default: analytic curves)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated modes out of {', '.join(MODES)}")
     p.add_argument("--rates", default=DEFAULT_RATES,
@@ -76,27 +79,35 @@ def build_parser() -> argparse.ArgumentParser:
                         "the encode+prefill capacity)")
     p.add_argument("--points", type=int, default=9, help="auto rates: how many")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
-    p.add_argument("--seed", type=int, help="one seed (same as --seeds N)")
+    p.add_argument("--seed", type=int,
+                   help="one workload seed, same as --seeds N (default: --seeds' default)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--mix", type=_mix, default=dict(DEFAULT_MIX),
-                   help="image mix, e.g. 448x448=0.25,1920x1080=0.75")
+                   help="image mix, e.g. 448x448=0.25,1920x1080=0.75 (default: "
+                        + ",".join(f"{k}={v:g}" for k, v in DEFAULT_MIX.items()) + ")")
     p.add_argument("--text-rate", type=float, default=0.0, help="text-only requests/s")
-    p.add_argument("--text-tokens", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--text-tokens", type=int, default=64,
+                   help="text prompt tokens of every request")
+    p.add_argument("--output-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--batch", type=int, default=32, help="background decode batch per GPU")
     p.add_argument("--context", type=int, default=1024, help="background requests' context")
-    p.add_argument("--static-encoder-sms", type=int, default=64)
+    p.add_argument("--static-encoder-sms", type=int, default=64,
+                   help="encoder SMs of the spatial-static split")
     p.add_argument("--tpot-factor", type=float, default=1.15,
-                   help="--sis-objective tpot: the decode step it protects, x unloaded")
+                   help="--sis-objective tpot: the decode step it protects, x the decode step "
+                        "on the whole device")
     p.add_argument("--sis-objective", default="goodput", choices=OBJECTIVES,
                    help="SIS maximises predicted goodput (default) or protects TPOT at any "
                         "TTFT cost (tpot: the paper-like baseline)")
-    p.add_argument("--prefill-on", default="auto", choices=PLACEMENTS)
+    p.add_argument("--prefill-on", default="auto", choices=PLACEMENTS,
+                   help="partition prefill runs on (auto: SIS decides in spatial mode)")
     p.add_argument("--encoder-policy", choices=("twsrft", "fifo"),
                    help="default: fifo whole passes for temporal, twsrft elsewhere")
-    p.add_argument("--shared-decode-share", type=float, default=0.5)
-    p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--router", default="round_robin", choices=ROUTERS)
+    p.add_argument("--shared-decode-share", type=float, default=0.5,
+                   help="shared mode: decode's share of SM throughput when both stages run")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (one engine each)")
+    p.add_argument("--router", default="round_robin", choices=ROUTERS,
+                   help="request router across GPUs")
     p.add_argument("--factor", type=float, default=3.0,
                    help="headline: the rate where temporal TPOT is this x unloaded")
     p.add_argument("--slo", type=_slo, default=Slo.parse(DEFAULT_SLO_TEXT),
@@ -111,9 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain", type=float, default=10.0,
                    help="seconds a run goes on after arrivals stop; unfinished requests miss")
     p.add_argument("--seeds", type=_seeds,
-                   help="comma-separated seeds pooled per point (default 0,1)")
-    p.add_argument("--out", type=Path, default=Path("runs/sim"))
-    p.add_argument("--no-plot", action="store_true")
+                   help="comma-separated seeds pooled per point (default: 0,1)")
+    p.add_argument("--out", type=Path, default=Path("runs/sim"), help="output directory")
+    p.add_argument("--no-plot", action="store_true", help="skip the figures")
     return p
 
 

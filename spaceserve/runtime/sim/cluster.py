@@ -1,7 +1,8 @@
 """Run a workload on one GPU or on many behind a request router.
 
 All GPUs advance in lockstep to each arrival, so a least-loaded router sees every GPU's state at
-the instant it routes.
+the instant it routes. ``media_aware`` is SpaceServe's router (router.py: the routing code Ray
+Serve runs, on what a front end sees).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from ..curves import CurveSet
 from ..slo import Goodput, Slo
 from .engine import SimConfig, Simulator
 from .metrics import image_goodput, summarize
+from .router import MediaAwareRouter
 from .workload import Request, Workload, generate
 
-ROUTERS = ("round_robin", "least_loaded")
+ROUTERS = ("round_robin", "least_loaded", "media_aware")
 
 
 @dataclass
@@ -62,10 +64,11 @@ def simulate(curves: CurveSet, config: SimConfig, workload: Workload, *, num_gpu
     arrivals = generate(workload)
     gpus = [Simulator(curves, config, gpu=i, horizon=workload.duration_s)
             for i in range(num_gpus)]
+    media = MediaAwareRouter(curves, gpus) if router == "media_aware" else None
     for i, req in enumerate(arrivals):
         for g in gpus:
             g.advance_to(req.arrival)
-        route(gpus, router, i).add(req)
+        (media.route(req) if media else route(gpus, router, i)).add(req)
     for g in gpus:
         g.advance_to(workload.duration_s)
         g.drain(drain_s)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..policy import OBJECTIVES
+from ..curves import CurveSet
+from ..policy import OBJECTIVES, SchedulingPolicy, scheduling_policy
 from ..slo import Slo
 
 MODES = ("temporal", "temporal-chunked", "spatial-static", "spatial", "shared")
@@ -63,3 +64,15 @@ class SimConfig:
 def default_allowed(total_sms: int, step: int = 8) -> tuple[int, ...]:
     """Encoder SM counts a Hopper green-context partition offers (multiples of 8)."""
     return tuple(range(step, total_sms - step + 1, step))
+
+
+def sim_policy(curves: CurveSet, c: SimConfig) -> SchedulingPolicy:
+    """The scheduling policy a simulated GPU runs: what `epd.build_spatial` builds for an engine
+    with the same curves, SLO and knobs, at the background batch as the reference decode load."""
+    return scheduling_policy(
+        curves, c.slo, objective=c.sis_objective, splits=c.allowed_encoder_sms,
+        batch=c.background, context=c.background_context + c.background_output / 2,
+        decode_margin=c.decode_margin, comfort_factor=c.comfort_factor,
+        tpot_factor=c.tpot_factor, window_s=c.window_s or 0.02, max_wait_s=c.max_wait_s,
+        token_budget=c.token_budget, launch_budget_s=c.launch_budget_s,
+        layer_launch_s=c.layer_launch_s)

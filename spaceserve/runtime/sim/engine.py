@@ -37,46 +37,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..curves import CurveSet
-from ..policy import RateEstimator, SchedulingPolicy, scheduling_policy
+from ..policy import RateEstimator
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
 from ..twsrft import Grant, TwsrftScheduler, curve_cost
-from .config import MODES, PLACEMENTS, TEMPORAL_MODES, SimConfig, default_allowed
+from .config import MODES, PLACEMENTS, TEMPORAL_MODES, SimConfig, default_allowed, sim_policy
+from .op import Op
 from .workload import Request
 
 __all__ = ["MODES", "PLACEMENTS", "TEMPORAL_MODES", "Op", "SimConfig", "Simulator",
            "default_allowed", "sim_policy"]
 
-
-def sim_policy(curves: CurveSet, c: SimConfig) -> SchedulingPolicy:
-    """The scheduling policy a simulated GPU runs: what `epd.build_spatial` builds for an engine
-    with the same curves, SLO and knobs, at the background batch as the reference decode load."""
-    return scheduling_policy(
-        curves, c.slo, objective=c.sis_objective, splits=c.allowed_encoder_sms,
-        batch=c.background, context=c.background_context + c.background_output / 2,
-        decode_margin=c.decode_margin, comfort_factor=c.comfort_factor,
-        tpot_factor=c.tpot_factor, window_s=c.window_s or 0.02, max_wait_s=c.max_wait_s,
-        token_budget=c.token_budget, launch_budget_s=c.launch_budget_s,
-        layer_launch_s=c.layer_launch_s)
-
-
-@dataclass
-class Op:
-    """A launch in flight on one lane: remaining work fraction and its latency model
-    ``fn(sms, other)`` (whole-op seconds; `other` False alone, else the other lane's SMs)."""
-
-    lane: str
-    kind: str
-    sms: int
-    fn: Callable[[int, int | bool], float]
-    payload: object
-    remaining: float = 1.0
-    _lat: dict = field(default_factory=dict, repr=False)
-
-    def latency(self, sms: int, other: int | bool) -> float:
-        key = (sms, other)
-        if key not in self._lat:
-            self._lat[key] = self.fn(sms, other)
-        return self._lat[key]
 
 
 @dataclass

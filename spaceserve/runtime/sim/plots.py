@@ -5,18 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from spaceserve.plotting import pyplot
+
 from .cluster import SimResult
 
 
 def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib is not installed: skipping the figure (pip install matplotlib)")
-        return None
     return plt
 
 

@@ -1,0 +1,43 @@
+"""Argument-parsing pieces shared by the `spaceserve` commands; argparse only, nothing heavy.
+
+`HelpFormatter` keeps a description's own line breaks and shows every flag's default. The
+parsers of commands whose implementation module is heavy to import (the compile check lives in
+`spaceserve.kernels`, whose package loads torch and triton) are built here, so that
+``spaceserve <cmd> --help`` answers before any of it is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+    """Raw description, and ``(default: X)`` after every optional flag's help unless the help
+    already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS or action.required:
+            return text
+        return super()._get_help_string(action)
+
+
+def build_compile_check_parser(prog: str = "spaceserve compile-check") -> argparse.ArgumentParser:
+    """The parser of `spaceserve compile-check` (= ``python -m spaceserve.kernels.aot``)."""
+    p = argparse.ArgumentParser(
+        prog=prog, formatter_class=HelpFormatter,
+        description="Compile every kernel configuration for sm_90a with Triton's own compiler\n"
+                    "and ptxas (no GPU needed; run with TRITON_INTERPRET unset), and check shared\n"
+                    "memory and wgmma use.")
+    p.add_argument("--json", type=Path, help="write the results as JSON here (default: none)")
+    p.add_argument("--module", action="append", default=None,
+                   help="a module (dotted name or .py path) to check instead of the package; "
+                        "repeatable (default: every kernel module)")
+    p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                   help="parallel compiles")
+    p.add_argument("--no-spills", action="store_true",
+                   help="skip the second ptxas run that counts spill bytes")
+    return p

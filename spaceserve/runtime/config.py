@@ -1,0 +1,99 @@
+"""Engine settings: `EngineConfig`, the engine modes and the attention backends.
+
+Every field is validated when the config is built (ValueError names the field), so a bad flag
+fails before any model is loaded. The co-located modes' fields are checked by `epd.check_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .memory import GRAPH_RESERVE_BYTES
+from .slo import DEFAULT_SLO, Slo
+
+MODES = ("temporal", "temporal-chunked", "shared", "spatial-static", "spatial")
+ATTENTION_BACKENDS = ("triton", "torch")
+DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; every field is validated (ValueError names it).
+
+    `num_kv_blocks` None sizes the cache from free device memory (CPU: a default count).
+    `max_model_len` None takes the model's context. `graph_batch_sizes` None: the default
+    buckets up to `max_num_seqs` (a runner without graphs ignores them).
+
+    Co-located modes (``shared``, ``spatial-static``, ``spatial``; see `epd.py`):
+    `encoder_sms` is the static split (None: about half the device, a multiple of 8);
+    `encoder_splits` the splits partitions are made for in ``spatial`` (None: about a quarter,
+    half and three quarters); `curves` a resource-utility curves JSON for SIS and TWSRFT (None:
+    the analytic model); `prefill_on` "auto" (SIS in ``spatial``, else the compute partition),
+    "compute" or "decode"; `encoder_driver` "cooperative" or "thread" (the cooperative one
+    launches encoder layers for `encoder_launch_budget_s` of host time per step, while the
+    decode step runs, at least one layer per step; `encoder_window_s` is TWSRFT's grant
+    window, and ``temporal-chunked``'s encoder chunk between decode steps, see
+    `encoder_chunked.py`); `green_contexts` False
+    forces kernel budgets alone; `programs_per_sm` applies inside green partitions only.
+    `slo`: the latency SLO requests are judged by and ``spatial``'s SIS aims at (`slo.py`; an
+    `Slo` or its text such as ``"ttft:2000,tpot:50"``, the default); `sis_objective` "goodput"
+    or "tpot" (`sis.py`); `sis_load` the decode (batch, mean context) the split set is chosen
+    for when `encoder_splits` is None (`policy.py`, the simulator's background batch).
+
+    `tensor_parallel_size` N > 1 splits the decoder over N ranks (one process each, rank 0 in
+    the engine's; see `runtime/tp`); the runner must be a tensor-parallel one of that size
+    (`Engine.from_pretrained` builds it).
+    """
+
+    mode: str = "temporal"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_images_per_prompt: int = 8
+    max_encoder_tokens_per_step: int = 16384
+    max_held_embeddings: int = 64
+    gpu_memory_utilization: float = 0.9
+    graph_reserve_bytes: int = GRAPH_RESERVE_BYTES
+    graph_batch_sizes: tuple[int, ...] | None = None
+    seed: int = 0
+    encoder_sms: int | None = None
+    encoder_splits: tuple[int, ...] | None = None
+    curves: str | None = None
+    prefill_on: str = "auto"
+    encoder_driver: str = "cooperative"
+    encoder_window_s: float = 0.02
+    encoder_launch_budget_s: float = 0.003
+    green_contexts: bool = True
+    programs_per_sm: int = 1
+    tensor_parallel_size: int = 1
+    slo: Slo | str = DEFAULT_SLO
+    sis_objective: str = "goodput"
+    sis_load: tuple[int, int] = (32, 1152)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not available; modes: {', '.join(MODES)}")
+        try:
+            object.__setattr__(self, "slo", Slo.of(self.slo))
+        except ValueError as exc:
+            raise ValueError(f"slo={self.slo!r}: {exc}") from None
+        from .epd import check_config
+
+        check_config(self)  # the co-located modes' settings
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_images_per_prompt", "max_encoder_tokens_per_step",
+                     "max_held_embeddings", "num_kv_blocks", "max_model_len",
+                     "tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is None and name in ("num_kv_blocks", "max_model_len"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in "
+                             "(0, 1]")
+        if self.graph_batch_sizes is not None and any(
+                not isinstance(s, int) or s < 1 for s in self.graph_batch_sizes):
+            raise ValueError(f"graph_batch_sizes={self.graph_batch_sizes!r} must be ints >= 1")

@@ -1,0 +1,238 @@
+"""A generic step planner: a `ScheduledBatch` in, flat device metadata of the step out.
+
+`StepPlanner` turns a batch into token ids, positions, slot mapping, block tables, ... in
+preallocated buffers with vectorised host work, padding pure-decode batches to a CUDA-graph
+bucket, through the models' `ContextPlanner`; runners may use it or plan their own way.
+`StepLimits` are the capacities its buffers (and the engine's) are sized from.
+
+Planning is two halves: `prepare` reads the batch (the only part that needs `Request`
+objects) into `StepInputs`, plain host arrays that also record what it changed in the
+per-row state (`RowSync`), and `plan_inputs` lays the step out. A tensor-parallel worker
+receives the inputs of rank 0's `prepare`, applies their `RowSync` to its own rows and plans
+the same step (`runtime/tp`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .request import Request
+from .scheduler import ScheduledBatch
+
+__all__ = ["RowSync", "StepInputs", "StepLimits", "StepPlan", "StepPlanner"]
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """Capacities fixed at start-up; the planner's buffers are sized from them."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.max_num_batched_tokens, self.max_num_seqs)
+
+
+@dataclass
+class StepPlan:
+    """Flat metadata of one step (layout as `spaceserve.models.context`): sequence ``i`` owns
+    tokens ``query_start_loc[i] .. query_start_loc[i + 1] - 1``; padding sequences (seq_len 0,
+    slot -1) follow the real ones when the batch was padded to a graph bucket, and get logits
+    rows too (``num_logits`` counts the real ones). Tensors live on the runner's device and are
+    views of the planner's fixed buffers, valid until its next plan; `host` holds numpy views of
+    the same values and `context` the model-facing `StepContext` of the same step."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, the token's index in its sequence (+ rope delta)
+    slot_mapping: torch.Tensor  # [T] int64, -1 = do not store
+    logits_indices: torch.Tensor  # [R] int64, token index of each logits row
+    logits_seqs: torch.Tensor  # [R] int64, sequence of each logits row
+    seq_lens: torch.Tensor  # [B] int32, cached + new (0 = padding)
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    block_tables: torch.Tensor  # [B, width] int32
+    num_tokens: int
+    num_seqs: int
+    num_real_seqs: int
+    num_decodes: int
+    num_logits: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # The step's image-token pieces: token indices (host) and embedding rows (device) per
+    # covered image span; gathered only by a runner that asks (`mm_index` / `mm_embeds`).
+    mm_parts: tuple[list[np.ndarray], list[torch.Tensor]] = ((), ())
+    host: dict[str, np.ndarray] = field(default_factory=dict)
+    context: Any = None  # spaceserve.models.StepContext
+
+    @property
+    def mm_index(self) -> torch.Tensor | None:
+        """[M] int64 token indices taking image embeddings (a host tensor), or None."""
+        idx = self.mm_parts[0]
+        return torch.from_numpy(np.concatenate(idx)) if len(idx) else None
+
+    @property
+    def mm_embeds(self) -> torch.Tensor | None:
+        """[M, hidden] embedding rows for `mm_index`, or None."""
+        emb = self.mm_parts[1]
+        return torch.cat(emb) if len(emb) else None
+
+
+@dataclass
+class RowSync:
+    """What a `prepare` changed in the per-row state: rows a sequence (re)took, with its rope
+    delta and prompt M-RoPE positions (``[3, L]`` int32, or None), and block ids written
+    (row, first column, ids)."""
+
+    resets: list[tuple[int, int, np.ndarray | None]] = field(default_factory=list)
+    writes: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+
+
+@dataclass
+class StepInputs:
+    """A step as host arrays (`StepPlanner.prepare`): the rows and token counts of its
+    sequences (decodes first), which need logits, the flattened token ids, the padding and
+    table width of a graph step, and the row-state changes that go with it. `mm_parts` (the
+    image pieces, with device tensors) stays on the planning process."""
+
+    rows: np.ndarray
+    num_cached: np.ndarray
+    num_new: np.ndarray
+    need_logits: np.ndarray | None
+    input_ids: np.ndarray
+    num_decodes: int
+    pad_to: int | None
+    width: int | None
+    sync: RowSync
+    mm_parts: tuple[list[np.ndarray], list[torch.Tensor]] = ((), ())
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.rows.size)
+
+    def wire(self) -> StepInputs:
+        """A compact copy to send to another process: int32 arrays, no image pieces."""
+        i32 = np.int32
+        return StepInputs(self.rows.astype(i32), self.num_cached.astype(i32),
+                          self.num_new.astype(i32), self.need_logits, self.input_ids.astype(i32),
+                          self.num_decodes, self.pad_to, self.width, self.sync)
+
+
+class StepPlanner:
+    """Turns a `ScheduledBatch` into a `StepPlan` through the models' `ContextPlanner`, the
+    one planner (numpy into preallocated buffers, two non-blocking copies, the attention plan
+    refilled in place).
+
+    Block tables persist per sequence slot (``req.row``) and only newly allocated blocks are
+    written, so a decode step costs a few numpy operations over the batch, not a Python loop
+    per token or per block. `rope` maps a request to (its prompt's ``[3, L]`` M-RoPE positions
+    or None, its rope delta) and is asked when the request takes its slot; without it
+    positions are token indices. `backend` (an attention backend) gets its plan refilled for
+    every step not padded for a graph. A stage running steps beside another one's (on another
+    stream) takes a planner of its own with ``share_rows_with=`` the other's, so both see every
+    request's slot state.
+    """
+
+    def __init__(self, limits: StepLimits, device: torch.device | str,
+                 graph_batch_sizes: Sequence[int] = (), *, backend: Any = None,
+                 rope: Callable[[Request], tuple[Any, int]] | None = None,
+                 share_rows_with: StepPlanner | None = None) -> None:
+        from spaceserve.models.context import ContextPlanner
+
+        self.limits = limits
+        self.device = torch.device(device)
+        self.graph_batch_sizes = tuple(sorted(graph_batch_sizes))
+        self.rope = rope
+        self.core = ContextPlanner(limits.max_num_seqs, limits.max_tokens,
+                                   limits.max_blocks_per_seq, limits.block_size,
+                                   device=self.device, backend=backend,
+                                   rows=share_rows_with.core if share_rows_with else None)
+        self.table = self.core.table  # persistent block table per slot
+
+    def plan(self, batch: ScheduledBatch, *, pad_to: int | None = None) -> StepPlan:
+        """The plan of `batch`. A decode-only batch is padded to `pad_to` sequences, or else
+        to the next of `graph_batch_sizes`, with block tables as wide as the limits allow and
+        no attention plan (a graph replays its own)."""
+        return self.plan_inputs(self.prepare(batch, pad_to=pad_to))
+
+    def prepare(self, batch: ScheduledBatch, *, pad_to: int | None = None) -> StepInputs:
+        """`batch` as `StepInputs` (padding as `plan` says), writing the rows' new blocks and
+        rope state into the shared row state and recording them in ``inputs.sync``."""
+        reqs, nd, nb = batch.reqs, batch.num_decodes, len(batch.reqs)
+        core, table, rope = self.core, self.table, self.rope
+        sync = RowSync()
+        for r in reqs:
+            k, s = len(r.block_ids), r.synced_blocks
+            if k != s:
+                if s == 0:  # the request (re)took its slot
+                    mpos, delta = rope(r) if rope is not None else (None, 0)
+                    core.set_row(r.row, rope_delta=delta, mrope_positions=mpos)
+                    pos = core.prompt_positions[r.row]
+                    sync.resets.append((r.row, int(delta), None if pos is None
+                                        else pos.astype(np.int32)))
+                ids_new = np.asarray(r.block_ids[s:], dtype=np.int32)
+                table[r.row, s:k] = ids_new
+                sync.writes.append((r.row, s, ids_new))
+                r.synced_blocks = k
+        ids = [r.token_ids[-1] for r in reqs[:nd]]
+        t = nd
+        idx_parts: list[np.ndarray] = []
+        emb_parts: list[torch.Tensor] = []
+        for i in range(nd, nb):
+            r, s, n = reqs[i], batch.num_cached[i], batch.num_new[i]
+            ids += r.token_ids[s:s + n]
+            mm = r.mm
+            if mm is not None and mm.num_tokens:
+                lo, hi = np.searchsorted(mm.positions, [s, s + n])
+                if hi > lo:
+                    idx_parts.append(mm.positions[lo:hi] - s + t)
+                    emb_parts.append(mm.embeds[lo:hi])
+            t += n
+        buckets = self.graph_batch_sizes
+        if pad_to is None and nd == nb and buckets and nb <= buckets[-1]:
+            pad_to = next(x for x in buckets if x >= nb)
+        graph = pad_to is not None
+        return StepInputs(
+            np.array([r.row for r in reqs], dtype=np.int64),
+            np.array(batch.num_cached, dtype=np.int64), np.array(batch.num_new, dtype=np.int64),
+            None if nd == nb else np.array(batch.need_logits, dtype=bool),
+            np.array(ids, dtype=np.int64), nd, pad_to,
+            self.limits.max_blocks_per_seq if graph else None, sync, (idx_parts, emb_parts))
+
+    def apply(self, sync: RowSync) -> None:
+        """Apply another planner's row-state changes (a tensor-parallel worker's rows follow
+        rank 0's)."""
+        for row, delta, pos in sync.resets:
+            self.core.set_row(row, rope_delta=delta, mrope_positions=pos)
+        for row, start, ids in sync.writes:
+            self.table[row, start:start + ids.size] = ids
+
+    def plan_inputs(self, inputs: StepInputs) -> StepPlan:
+        """Lay out a prepared step (its row state already applied) in the planner's buffers."""
+        graph = inputs.pad_to is not None
+        nd, nb = inputs.num_decodes, inputs.num_seqs
+        ctx = self.core.plan(inputs.rows, inputs.num_cached, inputs.num_new,
+                             need_logits=inputs.need_logits, input_ids=inputs.input_ids,
+                             pad_seqs_to=inputs.pad_to, width=inputs.width,
+                             plan_attention=not graph)
+        h = ctx.host
+        host = {"input_ids": h.input_ids, "positions": h.positions.numpy()[0],
+                "slot_mapping": h.slot_mapping.numpy(), "logits_indices": h.logits_indices,
+                "logits_seqs": h.logits_seqs, "seq_lens": h.seq_lens,
+                "query_start_loc": h.cu_seqlens_q, "block_tables": h.block_tables}
+        return StepPlan(ctx.input_ids, ctx.positions[0], ctx.slot_mapping, ctx.logits_indices,
+                        ctx.logits_seqs, ctx.seq_lens, ctx.cu_seqlens_q, ctx.block_tables,
+                        num_tokens=ctx.num_tokens, num_seqs=ctx.num_seqs, num_real_seqs=nb,
+                        num_decodes=nd, num_logits=ctx.logits_indices.shape[0] - ctx.num_seqs + nb,
+                        max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
+                        mm_parts=inputs.mm_parts, host=host, context=ctx)

@@ -1,0 +1,186 @@
+"""The tensor-parallel protocol: everything rank 0 and its workers say to each other.
+
+Rank 0 runs the engine (scheduler, encoder stage, sampler) and one shard of the model; each
+worker runs another shard and does exactly what rank 0 tells it, in order. Commands travel
+over one pipe per worker, pickled once and written to every pipe (a broadcast that never
+times out while the engine is idle, and whose end-of-file tells a worker its rank 0 is gone);
+the tensors of a step move only through the collectives inside the model.
+
+Per engine step rank 0 sends a `Step`: the planner's `StepInputs` (rows, token counts, token
+ids, need-logits flags, graph padding, and the block ids / rope state the step's rows took
+since the last step), the stage and SM budget it runs under, the graph size it replays, and its
+image pieces as (embeddings key, first row, end row). A decode step of B sequences is a few
+arrays of B integers plus the new block ids: kilobytes. Rank 0 samples from the gathered
+logits alone, so nothing about sampling crosses the pipe, and no reply is awaited.
+
+The vision tower is replicated: every rank runs every encoder command on the same pixels
+(which cross the pipe once per request) and keeps the embeddings under the key rank 0 gave
+them, until a `Release`. Encoder commands carry no collectives, so their order relative to
+steps matters only in that a step comes after the `FinishEncode` of the embeddings it uses -
+which the pipe's order guarantees. (A data-parallel encoder - each rank encoding a share and
+all-gathering the embeddings - adds an owner rank per job and a gather after `FinishEncode`.)
+
+Every command that launches work carries `budgets`: rank 0's runner's (encoder, decoder) SM
+budgets when it was sent. A worker runs the command under the same budget and, in the
+co-located modes, on the streams of its own partition with those budgets (`PartitionSpec`
+builds the same partition set on every rank).
+
+Worker -> rank 0 messages are tuples: ``("hello", rank, pid)`` once imported,
+``("ready", rank)`` once its shard is loaded, ``("reply", value)`` for the commands that
+return something (`Profile`, `Capture`, `Stats`), and ``("error", rank, text)`` just before a worker
+exits on an exception.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+Budgets = tuple[int | None, int | None]  # (encoder_num_sms, decoder_num_sms) on rank 0
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What every rank builds its shard from: a checkpoint directory (`path`), or random
+    weights of a config (`config`, a dict, and `seed`)."""
+
+    path: str | None = None
+    config: dict[str, Any] | None = None
+    seed: int = 0
+    attention_backend: str = "triton"
+    dtype: str | None = None
+    device: str = "cpu"  # "cpu" or "cuda" (rank r takes cuda:r)
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """How the co-located modes build their SM partitions (as `epd.build_spatial` does)."""
+
+    mode: str
+    encoder_sms: int | None
+    encoder_splits: tuple[int, ...] | None
+    green_contexts: bool
+    programs_per_sm: int
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """The group every worker joins: its size, the rendezvous file, the collective timeout,
+    the stages with a communicator, the partitions (co-located modes), intra-op threads on
+    CPU, and environment variables set before anything is imported (e.g. NCCL's)."""
+
+    size: int
+    rendezvous: str
+    timeout_s: float
+    stages: tuple[str, ...] = ("decoder",)
+    partitions: PartitionSpec | None = None
+    num_threads: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+# -- commands (rank 0 -> workers) -------------------------------------------------------------
+
+@dataclass
+class Profile:
+    """`ModelRunner.profile_peak_bytes`; replies (peak bytes, free device bytes)."""
+
+    limits: Any
+    max_encoder_tokens: int
+
+
+@dataclass
+class Allocate:
+    num_blocks: int
+    limits: Any
+
+
+@dataclass
+class Capture:
+    """Capture decode graphs for these batch sizes under `budgets`; replies the sizes."""
+
+    sizes: tuple[int, ...]
+    budgets: Budgets
+
+
+@dataclass
+class Encode:
+    """Encode requests' images whole (`ModelRunner.encode`), one key per request."""
+
+    keys: list[int]
+    images: list[tuple[Any, Any]]  # (pixel_values, image_grid_thw) per key
+    budgets: Budgets
+
+
+@dataclass
+class StartEncode:
+    key: int
+    pixel_values: Any
+    image_grid_thw: Any
+
+
+@dataclass
+class AdvanceEncode:
+    key: int
+    layers: int
+    num_sms: int | None
+    budgets: Budgets
+
+
+@dataclass
+class FinishEncode:
+    key: int
+    num_sms: int | None
+    budgets: Budgets
+
+
+@dataclass
+class Embeds:
+    """Embeddings rank 0 did not encode (given with the request): kept under `key`."""
+
+    key: int
+    embeds: Any
+
+
+@dataclass
+class Release:
+    keys: list[int]
+
+
+@dataclass
+class Step:
+    """One engine step (module docstring); `pieces` are (key or None, lo, hi)."""
+
+    stage: str
+    budget: int | None
+    graph: int | None
+    inputs: Any  # runtime.step_plan.StepInputs without its device-side image pieces
+    pieces: list[tuple[int | None, int, int]]
+    budgets: Budgets
+
+
+@dataclass
+class Stats:
+    """Diagnostics; replies {"steps", "embeds", "jobs", "launches"}: steps run, embeddings and
+    encoder jobs held, and the kernel launches (`LaunchRecord`s) recorded since the last
+    `Stats`. `record` True starts recording launches, False stops, None leaves it as is."""
+
+    record: bool | None = None
+
+
+@dataclass
+class Stop:
+    pass
+
+
+COMMANDS = (Profile, Allocate, Capture, Encode, StartEncode, AdvanceEncode, FinishEncode,
+            Embeds, Release, Step, Stats, Stop)
+REPLIES = (Profile, Capture, Stats)  # the commands a worker answers
+
+
+def dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> Any:
+    return pickle.loads(data)

@@ -1,0 +1,343 @@
+"""`TensorParallelRunner`: the engine's model runner at tensor_parallel_size > 1 (rank 0).
+
+It holds rank 0's shard in an ordinary `Qwen2VLRunner` (`local`) and the other ranks in a
+`WorkerGroup`. Every runner call the engine makes is mirrored to the workers (`protocol.py`):
+- calls whose device work contains collectives (a step, profiling, graph capture) are sent
+  first and then run locally, so all ranks enter the collectives together; a step's host half
+  (`Qwen2VLRunner.prepare_step`, which may refuse a batch) runs before anything is sent;
+- encoder calls (no collectives: the vision tower is whole on every rank) run locally first
+  where they validate input (`start_encode`), so a bad image never reaches the workers, and are
+  sent first where they launch work (`encode`, `advance_encode`, `finish_encode`);
+- host-only calls (`prepare_request`, `kv_block_bytes`) stay on rank 0.
+Image embeddings are known to the workers by a key per `MultiModalData`, dropped again through
+`release_encoding` (the encoder stages call it when a request ends).
+
+A worker's death, a failed send or a failed collective turns into `TensorParallelError` naming
+the worker (`group.py`); from then on every call raises it, and `close` stops what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..request import MultiModalData, Request
+from ..scheduler import ScheduledBatch
+from ..step_plan import StepLimits
+from . import protocol as P
+from .group import TensorParallelError, WorkerGroup
+
+DEFAULT_TIMEOUT_S = 300.0  # a collective's limit; a dead worker is noticed long before
+
+
+def collective_timeout_s() -> float:
+    """The collectives' timeout: ``SPACESERVE_TP_TIMEOUT_S`` or `DEFAULT_TIMEOUT_S`."""
+    raw = os.environ.get("SPACESERVE_TP_TIMEOUT_S")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"SPACESERVE_TP_TIMEOUT_S={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"SPACESERVE_TP_TIMEOUT_S={raw!r} must be > 0")
+    return value
+
+
+@dataclass
+class _Job:
+    """An encoder job on rank 0 and the key the workers know it by."""
+
+    key: int
+    local: Any
+
+
+class TensorParallelRunner:
+    """Rank 0 of a tensor-parallel group of `size` ranks (module docstring). `partitions` is
+    set for the co-located modes (every rank builds the same partition set); `env` is set in
+    every rank's environment before its group is created (NCCL's knobs, for instance)."""
+
+    def __init__(self, source: P.ModelSource, size: int, *,
+                 partitions: P.PartitionSpec | None = None, timeout_s: float | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        from .comm import connect
+        from .worker import build_runner, rank_device
+
+        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+            raise ValueError(f"tensor_parallel_size={size!r}: a tensor-parallel runner needs "
+                             "an int >= 2")
+        device = rank_device(source.device, 0)
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; "
+                             f"{torch.cuda.device_count()} visible")
+        self.size = size
+        self.tp_size = size
+        self.source = source
+        stages = ("decoder",) if partitions is None else ("decoder", "encoder")
+        self.group = WorkerGroup(size, source, timeout_s=timeout_s or collective_timeout_s(),
+                                 stages=stages, partitions=partitions,
+                                 num_threads=torch.get_num_threads(), env=env)
+        os.environ.update(self.group.spec.env)  # e.g. NCCL's knobs: rank 0 joins with them too
+        self.comms: dict[str, Any] = {}
+        self._dead = False
+        self._lock = threading.Lock()  # keys
+        try:
+            self.group.expect("hello")
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            spec = self.group.spec
+            self.comms = self.group.watched(
+                lambda: connect(0, size, spec.rendezvous, device, stages, spec.timeout_s))
+            if device.type == "cuda":  # unblock collectives waiting on a dead peer
+                self.group.on_failure.append(self._abort)
+            self.local = build_runner(source, 0, size, self.comms["decoder"], device)
+            self.group.expect("ready")
+        except BaseException:
+            self.close()
+            raise
+        self.info = self.local.info
+        self.device = self.local.device
+        self.model = self.local.model
+        self._keys: dict[int, tuple[int, MultiModalData]] = {}
+        self._next_key = 0
+
+    @classmethod
+    def for_engine(cls, config: Any, *, path: str | None = None,
+                   model_config: dict[str, Any] | None = None, seed: int = 0,
+                   attention_backend: str = "triton", dtype: Any = None, device: Any = None
+                   ) -> TensorParallelRunner:
+        """The runner of an `EngineConfig` (its ``tensor_parallel_size`` and, for the
+        co-located modes, its partition fields) over a checkpoint `path` or random weights of
+        `model_config` (a config dict) drawn with `seed`. `device` None: CUDA when present."""
+        dev = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and dev.index not in (None, 0)):
+            raise ValueError(f"device={device!r}: a tensor-parallel group runs on 'cpu' or on "
+                             "'cuda' (rank r on GPU r of the visible ones)")
+        if dtype is not None and not isinstance(dtype, str):
+            dtype = str(dtype).removeprefix("torch.")
+        source = P.ModelSource(path=None if path is None else os.fspath(path),
+                               config=model_config, seed=seed,
+                               attention_backend=attention_backend, dtype=dtype,
+                               device=dev.type)
+        check_splits(source, config.tensor_parallel_size)
+        partitions = None
+        if config.mode != "temporal":
+            partitions = P.PartitionSpec(config.mode, config.encoder_sms, config.encoder_splits,
+                                         config.green_contexts, config.programs_per_sm)
+        return cls(source, config.tensor_parallel_size, partitions=partitions)
+
+    # -- budgets (set by the co-located modes' partitions) ----------------------------------
+    @property
+    def encoder_num_sms(self) -> int | None:
+        return self.local.encoder_num_sms
+
+    @encoder_num_sms.setter
+    def encoder_num_sms(self, value: int | None) -> None:
+        self.local.encoder_num_sms = value
+
+    @property
+    def decoder_num_sms(self) -> int | None:
+        return self.local.decoder_num_sms
+
+    @decoder_num_sms.setter
+    def decoder_num_sms(self, value: int | None) -> None:
+        self.local.decoder_num_sms = value
+
+    def _budgets(self) -> P.Budgets:
+        return self.local.encoder_num_sms, self.local.decoder_num_sms
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _send(self, cmd: Any) -> None:
+        if self._dead:
+            self.group.raise_failure()
+        try:
+            self.group.broadcast(cmd)
+        except TensorParallelError:
+            self._dead = True
+            raise
+
+    def _run(self, fn: Any, *args: Any, fatal: bool = True, **kwargs: Any) -> Any:
+        """Run rank 0's part of a command already sent. Any exception of a `fatal` part (one
+        with collectives: the workers are in them now) and any exception once the group has
+        failed becomes the group's `TensorParallelError`; other exceptions (an image the
+        encoder refuses, refused on every rank alike) pass through."""
+        try:
+            return fn(*args, **kwargs)
+        except TensorParallelError:
+            self._dead = True
+            raise
+        except Exception as exc:
+            if fatal or self._dead or self.group.failure() is not None or \
+                    _collective_error(exc):
+                self._dead = True
+                self.group.raise_failure(exc)
+            raise
+        except BaseException:  # interrupted: the workers may be inside a collective now
+            if fatal:
+                self._dead = True
+            raise
+
+    def _replies(self) -> list[Any]:
+        try:
+            return self.group.replies()
+        except TensorParallelError:
+            self._dead = True
+            raise
+
+    def _abort(self) -> None:
+        for comm in self.comms.values():
+            comm.abort()
+
+    def _key(self, mm: MultiModalData, *, create: bool = True) -> int | None:
+        with self._lock:
+            entry = self._keys.get(id(mm))
+            if entry is not None and entry[1] is mm:
+                return entry[0]
+            if not create:
+                return None
+            key, self._next_key = self._next_key, self._next_key + 1
+            self._keys[id(mm)] = (key, mm)
+            return key
+
+    # -- the runner protocol -----------------------------------------------------------------
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one KV block on each rank (its own KV heads)."""
+        return self.local.kv_block_bytes(block_size)
+
+    def profile_peak_bytes(self, limits: StepLimits, max_encoder_tokens: int) -> int:
+        """The largest peak over the ranks, plus how much less free memory the tightest rank
+        has than rank 0 (the KV cache is sized on rank 0's free memory, the same on all)."""
+        self._send(P.Profile(limits, max_encoder_tokens))
+        peak = self._run(self.local.profile_peak_bytes, limits, max_encoder_tokens)
+        if self.device.type != "cuda":
+            self._replies()
+            return peak
+        free0 = torch.cuda.mem_get_info(self.device)[0]
+        worst = peak
+        for p, free in self._replies():
+            worst = max(worst, p + max(0, free0 - free))
+        return worst
+
+    def allocate_kv_cache(self, num_blocks: int, limits: StepLimits) -> None:
+        self._send(P.Allocate(num_blocks, limits))
+        self._run(self.local.allocate_kv_cache, num_blocks, limits)
+
+    def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
+        self._send(P.Capture(tuple(batch_sizes), self._budgets()))
+        sizes = self._run(self.local.capture_decode_graphs, batch_sizes)
+        theirs = self._replies()
+        if any(tuple(t) != tuple(sizes) for t in theirs):
+            raise TensorParallelError(f"decode graphs captured differ across ranks: rank 0 "
+                                      f"{sizes}, others {theirs}")
+        return sizes
+
+    def prepare_request(self, req: Request) -> None:
+        self.local.prepare_request(req)
+
+    def encode(self, mms: Sequence[MultiModalData]) -> list[torch.Tensor]:
+        keys = [self._key(mm) for mm in mms]
+        self._send(P.Encode(keys, [(mm.pixel_values, mm.image_grid_thw) for mm in mms],
+                            self._budgets()))
+        return self._run(self.local.encode, mms, fatal=False)
+
+    @property
+    def encoder_layers(self) -> int:
+        return self.local.encoder_layers
+
+    def start_encode(self, mm: MultiModalData, pixel_values: torch.Tensor | None = None) -> _Job:
+        job = self._run(self.local.start_encode, mm, pixel_values, fatal=False)
+        key = self._key(mm)
+        self._send(P.StartEncode(key, mm.pixel_values, mm.image_grid_thw))
+        return _Job(key, job)
+
+    def advance_encode(self, job: _Job, layers: int, *, num_sms: int | None = None) -> int:
+        self._send(P.AdvanceEncode(job.key, layers, num_sms, self._budgets()))
+        return self._run(self.local.advance_encode, job.local, layers, num_sms=num_sms,
+                         fatal=False)
+
+    def finish_encode(self, job: _Job, *, num_sms: int | None = None) -> torch.Tensor:
+        self._send(P.FinishEncode(job.key, num_sms, self._budgets()))
+        return self._run(self.local.finish_encode, job.local, num_sms=num_sms, fatal=False)
+
+    def release_encoding(self, mm: MultiModalData | None) -> None:
+        """Forget `mm`'s embeddings on every rank (its request ended)."""
+        if mm is None or self._dead:
+            return
+        with self._lock:
+            entry = self._keys.get(id(mm))
+            if entry is None or entry[1] is not mm:
+                return
+            del self._keys[id(mm)]
+        try:
+            self._send(P.Release([entry[0]]))
+        except TensorParallelError:
+            pass  # reported by the next call that needs the workers
+
+    def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
+        """One step on every rank: rank 0 prepares it, sends it, and runs its own shard;
+        returns the full logits (gathered inside the model)."""
+        step = self.local.prepare_step(batch, stage=stage)
+        pieces = []
+        for src, lo, hi in step.pieces:
+            key = None
+            if src is not None:
+                key = self._key(src, create=False)
+                if key is None:  # embeddings rank 0 never encoded: ship them once
+                    key = self._key(src)
+                    self._send(P.Embeds(key, src.embeds.detach().cpu()))
+            pieces.append((key, lo, hi))
+        self._send(P.Step(step.stage, step.budget, step.graph, step.inputs.wire(), pieces,
+                          self._budgets()))
+        comm = self.comms.get(stage, self.comms["decoder"])
+        return self._run(self.local.run_step, step, comm=comm)
+
+    def worker_stats(self, record: bool | None = None) -> list[dict[str, Any]]:
+        """Each worker's diagnostics (`protocol.Stats`): steps run, embeddings and encoder jobs
+        held, and the launches recorded since the last call (`record` switches recording)."""
+        self._send(P.Stats(record))
+        return self._replies()
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def worker_pids(self) -> list[int]:
+        return list(self.group.pids)
+
+    def close(self) -> None:
+        """Stop the workers and release the groups (idempotent)."""
+        self._dead = True
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.close()
+        for comm in getattr(self, "comms", {}).values():
+            comm.shutdown()
+        self.comms = {}
+
+
+def check_splits(source: P.ModelSource, size: int) -> None:
+    """ValueError, before any process starts, when the model's heads or MLP width do not split
+    over `size` ranks (reads only the checkpoint's config)."""
+    from spaceserve.models.loader import SUPPORTED_MODEL_TYPES, config_class
+    from spaceserve.models.parallel import TensorParallel, check_text_config
+
+    if source.path is not None:
+        import json
+
+        with open(os.path.join(source.path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            return  # from_pretrained says why, on rank 0
+        config = config_class(model_type).from_pretrained(source.path)
+    else:
+        raw = dict(source.config or {})
+        config = config_class(raw.pop("model_type", "qwen2_vl"))(**raw)
+    check_text_config(config.text_config, TensorParallel(0, size))
+
+
+def _collective_error(exc: BaseException) -> bool:
+    """Whether `exc` comes from a collective (gloo / NCCL / c10d)."""
+    text = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    return any(s in text for s in ("gloo", "nccl", "NCCL", "c10d", "DistBackendError",
+                                   "Connection closed by peer", "Connection reset"))

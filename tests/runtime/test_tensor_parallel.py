@@ -1,0 +1,204 @@
+"""Tensor parallelism through the engine: real worker processes, gloo on CPU, the torch attention
+backend. At TP 2 the `--model tiny` checkpoint and a 6-query / 2-KV-head Qwen2-VL give, for text,
+image and video prompts through `Engine.generate`, the greedy tokens of TP 1 and of transformers, in
+the temporal and co-located modes; TP 4 replicates the tiny model's 2 KV heads; a worker killed
+mid-generate ends `generate` with an error naming it within 30 s; no worker outlives its engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from spaceserve import Engine, SamplingParams
+from spaceserve.runtime.tp import TensorParallelError
+
+IDS = (120, 121, 122, 123, 2, 1)  # image, video, vision start, vision end, eos, bos (six)
+STEPS = 5
+GREEDY = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+FAST = dict(device="cpu", attention_backend="torch", block_size=4, num_kv_blocks=64,
+            encoder_window_s=1e-9, encoder_launch_budget_s=0.0)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # the workers take the same thread count
+
+
+@contextlib.contextmanager
+def engine(path, size: int, **kw):
+    """An engine at tensor_parallel_size `size`, closed (and its workers gone) however the test
+    ends."""
+    eng = Engine.from_pretrained(str(path), tensor_parallel_size=size, **{**FAST, **kw})
+    try:
+        yield eng
+    finally:
+        eng.close()
+        if size > 1:
+            assert eng.runner.group.alive() == [], "a worker outlived its engine"
+
+
+def tokens(outs) -> list[list[int]]:
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path, hf_greedy):
+    """(path, prompts, transformers' tokens): a text prompt, a one-image and a two-image prompt
+    through the checkpoint's own tokenizer and processor."""
+    from PIL import Image
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from spaceserve.runtime.inputs import load_processor
+
+    _, processor = load_processor(str(tiny_path))
+    rng = np.random.default_rng(5)
+    pics = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+            for h, w in ((56, 84), (60, 60), (28, 56))]
+    tag = "<|vision_start|><|image_pad|><|vision_end|>"
+    prompts = [{"prompt": "The encoder looks at the image"},
+               {"prompt": f"Describe {tag} this image.", "images": pics[:1]},
+               {"prompt": f"Two {tag} and {tag} pictures", "images": pics[1:]}]
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    expected = []
+    for p in prompts:
+        enc = processor(text=[p["prompt"]], images=p.get("images"), return_tensors="pt")
+        ref = {"prompt_token_ids": enc["input_ids"][0].tolist()}
+        if "images" in p:
+            ref.update(pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"])
+        expected.append(hf_greedy(hf, ref, STEPS))
+    return tiny_path, prompts, expected
+
+
+@pytest.fixture(scope="module")
+def six(tmp_path_factory, qwen2_vl_image_prompt, hf_greedy):
+    """(path, prompts, transformers' tokens) of a random Qwen2-VL with 6 query / 2 KV heads."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    image, video, vstart, vend, eos, bos = IDS
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=128, hidden_size=96, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                         eos_token_id=eos, bos_token_id=bos,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=96, num_heads=2, mlp_ratio=2),
+        image_token_id=image, video_token_id=video, vision_start_token_id=vstart,
+        vision_end_token_id=vend)
+    torch.manual_seed(6)
+    hf = Qwen2VLForConditionalGeneration(config).eval()
+    path = tmp_path_factory.mktemp("qwen2vl_six")
+    hf.save_pretrained(path)
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    rng = np.random.default_rng(8)
+    g = torch.Generator().manual_seed(9)
+    grid = torch.tensor([[2, 2, 4]])  # two temporal patches of a 2x4 grid: 4 video tokens
+    clip = {"prompt_token_ids": [bos, 5, vstart] + [video] * 4 + [vend, 19],
+            "pixel_values_videos": torch.randn(16, 3 * 2 * 14 * 14, generator=g),
+            "video_grid_thw": grid}
+    prompts = [{"prompt_token_ids": [bos, 17, 33, 8, 91, 4]},
+               qwen2_vl_image_prompt(rng, [(56, 84)], [bos, 7], 10, IDS),
+               qwen2_vl_image_prompt(rng, [(28, 56), (56, 56)], [bos, 9], 12, IDS), clip]
+    return path, prompts, [hf_greedy(hf, p, STEPS) for p in prompts]
+
+
+@pytest.mark.parametrize("model, mode, extra", [
+    ("tiny", "temporal", {}),
+    ("tiny", "spatial", dict(max_num_batched_tokens=8)),  # chunked prefill, SIS placing it
+    ("six", "temporal", dict(num_kv_blocks=9, max_num_batched_tokens=8)),  # + preemption
+    ("six", "spatial-static", dict(prefill_on="compute", encoder_driver="thread")),
+])
+def test_tp2_matches_tp1_and_transformers(request, model, mode, extra):
+    path, prompts, expected = request.getfixturevalue(model)
+    with engine(path, 1, mode=mode, **extra) as one:
+        assert tokens(one.generate(prompts, GREEDY)) == expected
+    with engine(path, 2, mode=mode, **extra) as two:
+        lm = two.runner.model.language
+        assert (lm.num_heads, lm.num_kv_heads) == (lm.total_heads // 2, lm.total_kv_heads // 2)
+        assert tokens(two.generate(prompts, GREEDY)) == expected
+        assert tokens(two.generate(prompts[::-1], GREEDY)) == expected[::-1]
+        if "num_kv_blocks" in extra:
+            outs = two.generate(prompts, GREEDY)
+            assert sum(o.metrics.num_preemptions for o in outs) > 0, "no preemption happened"
+        two.check_idle()
+        stats = two.runner.worker_stats()
+        assert stats[0]["steps"] > 0
+        assert (stats[0]["embeds"], stats[0]["jobs"]) == (0, 0), "a worker kept image state"
+
+
+def test_tp4_replicates_kv_heads_and_a_killed_worker_ends_generate(tiny):
+    """4 query / 2 KV heads over 4 ranks: one query head each, each KV head on two ranks.
+    Then rank 2 is killed mid-generate: `generate` raises within 30 s, naming it, and
+    closing the engine leaves no process behind."""
+    path, prompts, expected = tiny
+    with engine(path, 4) as eng:
+        lm = eng.runner.model.language
+        assert (lm.num_heads, lm.num_kv_heads, lm.total_kv_heads) == (1, 1, 2)
+        assert eng.runner.kv_block_bytes(4) == 2 * lm.num_layers * 4 * 1 * lm.head_dim * 4, \
+            "a rank's KV cache holds its one KV head"
+        assert tokens(eng.generate(prompts, GREEDY)) == expected
+
+        victim = eng.runner.worker_pids()[1]  # rank 2
+        execute, calls, killed = eng.runner.execute, [0], []
+
+        def kill_on_third_step(batch, **kw):
+            calls[0] += 1
+            if calls[0] == 3:
+                os.kill(victim, signal.SIGKILL)
+                killed.append(time.monotonic())
+            return execute(batch, **kw)
+
+        eng.runner.execute = kill_on_third_step
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        with pytest.raises(TensorParallelError, match=r"rank 2 \(pid \d+\) was killed by "
+                                                      r"signal SIGKILL"):
+            eng.generate(prompts, long)
+        assert killed and time.monotonic() - killed[0] < 30.0
+        with pytest.raises(TensorParallelError):  # the engine stays failed, it does not hang
+            eng.generate(prompts[:1], GREEDY)
+
+
+def broken_worker(rank, spec, source, conn, parent) -> None:
+    """A worker that fails while loading its shard (module level: spawn pickles it by name)."""
+    import traceback
+
+    conn.send(("hello", rank, os.getpid()))
+    try:
+        raise ValueError("shard 1 of the checkpoint is unreadable")
+    except ValueError:
+        conn.send(("error", rank, traceback.format_exc()))
+    os._exit(1)
+
+
+def test_a_worker_failing_at_start_is_named_at_once(tmp_path):
+    from spaceserve.runtime.tp.group import WorkerGroup
+    from spaceserve.runtime.tp.protocol import ModelSource
+
+    group = WorkerGroup(2, ModelSource(path=str(tmp_path)), timeout_s=60.0, stages=("decoder",),
+                        partitions=None, num_threads=1, target=broken_worker)
+    try:
+        group.expect("hello")
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code 1 "
+                                                      r"\(ValueError: shard 1 of the checkpoint "
+                                                      r"is unreadable\)"):
+            group.expect("ready")
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        group.close()
+    assert group.alive() == []
+
+
+def test_splits_that_cannot_work_are_refused_before_any_process_starts(six):
+    path = six[0]  # 6 query / 2 KV heads
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by "
+                                         "tensor_parallel_size=4"):
+        Engine.from_pretrained(str(path), tensor_parallel_size=4, **FAST)
+    with pytest.raises(ValueError, match="tensor_parallel_size=0 must be an int >= 1"):
+        Engine.from_pretrained(str(path), tensor_parallel_size=0, **FAST)
