@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .curves import CurveSet
+
+if TYPE_CHECKING:  # sis.py imports this module
+    from .sis import SisState
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class GoodputPredictor:
             t = self._pre[key] = self.curves.prefill(tokens, 0, e, True) if tokens > 0 else 0.0
         return t
 
-    def misses(self, state, e: int) -> int:  # noqa: ANN001 - a SisState (no import cycle)
+    def misses(self, state: SisState, e: int) -> int:
         """Waiting requests predicted to miss their TTFT SLO with `e` encoder SMs."""
         if self.limit is None:
             return 0
@@ -86,7 +90,7 @@ class GoodputPredictor:
                 missed += n
         return missed
 
-    def load(self, state, e: int) -> float:  # noqa: ANN001
+    def load(self, state: SisState, e: int) -> float:
         """Fraction of `e` encoder SMs the recent arrival rate keeps busy."""
         if state.arrival_rate <= 0:
             return 0.0
@@ -95,10 +99,10 @@ class GoodputPredictor:
         per = self.encode_s(patches, self.curves.encoder_depth, e) + self.prefill_s(tokens, e)
         return state.arrival_rate * per
 
-    def forecast(self, state, e: int) -> Forecast:  # noqa: ANN001
+    def forecast(self, state: SisState, e: int) -> Forecast:
         return Forecast(e, self.misses(state, e), self.load(state, e))
 
-    def best(self, state, cands: Sequence[int]) -> Forecast:  # noqa: ANN001
+    def best(self, state: SisState, cands: Sequence[int]) -> Forecast:
         """Fewest predicted misses, then load within `max_load` (else the lowest), then the
         most encoder SMs: under pressure the backlog drains as fast as the decoder's SLO
         allows, so the next arrivals find a short queue."""

@@ -168,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
                                   objective=policy.objective, slo=policy.slo,
                                   decode_margin=policy.decode_margin,
                                   comfort_factor=policy.comfort_factor)
-    busy = SisState((PendingEncode(4 * 2691, curves.encoder_depth, age_s=args.slo.ttft or 0.0),
-                     ), (), args.batch, args.context + base.background_output / 2)
+    age = (args.slo.ttft or 0.0) / 1e3  # a request at its TTFT bound: SIS under pressure
+    busy = SisState((PendingEncode(4 * 2691, curves.encoder_depth, age_s=age),), (), args.batch,
+                    args.context + base.background_output / 2)
     sis_sms = sis.propose(busy).encoder_sms
     sis_cap = capacity_rate(curves, workload, args.gpus, sis_sms, corun=True)
     if args.rates.strip() != "auto":
