@@ -74,3 +74,18 @@ def test_policy_validation_and_launch_model() -> None:
         est.add(t, 100 * (1 + int(t)), 10)
     assert est.estimate(1.5) == (2.0, 150.0, 10.0)
     assert est.estimate(3.2) == (0.5, 200.0, 10.0)  # only the arrival at 1.5 s is left
+
+
+def test_time_multiplexed_baselines_get_the_same_encoder_scheduling() -> None:
+    """The baselines are not weakened: temporal-chunked runs the deadline-aware TWSRFT and
+    both temporal modes the same batching rule as spatial (whole FIFO passes for temporal)."""
+    curves = load_curves(None, NullModelRunner())
+    slo = Slo.parse("ttft:2000,itl:21")
+    spatial = Simulator(curves, SimConfig(mode="spatial", slo=slo)).sched
+    chunked = Simulator(curves, SimConfig(mode="temporal-chunked", slo=slo)).sched
+    temporal = Simulator(curves, SimConfig(mode="temporal", slo=slo)).sched
+    assert (chunked.policy, chunked.deadline_s, chunked.window_s) == \
+        ("twsrft", spatial.deadline_s, spatial.window_s) and chunked.deadline_s == \
+        pytest.approx(1.8)
+    assert temporal.policy == "fifo" and temporal.window_s == float("inf")
+    assert chunked.token_budget == temporal.token_budget == spatial.token_budget

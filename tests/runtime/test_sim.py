@@ -102,6 +102,7 @@ def _goodput(h200, mode: str, w: Workload, slo: Slo, **kw):
     ttft = [r.first_token - r.arrival for res in runs for r in res.requests
             if r.kind == "image" and r.first_token is not None]
     tpot = [summarize(r.requests)["tpot"]["mean_ms"] for r in runs]
+    _goodput.widest = max((e for r in runs for _, e in r.gpus[0].splits), default=0)
     return met / (2 * w.duration_s), sum(ttft) / len(ttft), sum(tpot) / len(tpot)
 
 
@@ -116,6 +117,8 @@ def test_spatial_serves_more_within_slo_than_time_multiplexing(h200) -> None:
     good = {m: _goodput(h200, m, w, tpot_slo)[0] for m in ("temporal", "temporal-chunked",
                                                            "spatial")}
     assert good["spatial"] >= 0.95 * max(good["temporal"], good["temporal-chunked"])
+    cap = Simulator(h200, SimConfig(slo=tpot_slo)).policy.splits[-1]
+    assert _goodput.widest == cap  # under pressure the encoder takes all the decode SLO allows
     # the TPOT-first baseline objective gives the encoder too few SMs for this load
     assert _goodput(h200, "spatial", w, tpot_slo, sis_objective="tpot")[0] < \
         0.85 * good["spatial"]
@@ -128,6 +131,7 @@ def test_light_load_keeps_ttft_and_tpot_near_time_multiplexing(h200) -> None:
         w, image_rate=0.0)).requests)["tpot"]["mean_ms"]
     _, ttft_t, _ = _goodput(h200, "temporal", w, slo)
     _, ttft_s, tpot_s = _goodput(h200, "spatial", w, slo)
+    assert 0 < _goodput.widest < Simulator(h200, SimConfig(slo=slo)).policy.splits[-1]  # calm
     assert ttft_s <= 1.5 * ttft_t
     assert tpot_s <= 1.25 * idle
     _, ttft_tpot, tpot_tpot = _goodput(h200, "spatial", w, slo, sis_objective="tpot")
