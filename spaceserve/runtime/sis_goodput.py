@@ -18,12 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .curves import CurveSet
-
-if TYPE_CHECKING:  # sis.py imports this module
-    from .sis import SisState
+from .sis_state import SisState
 
 
 @dataclass(frozen=True)
