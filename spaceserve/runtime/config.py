@@ -22,7 +22,12 @@ class EngineConfig:
 
     `num_kv_blocks` None sizes the cache from free device memory (CPU: a default count).
     `max_model_len` None takes the model's context. `graph_batch_sizes` None: the default
-    buckets up to `max_num_seqs` (a runner without graphs ignores them).
+    buckets up to `max_num_seqs` (a runner without graphs ignores them). Decode graphs are
+    captured per batch size and per block-table width: `graph_context_lens` (tokens) names the
+    widths, None a doubling ladder from 256 tokens to `max_model_len`; a decode step replays
+    the narrowest graph that covers its longest sequence (longer ones run eagerly). All decode
+    graphs share one memory pool, bounded by `graph_reserve_bytes` (the memory the KV cache
+    leaves them), checked as each graph is captured.
 
     Co-located modes (``shared``, ``spatial-static``, ``spatial``; see `epd.py`):
     `encoder_sms` is the static split (None: about half the device, a multiple of 8);
@@ -42,7 +47,13 @@ class EngineConfig:
 
     `tensor_parallel_size` N > 1 splits the decoder over N ranks (one process each, rank 0 in
     the engine's; see `runtime/tp`); the runner must be a tensor-parallel one of that size
-    (`Engine.from_pretrained` builds it).
+    (`Engine.from_pretrained` builds it). `mm_encoder_tp_mode` says how its ranks share the
+    vision encoder, with vLLM's name: "data" (each rank encodes a share of the images, which
+    are then broadcast) or "replicate" (every rank encodes every image); vLLM's "weights" (the
+    ViT's layers split over the ranks) is not implemented and refused (the README's simulator
+    comparison says where it would pay).
+    `collective_sms` bounds a collective's thread blocks (NCCL_MAX_CTAS; None: 16, or the
+    smallest partition when smaller).
     """
 
     mode: str = "temporal"
@@ -57,6 +68,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     graph_reserve_bytes: int = GRAPH_RESERVE_BYTES
     graph_batch_sizes: tuple[int, ...] | None = None
+    graph_context_lens: tuple[int, ...] | None = None
     seed: int = 0
     encoder_sms: int | None = None
     encoder_splits: tuple[int, ...] | None = None
@@ -68,6 +80,8 @@ class EngineConfig:
     green_contexts: bool = True
     programs_per_sm: int = 1
     tensor_parallel_size: int = 1
+    mm_encoder_tp_mode: str = "data"
+    collective_sms: int | None = None
     slo: Slo | str = DEFAULT_SLO
     sis_objective: str = "goodput"
     sis_load: tuple[int, int] = (32, 1152)
@@ -91,9 +105,29 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.mm_encoder_tp_mode == "weights":
+            raise ValueError("mm_encoder_tp_mode='weights' (the vision encoder's layers split "
+                             "over the ranks) is not implemented; use 'data' (each rank "
+                             "encodes whole images) or 'replicate'")
+        if self.mm_encoder_tp_mode not in ("data", "replicate"):
+            raise ValueError(f"mm_encoder_tp_mode={self.mm_encoder_tp_mode!r} is not one of "
+                             "data, replicate")
+        if self.collective_sms is not None and (isinstance(self.collective_sms, bool) or not
+                                                isinstance(self.collective_sms, int) or
+                                                self.collective_sms < 1):
+            raise ValueError(f"collective_sms={self.collective_sms!r} must be an int >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in "
                              "(0, 1]")
         if self.graph_batch_sizes is not None and any(
                 not isinstance(s, int) or s < 1 for s in self.graph_batch_sizes):
             raise ValueError(f"graph_batch_sizes={self.graph_batch_sizes!r} must be ints >= 1")
+        lens = self.graph_context_lens
+        if lens is not None and (not lens or any(
+                isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lens)):
+            raise ValueError(f"graph_context_lens={lens!r} must be a non-empty tuple of ints "
+                             ">= 1 (tokens)")
+        if isinstance(self.graph_reserve_bytes, bool) or not isinstance(
+                self.graph_reserve_bytes, int) or self.graph_reserve_bytes < 0:
+            raise ValueError(f"graph_reserve_bytes={self.graph_reserve_bytes!r} must be an "
+                             "int >= 0")

@@ -17,6 +17,12 @@ latency, as TWSRFT sizes its grants - not in wall time: chunks are then a functi
 requests alone, the same on every machine, and the simulator's ``temporal-chunked`` runs the
 same rule. A step runs at least one layer while encoder work waits; the last chunk of a window
 may overshoot it by at most one layer.
+
+With a data-parallel encoder (a tensor-parallel runner whose ``encoder_ranks`` > 1) each request
+is encoded by one rank, chosen when it starts as the rank with the least predicted work queued
+(`encoder_dp.RankedTwsrft`: a TWSRFT queue per rank); every step, each rank runs one window of
+its own queue - the other ranks' chunks are sent first and run while rank 0 runs its own - and
+a finished request's embeddings are broadcast from its rank (`share_encoding`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .curves import CurveSet
-from .encoder_stage import TemporalEncoderStage
+from .encoder_dp import EncodingFailed, RankedTwsrft
+from .encoder_stage import TemporalEncoderStage, release_encoding
 from .request import Request
 from .twsrft import TwsrftScheduler
 
@@ -43,7 +50,9 @@ class _Job:
     req: Request
     patches: int
     job: Any = None  # the runner's encoder job once started
+    embeds: Any = None  # a data-parallel job's embeddings on rank 0 until shared
     layers_done: int = 0
+    rank: int = 0  # the rank encoding it (data-parallel)
 
 
 class ChunkedEncoderStage:
@@ -67,9 +76,13 @@ class ChunkedEncoderStage:
         scale = curves.encoder_depth / self.num_layers
         sms = num_sms or curves.num_sms
         self.layer_cost = lambda patches: curves.encoder(patches, scale, sms)
-        self.sched = TwsrftScheduler(
-            self.num_layers, lambda patches, layers: layers * self.layer_cost(patches),
-            window_s=window_s, max_wait_s=max_wait_s, token_budget=1, clock=clock)
+        cost = lambda patches, layers: layers * self.layer_cost(patches)  # noqa: E731
+        kw = dict(window_s=window_s, max_wait_s=max_wait_s, token_budget=1, clock=clock)
+        self.ranks = int(getattr(runner, "encoder_ranks", 1)) if self.preemptible else 1
+        self.ranked = RankedTwsrft(self.ranks, self.num_layers, cost, **kw) \
+            if self.ranks > 1 else None
+        self.sched = TwsrftScheduler(self.num_layers, cost, **kw) if self.ranked is None \
+            else self.ranked.scheds[0]
         self._jobs: dict[int, _Job] = {}  # seq_no -> job, from admission to embeddings
         self._backlog: deque[_Job] = deque()  # waiting for a max_held slot
         self._held: set[int] = set()
@@ -100,31 +113,54 @@ class ChunkedEncoderStage:
         self._held.discard(req.seq_no)
         if req.mm is not None:
             req.mm.embeds = None
+            release_encoding(self.runner, req)  # a tensor-parallel group's workers' state
 
     def step(self) -> list[tuple[Request, str]]:
         """Encode for one window (at least one layer while work waits); returns the requests
         whose images failed, with a message."""
         failed = self._admit()
+        if self.ranked is None:
+            failed += self._window(None)
+        else:  # the other ranks' windows are sent first, and run while rank 0 runs its own
+            done: list[_Job] = []
+            for rank in (*range(1, self.ranks), 0):
+                failed += self._window(rank, done)
+            failed += [f for job in done if (f := self._share(job)) is not None]
+        return failed + self._admit()
+
+    def _window(self, rank: int | None, done: list[_Job] | None = None
+                ) -> list[tuple[Request, str]]:
+        """One window of grants (at least one layer while work waits) from the one queue
+        (`rank` None) or from `rank`'s; `done` collects the data-parallel jobs whose layers
+        have all been sent."""
+        if rank is None:
+            sched, report = self.sched, self.sched.report
+        else:
+            sched = self.ranked.scheds[rank]
+
+            def report(job_id: int, layers: int) -> Any:
+                return self.ranked.report(job_id, layers, rank)
+        failed: list[tuple[Request, str]] = []
         spent = 0.0
         ran = False
         while spent < self.window_s or not ran:
-            grant = self.sched.next_grant()
+            grant = sched.next_grant()
             if grant is None:
                 break
             live = [j for k in grant.request_ids if (j := self._jobs.get(k)) is not None]
             if not live:  # only released requests left in it
-                self.sched.report(grant.job_id, grant.layers)
+                report(grant.job_id, grant.layers)
                 continue
             per_layer = self.layer_cost(grant.patches)
             left = self.window_s - spent
             layers = max(1, min(grant.layers, math.ceil(left / per_layer - 1e-9)))
             for job in live:
-                failed += self._advance(job, layers)
-            self.sched.report(grant.job_id, layers)
+                failed += self._advance(job, layers, done)
+            report(grant.job_id, layers)
             spent += layers * per_layer
             ran = True
             self.num_chunks += 1
-        return failed + self._admit()
+        return failed
 
     # -- internals --------------------------------------------------------------------------
     def _admit(self) -> list[tuple[Request, str]]:
@@ -134,16 +170,25 @@ class ChunkedEncoderStage:
         while self._backlog and len(self._held) + len(self._jobs) < self.max_held:
             job = self._backlog.popleft()
             try:
-                job.job = self.runner.start_encode(job.req.mm) if self.preemptible else None
+                if self.ranked is not None:  # the rank with the least predicted work queued
+                    job.rank = self.ranked.pick()
+                    job.job = self.runner.start_encode(job.req.mm, rank=job.rank)
+                else:
+                    job.job = self.runner.start_encode(job.req.mm) if self.preemptible else None
             except Exception as exc:  # reported on the request, the others go on
                 failed.append((job.req, f"image encoding failed: {type(exc).__name__}: {exc}"))
                 continue
             self._jobs[job.req.seq_no] = job
-            self.sched.submit(job.req.seq_no, job.patches)
+            if self.ranked is not None:
+                self.ranked.submit(job.req.seq_no, job.patches, rank=job.rank)
+            else:
+                self.sched.submit(job.req.seq_no, job.patches)
         return failed
 
-    def _advance(self, job: _Job, layers: int) -> list[tuple[Request, str]]:
-        """Run `layers` layers of one request's job; attach its embeddings when done."""
+    def _advance(self, job: _Job, layers: int, done: list[_Job] | None = None
+                 ) -> list[tuple[Request, str]]:
+        """Run `layers` layers of one request's job; attach its embeddings when done (a
+        data-parallel job goes to `done`, to be shared once its rank has run it)."""
         req = job.req
         try:
             if self.preemptible:
@@ -153,12 +198,33 @@ class ChunkedEncoderStage:
                 if job.layers_done < self.num_layers:
                     return []
                 emb = self.runner.finish_encode(job.job)
+                if done is not None:
+                    job.embeds = emb  # rank 0's; None for another rank's (shared later)
+                    done.append(job)
+                    return []
             else:
                 emb = self.runner.encode([req.mm])[0]
                 job.layers_done = 1
         except Exception as exc:  # reported on the request, the others go on
             del self._jobs[req.seq_no]
             return [(req, f"image encoding failed: {type(exc).__name__}: {exc}")]
+        return self._attach(job, emb)
+
+    def _share(self, job: _Job) -> tuple[Request, str] | None:
+        """Wait for a data-parallel job's rank, then broadcast its embeddings to every rank."""
+        try:
+            event = self.runner.encoder_event(job.job)
+            if event is not None:
+                event.synchronize()
+            emb = self.runner.share_encoding(job.job, job.embeds)
+        except (EncodingFailed, RuntimeError, ValueError) as exc:
+            self._jobs.pop(job.req.seq_no, None)
+            return job.req, f"image encoding failed: {type(exc).__name__}: {exc}"
+        failed = self._attach(job, emb)
+        return failed[0] if failed else None
+
+    def _attach(self, job: _Job, emb: Any) -> list[tuple[Request, str]]:
+        req = job.req
         del self._jobs[req.seq_no]
         if emb.dim() != 2 or emb.shape[0] != req.mm.num_tokens:
             return [(req, f"encoder returned shape {tuple(emb.shape)} for "
@@ -168,13 +234,15 @@ class ChunkedEncoderStage:
         return []
 
 
-def temporal_stage(runner: Any, config: Any, *, clock: Callable[[], float] = time.monotonic
+def temporal_stage(runner: Any, config: Any, *, clock: Callable[[], float] = time.monotonic,
+                   cost: Callable[[int], float] | None = None
                    ) -> TemporalEncoderStage | ChunkedEncoderStage:
     """The encoder stage of a time-multiplexed mode (``temporal`` or ``temporal-chunked``)
-    from an `EngineConfig`; the chunked one costs layers on the runner's model curves."""
+    from an `EngineConfig`; the chunked one costs layers on the runner's model curves. `cost`:
+    a data-parallel encoder's cost model (`TemporalEncoderStage`)."""
     if config.mode == "temporal":
         return TemporalEncoderStage(runner, max_tokens_per_step=config.max_encoder_tokens_per_step,
-                                    max_held=config.max_held_embeddings)
+                                    max_held=config.max_held_embeddings, cost=cost)
     if config.mode != "temporal-chunked":
         raise ValueError(f"mode={config.mode!r} is not one of {', '.join(TEMPORAL_MODES)}")
     from spaceserve.kernels.budget import device_num_sms

@@ -8,13 +8,20 @@ and stream, ordered by TWSRFT) without touching the scheduler loop.
 runs the vision encoder on the whole GPU for the oldest pending requests, and the step's decode
 work waits until it is done. Embeddings stay with the request until it finishes or is aborted,
 because a request preempted by recompute needs them again.
+
+With a data-parallel encoder (a tensor-parallel runner whose ``encoder_ranks`` > 1) each step's
+batch is divided between the ranks by predicted cost (`encoder_dp.assign_ranks`, longest
+first), every rank encodes its share at once and the runner shares the embeddings; the step's
+token bound then applies per rank.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
+from .encoder_dp import assign_ranks
 from .request import Request, Status
 from .runner import ModelRunner
 
@@ -58,13 +65,15 @@ class EncoderStage(Protocol):
 class TemporalEncoderStage:
     """Encode synchronously on the whole device, oldest requests first.
 
-    Per step at most `max_tokens_per_step` image tokens are encoded (always at least one
-    request), and no new request is encoded while `max_held` requests hold embeddings, which
-    bounds embedding memory when image requests queue up.
+    Per step at most `max_tokens_per_step` image tokens are encoded per encoding rank (always
+    at least one request), and no new request is encoded while `max_held` requests hold
+    embeddings, which bounds embedding memory when image requests queue up. `cost(patches)`
+    predicts a request's encoder seconds (TWSRFT's cost model), which a data-parallel encoder
+    balances over its ranks (default: proportional to the patches).
     """
 
     def __init__(self, runner: ModelRunner, *, max_tokens_per_step: int = 16384,
-                 max_held: int = 64) -> None:
+                 max_held: int = 64, cost: Callable[[int], float] | None = None) -> None:
         for name, value in (("max_tokens_per_step", max_tokens_per_step),
                             ("max_held", max_held)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -72,6 +81,8 @@ class TemporalEncoderStage:
         self.runner = runner
         self.max_tokens_per_step = max_tokens_per_step
         self.max_held = max_held
+        self.ranks = int(getattr(runner, "encoder_ranks", 1))
+        self.cost = cost if cost is not None else float
         self._pending: deque[Request] = deque()
         self._held: set[str] = set()
 
@@ -98,12 +109,16 @@ class TemporalEncoderStage:
             if req.status is Status.FINISHED:  # aborted while queued
                 self._pending.popleft()
                 continue
-            if batch and tokens + req.mm.num_tokens > self.max_tokens_per_step:
+            if batch and tokens + req.mm.num_tokens > self.max_tokens_per_step * self.ranks:
                 break
             batch.append(self._pending.popleft())
             tokens += req.mm.num_tokens
         if not batch:
             return []
+        if self.ranks > 1:  # failures come back in their request's place
+            costs = [self.cost(int(r.mm.pixel_values.shape[0])) for r in batch]
+            ranks = assign_ranks(costs, self.ranks)
+            return self._store(batch, self.runner.encode([r.mm for r in batch], ranks=ranks))
         try:
             return self._store(batch, self.runner.encode([r.mm for r in batch]))
         except Exception:  # isolate the failing request(s): retry one by one
@@ -121,6 +136,9 @@ class TemporalEncoderStage:
             raise RuntimeError(f"encoder returned {len(embeds)} results for {len(batch)}")
         failed = []
         for req, emb in zip(batch, embeds, strict=True):
+            if isinstance(emb, Exception):
+                failed.append((req, f"image encoding failed: {type(emb).__name__}: {emb}"))
+                continue
             if emb.dim() != 2 or emb.shape[0] != req.mm.num_tokens:
                 failed.append((req, f"encoder returned shape {tuple(emb.shape)} for "
                                     f"{req.mm.num_tokens} image tokens"))

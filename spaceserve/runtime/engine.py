@@ -39,6 +39,18 @@ __all__ = ["ATTENTION_BACKENDS", "DEFAULT_GRAPH_SIZES", "MODES", "Engine", "Engi
            "load_processor"]
 
 
+def _encoder_cost(runner: Any, config: EngineConfig) -> Callable[[int], float] | None:
+    """A data-parallel encoder's cost model (TWSRFT's: the curves' encoder time of a whole
+    pass on the device); None for a runner that encodes on one rank."""
+    if getattr(runner, "encoder_ranks", 1) <= 1:
+        return None
+    from .epd import load_curves
+
+    curves = load_curves(config.curves, runner)
+    depth, sms = curves.encoder_depth, curves.num_sms
+    return lambda patches: curves.encoder(patches, depth, sms)
+
+
 class Engine(EngineFrontends):
     """Serves one model runner; see the module docstring."""
 
@@ -58,8 +70,9 @@ class Engine(EngineFrontends):
         info = runner.info
         self.context_len = min(info.max_model_len, config.max_model_len or info.max_model_len)
         bs = config.block_size
+        lens = config.graph_context_lens
         limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                            self.context_len, bs)
+                            self.context_len, bs, lens)
         peak = runner.profile_peak_bytes(limits, config.max_encoder_tokens_per_step)
         self.memory = plan_kv_cache(
             block_size=bs, block_bytes=runner.kv_block_bytes(bs), device=runner.device,
@@ -67,7 +80,7 @@ class Engine(EngineFrontends):
             activation_bytes=peak, reserve_bytes=config.graph_reserve_bytes)
         self.max_model_len = max_sequence_len(self.context_len, self.memory)
         self.limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                                 self.max_model_len, bs)
+                                 self.max_model_len, bs, lens, config.graph_reserve_bytes)
         runner.allocate_kv_cache(self.memory.num_blocks, self.limits)
         sizes = config.graph_batch_sizes
         if sizes is None:
@@ -77,7 +90,8 @@ class Engine(EngineFrontends):
         self.encoder: Any
         if config.mode in TEMPORAL_MODES:
             self.graph_batch_sizes = runner.capture_decode_graphs(sizes)
-            self.encoder = temporal_stage(runner, config, clock=clock or time.monotonic)
+            self.encoder = temporal_stage(runner, config, clock=clock or time.monotonic,
+                                          cost=_encoder_cost(runner, config))
         else:
             from .epd import build_spatial
 

@@ -16,6 +16,12 @@ every decoder stream; they stay with the request (recompute needs them) until `r
 
 The launches themselves (TWSRFT grants, one event each, under the ``cooperative`` or the
 ``thread`` driver, and why cooperative is the default) are `spatial_launch.py`.
+
+Data-parallel encoder (a tensor-parallel runner with ``encoder_ranks`` > 1): each request is
+assigned at admission to the rank whose TWSRFT queue has the least predicted work left, which
+encodes it; when its last flight completes, the hand-off first has every rank take the
+embeddings from that rank (`share_encoding`, a broadcast on the decoder stream), then attaches
+them as above.
 """
 
 from __future__ import annotations
@@ -27,14 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 from .curves import CurveSet
+from .encoder_dp import EncodingFailed, RankedTwsrft
 from .encoder_stage import release_encoding
 from .partition import PartitionSet
 from .policy import RateEstimator, SchedulingPolicy
 from .request import Request
 from .runner import ModelRunner
 from .sis import PendingEncode
-from .spatial_launch import DRIVERS, EncoderLaunches, Encoding, event_complete
-from .twsrft import TwsrftScheduler
+from .spatial_launch import DRIVERS, EncoderLaunches, Encoding, Flight, event_complete
 
 __all__ = ["DRIVERS", "SpatialEncoderStage"]
 
@@ -77,8 +83,9 @@ class SpatialEncoderStage(EncoderLaunches):
             return curves.encoder(patches, layers * scale, sms, True)
 
         self.plan = plan
-        self.sched = TwsrftScheduler(
-            self.num_layers, cost, policy=policy, window_s=window_s,
+        self.ranks = int(getattr(runner, "encoder_ranks", 1)) if self.preemptible else 1
+        self.sched = RankedTwsrft(
+            self.ranks, self.num_layers, cost, policy=policy, window_s=window_s,
             max_wait_s=plan.max_wait_s if plan else max_wait_s,
             token_budget=plan.token_budget if plan else 1,
             deadline_s=plan.deadline_s if plan else None, clock=clock)
@@ -152,16 +159,49 @@ class SpatialEncoderStage(EncoderLaunches):
         ready = 0
         while True:
             with self._lock:
-                if not self._flights or not event_complete(self._flights[0].event):
+                flight = self._next_complete()
+                if flight is None:
                     return ready
-                flight = self._flights.popleft()
                 for enc, msg in flight.failed:
                     if enc.state == "active":
                         self._fail(enc, msg)
-                for enc in flight.done:
-                    if enc.state == "active" and self._attach(enc):
+                done = [e for e in flight.done if e.state == "active"]
+            for enc in done:
+                msg = self._share(enc) if self.ranks > 1 else None
+                with self._lock:
+                    if enc.state != "active":
+                        continue
+                    if msg is not None:
+                        self._fail(enc, msg)
+                    elif self._attach(enc):
                         ready += 1
+            with self._lock:
                 self._cond.notify_all()
+
+    def _next_complete(self) -> Flight | None:
+        """The oldest completed flight of a rank with no older incomplete one, taken off the
+        queue (lock held; a rank's flights complete in order, different ranks' in any)."""
+        blocked: set[int] = set()
+        for i, flight in enumerate(self._flights):
+            if flight.rank in blocked:
+                continue
+            if event_complete(flight.event):
+                del self._flights[i]
+                return flight
+            blocked.add(flight.rank)
+        return None
+
+    def _share(self, enc: Encoding) -> str | None:
+        """Data-parallel hand-off: every rank takes `enc`'s embeddings from its owner (on the
+        decoder stream, outside the lock: a collective); returns an error message, or None."""
+        job, enc.job = enc.job, None
+        try:
+            with self.partitions.current.decoder_scope():
+                enc.embeds = self.runner.share_encoding(job, enc.embeds)
+        except EncodingFailed as exc:
+            enc.embeds = None
+            return str(exc)
+        return None
 
     def _fail(self, enc: Encoding, msg: str) -> None:
         self._active -= 1
@@ -195,8 +235,9 @@ class SpatialEncoderStage(EncoderLaunches):
                 enc = self._backlog.popleft()
                 enc.state = "active"
                 self._active += 1
+                rank = self.sched.pick()
             try:
-                job = self._start(enc) if self.preemptible else None
+                job = self._start(enc, rank) if self.preemptible else None
             except Exception as exc:
                 with self._lock:
                     if enc.state == "active":
@@ -205,14 +246,18 @@ class SpatialEncoderStage(EncoderLaunches):
             with self._lock:
                 if enc.state == "active":
                     enc.job = job
-                    self.sched.submit(enc.key, max(1, enc.patches), self._arrived.get(enc.key))
+                    self.sched.submit(enc.key, max(1, enc.patches), rank,
+                                      arrival=self._arrived.get(enc.key))
                 self._cond.notify_all()
 
-    def _start(self, enc: Encoding) -> Any:
-        """Set up a job; on CUDA on the upload stream (`PartitionSet.staged`): the pixels are
-        pinned and copied non-blocking, and the job's small blocking uploads (rotary tables,
-        attention plan) synchronise only that idle stream, never the encoder's queue."""
+    def _start(self, enc: Encoding, rank: int = 0) -> Any:
+        """Set up a job (on `rank`, data-parallel); on CUDA on the upload stream
+        (`PartitionSet.staged`): the pixels are pinned and copied non-blocking, and the job's
+        small blocking uploads (rotary tables, attention plan) synchronise only that idle
+        stream, never the encoder's queue. Another rank's job uploads nothing here."""
         mm, pset = enc.req.mm, self.partitions
+        if self.ranks > 1 and rank != 0:
+            return self.runner.start_encode(mm, rank=rank)
         if not pset.cuda:
             return self.runner.start_encode(mm)
         with pset.staged() as done:

@@ -39,7 +39,7 @@ def test_engine_and_simulator_schedule_alike(slo, objective) -> None:
     for name in ("allowed", "objective", "slo", "decode_margin", "comfort_factor",
                  "tpot_factor", "total"):
         assert getattr(a, name) == getattr(b, name), name
-    x, y = eng.spatial.stage.sched, sim.sched
+    x, y = eng.spatial.stage.sched.scheds[0], sim.sched  # the engine's: one queue per rank
     for name in ("deadline_s", "window_s", "max_wait_s", "token_budget", "policy"):
         assert getattr(x, name) == getattr(y, name), name
     assert x.deadline_s == (None if "ttft" not in slo else pytest.approx(1.8))
