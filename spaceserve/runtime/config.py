@@ -40,8 +40,10 @@ class EngineConfig:
     window, and ``temporal-chunked``'s encoder chunk between decode steps, see
     `encoder_chunked.py`); `green_contexts` False
     forces kernel budgets alone; `programs_per_sm` applies inside green partitions only.
-    `slo`: the latency SLO requests are judged by (`slo.py`; an `Slo` or its text such as
-    ``"ttft:2000,tpot:50"``, the default).
+    `slo`: the latency SLO requests are judged by and ``spatial``'s SIS aims at (`slo.py`; an
+    `Slo` or its text such as ``"ttft:2000,tpot:50"``, the default); `sis_objective` "goodput"
+    or "tpot" (`sis.py`); `sis_load` the decode (batch, mean context) the split set is chosen
+    for when `encoder_splits` is None (`policy.py`, the simulator's background batch).
 
     `async_scheduling` pipelines the temporal modes' steps: step n+1 is scheduled and launched
     before step n's tokens are read back (see `engine.py`); False runs every step to completion.
@@ -84,6 +86,8 @@ class EngineConfig:
     mm_encoder_tp_mode: str = "data"
     collective_sms: int | None = None
     slo: Slo | str = DEFAULT_SLO
+    sis_objective: str = "goodput"
+    sis_load: tuple[int, int] = (32, 1152)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

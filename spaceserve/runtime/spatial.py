@@ -4,8 +4,11 @@ A request's images become one encoder job (`PreemptibleEncoder.start_encode`) at
 its pixels are pinned and copied non-blocking on the encoder side's upload stream, which the
 encoder streams wait for by event (`_start` says why). TWSRFT picks which job advances next and
 for how many layers (about one time window), so a small image behind a huge one is not blocked
-by it; its batching of jobs is off (a one-patch token budget): each request is encoded alone, as
-the temporal stage does, so its embeddings never depend on which others arrived with it. Every
+by it. With a `SchedulingPolicy` (`plan`, ``spatial`` mode) TWSRFT runs the policy's deadline,
+aging and batching rule, exactly as the simulator does (a merge happens only where the curves say
+it cannot delay the chosen job; each request's layers are still launched on their own, so its
+embeddings never depend on which others arrived with it); without one batching is off. Arrival
+times (on the stage's clock) give SIS each request's age and the arrival-rate estimate. Every
 launch goes on the current partition's encoder stream under its encoder budget, followed by an
 event. Hand-off: embeddings are attached to the request (admitting it to prefill) only once that
 event has completed - `event.query()`, never a wait - and are marked with ``record_stream`` on
@@ -33,6 +36,7 @@ from .curves import CurveSet
 from .encoder_dp import EncodingFailed, RankedTwsrft
 from .encoder_stage import release_encoding
 from .partition import PartitionSet
+from .policy import RateEstimator, SchedulingPolicy
 from .request import Request
 from .runner import ModelRunner
 from .sis import PendingEncode
@@ -55,7 +59,8 @@ class SpatialEncoderStage(EncoderLaunches):
                  policy: str = "twsrft", max_held: int = 64,
                  max_inflight: int = 2, launch_budget_s: float = 0.003,
                  clock: Callable[[], float] = time.monotonic,
-                 event_factory: Callable[[], Any] | None = None) -> None:
+                 event_factory: Callable[[], Any] | None = None,
+                 plan: SchedulingPolicy | None = None) -> None:
         if driver not in DRIVERS:
             raise ValueError(f"driver={driver!r} is not one of {', '.join(DRIVERS)}")
         if not launch_budget_s >= 0:
@@ -77,10 +82,16 @@ class SpatialEncoderStage(EncoderLaunches):
                 max(p.encoder_sms for p in partitions.partitions())
             return curves.encoder(patches, layers * scale, sms, True)
 
+        self.plan = plan
         self.ranks = int(getattr(runner, "encoder_ranks", 1)) if self.preemptible else 1
-        self.sched = RankedTwsrft(self.ranks, self.num_layers, cost, policy=policy,
-                                  window_s=window_s, max_wait_s=max_wait_s, token_budget=1,
-                                  clock=clock)
+        self.sched = RankedTwsrft(
+            self.ranks, self.num_layers, cost, policy=policy, window_s=window_s,
+            max_wait_s=plan.max_wait_s if plan else max_wait_s,
+            token_budget=plan.token_budget if plan else 1,
+            deadline_s=plan.deadline_s if plan else None, clock=clock)
+        self.clock = clock
+        self.arrivals = RateEstimator()
+        self._arrived: dict[int, float] = {}  # request seq_no -> arrival on `clock`
         self._encodings: dict[int, Encoding] = {}  # request seq_no -> encoding, until release
         self._backlog: deque[Encoding] = deque()  # waiting for a max_held slot
         self._active = 0  # encodings set up (or being set up) and not finished
@@ -105,9 +116,12 @@ class SpatialEncoderStage(EncoderLaunches):
         if req.mm is None or req.mm.embeds is not None:
             return
         enc = Encoding(req.seq_no, req, int(req.mm.pixel_values.shape[0]))
+        now = self.clock()
         with self._lock:
             self._encodings[enc.key] = enc
             self._backlog.append(enc)
+            self._arrived[enc.key] = now
+            self.arrivals.add(now, max(1, enc.patches), len(req.token_ids))
         self._admit()
 
     def ready(self, req: Request) -> bool:
@@ -132,6 +146,7 @@ class SpatialEncoderStage(EncoderLaunches):
                 enc.state = "released"
                 enc.embeds = enc.job = None
             self._held.discard(req.seq_no)
+            self._arrived.pop(req.seq_no, None)
             self._cond.notify_all()
         if req.mm is not None:
             req.mm.embeds = None
@@ -231,7 +246,8 @@ class SpatialEncoderStage(EncoderLaunches):
             with self._lock:
                 if enc.state == "active":
                     enc.job = job
-                    self.sched.submit(enc.key, max(1, enc.patches), rank)
+                    self.sched.submit(enc.key, max(1, enc.patches), rank,
+                                      arrival=self._arrived.get(enc.key))
                 self._cond.notify_all()
 
     def _start(self, enc: Encoding, rank: int = 0) -> Any:
@@ -252,20 +268,29 @@ class SpatialEncoderStage(EncoderLaunches):
         return job
 
     # -- for SIS, and an engine with nothing else to do ----------------------------------------
+    def age(self, req: Request) -> float:
+        """Seconds since `req` reached the stage (0 for a request without images)."""
+        arrived = self._arrived.get(req.seq_no)
+        return 0.0 if arrived is None else max(0.0, self.clock() - arrived)
+
     def pending_work(self, curve_depth: int) -> list[PendingEncode]:
-        """Waiting encoder jobs as SIS sees them (layers scaled to the curves' depth)."""
+        """Waiting encoder jobs as SIS sees them (layers scaled to the curves' depth), with
+        their oldest request's age."""
         scale = curve_depth / self.num_layers
+        now = self.clock()
         out = []
         with self._lock:
             for job in self.sched.jobs():
                 prompt = sum(len(e.req.token_ids) for k in job.request_ids
                              if (e := self._encodings.get(k)) is not None)
                 out.append(PendingEncode(job.patches, max(1, round(job.layers_left * scale)),
-                                         prompt))
+                                         prompt, max(0.0, now - job.arrival),
+                                         len(job.request_ids)))
             for enc in self._backlog:
                 out.append(PendingEncode(max(1, enc.patches), max(1, round(self.num_layers
                                                                            * scale)),
-                                         len(enc.req.token_ids)))
+                                         len(enc.req.token_ids),
+                                         max(0.0, now - self._arrived.get(enc.key, now))))
         return out
 
     def wait(self, timeout_s: float = 0.005) -> None:
