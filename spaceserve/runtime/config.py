@@ -37,6 +37,10 @@ class EngineConfig:
     `tensor_parallel_size` N > 1 splits the decoder over N ranks (one process each, rank 0 in
     the engine's; see `runtime/tp`); the runner must be a tensor-parallel one of that size
     (`Engine.from_pretrained` builds it).
+
+    `encoder_cache_bytes` is the encoder output cache's budget (None: sized from free device
+    memory, a fixed default on CPU; see `encoder_cache.default_capacity`; 0 turns it off);
+    `enable_prefix_caching` shares computed KV blocks between requests with a common prefix.
     """
 
     mode: str = "temporal"
@@ -62,6 +66,8 @@ class EngineConfig:
     green_contexts: bool = True
     programs_per_sm: int = 1
     tensor_parallel_size: int = 1
+    encoder_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -78,6 +84,13 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        cache = self.encoder_cache_bytes
+        if cache is not None and (isinstance(cache, bool) or not isinstance(cache, int)
+                                  or cache < 0):
+            raise ValueError(f"encoder_cache_bytes={cache!r} must be an int >= 0 or None")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a "
+                             "bool")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in "
                              "(0, 1]")

@@ -21,8 +21,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .block_manager import BlockManager
 from .config import ATTENTION_BACKENDS, DEFAULT_GRAPH_SIZES, MODES, EngineConfig
+from .encoder_cache import EncoderCache, default_capacity
 from .encoder_stage import TemporalEncoderStage
 from .frontends import EngineFrontends
 from .inputs.processor import load_processor
@@ -61,10 +64,17 @@ class Engine(EngineFrontends):
         limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
                             self.context_len, bs)
         peak = runner.profile_peak_bytes(limits, config.max_encoder_tokens_per_step)
+        cache_bytes = config.encoder_cache_bytes
+        if cache_bytes is None:
+            cache_bytes = default_capacity(runner.device)
+        self.encoder_cache = EncoderCache(cache_bytes,
+                                          on_drop=getattr(runner, "release_encoding", None))
+        on_gpu = torch.device(runner.device).type == "cuda"
         self.memory = plan_kv_cache(
             block_size=bs, block_bytes=runner.kv_block_bytes(bs), device=runner.device,
             num_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
-            activation_bytes=peak, reserve_bytes=config.graph_reserve_bytes)
+            activation_bytes=peak,
+            reserve_bytes=config.graph_reserve_bytes + (cache_bytes if on_gpu else 0))
         self.max_model_len = max_sequence_len(self.context_len, self.memory)
         self.limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
                                  self.max_model_len, bs)
@@ -72,19 +82,21 @@ class Engine(EngineFrontends):
         sizes = config.graph_batch_sizes
         if sizes is None:
             sizes = tuple(s for s in DEFAULT_GRAPH_SIZES if s <= config.max_num_seqs)
-        self.block_manager = BlockManager(self.memory.num_blocks, bs)
+        self.block_manager = BlockManager(self.memory.num_blocks, bs,
+                                          enable_caching=config.enable_prefix_caching)
         self.spatial: Any = None  # the co-located modes' step runtime (epd.py)
         self.encoder: Any
         if config.mode == "temporal":
             self.graph_batch_sizes = runner.capture_decode_graphs(sizes)
             self.encoder = TemporalEncoderStage(
                 runner, max_tokens_per_step=config.max_encoder_tokens_per_step,
-                max_held=config.max_held_embeddings)
+                max_held=config.max_held_embeddings, cache=self.encoder_cache)
         else:
             from .epd import build_spatial
 
             self.encoder, self.spatial = build_spatial(runner, config, sizes,
-                                                       clock=clock or time.monotonic)
+                                                       clock=clock or time.monotonic,
+                                                       cache=self.encoder_cache)
             self.graph_batch_sizes = self.spatial.graph_batch_sizes
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
@@ -237,7 +249,8 @@ class Engine(EngineFrontends):
                 except ValueError as exc:
                     self._end(item, "error", str(exc), now)
                     continue
-                self.encoder.submit(item)
+                item.prefix_hint = self.scheduler.peek_cached(item)
+                self.encoder.submit(item, item.prefix_hint)
                 self.scheduler.add(item)
             else:
                 req = self._active.get(item)
@@ -273,10 +286,23 @@ class Engine(EngineFrontends):
             for req in reqs:
                 self._end(req, "error", message, now)
 
+    def counters(self) -> dict[str, int]:
+        """Monotonic counters of the caches and of the work done: media items looked up in the
+        encoder cache and those that needed no encoder pass (cached, or all their tokens in the
+        prefix cache), encoder jobs run, prompt tokens looked up in the prefix cache and those
+        it held, and tokens prefilled (every computed token but a decoding request's newest)."""
+        cache, sched = self.encoder_cache, self.scheduler
+        return {"encoder_cache_queries": cache.queries, "encoder_cache_hits": cache.hits,
+                "encoder_jobs": self.encoder.media.num_jobs,
+                "prefix_cache_queried_tokens": sched.prefix_queried_tokens,
+                "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
+                "prefill_tokens": sched.prefill_tokens}
+
     def check_idle(self) -> None:
         """Raise AssertionError unless nothing (request, KV block, embedding) is held."""
         assert not self._active and not self._inbox, f"{len(self._active)} requests active"
         self.scheduler.check_idle()
+        self.encoder_cache.check_idle()
         assert self.encoder.num_held == 0, f"{self.encoder.num_held} embeddings still held"
         assert self.encoder.num_pending == 0, "encoder work still pending"
         if self.spatial is not None:

@@ -242,8 +242,9 @@ class SpatialRuntime:
 
     def sis_state(self, sched: Scheduler) -> SisState:
         """Waiting encoder jobs, prompts ready to prefill and the decode load, for SIS."""
-        prefill = [len(r.token_ids) - r.num_computed for r in sched.waiting
-                   if r.mm is None or r.mm.embeds is not None]
+        media = self.stage.media
+        prefill = [len(r.token_ids) - max(r.num_computed, r.prefix_hint) for r in sched.waiting
+                   if media.ready(r, r.prefix_hint)]
         decoding = 0
         context = 0
         for r in sched.running:
@@ -315,7 +316,7 @@ def make_partitions(config: Any, device: torch.device) -> tuple[PartitionSet, li
 
 
 def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
-                  clock: Callable[[], float] = time.monotonic
+                  clock: Callable[[], float] = time.monotonic, cache: Any = None
                   ) -> tuple[SpatialEncoderStage, SpatialRuntime]:
     """Partitions, decode graphs per partition, the encoder stage and the step runtime of a
     co-located mode from an `EngineConfig`; ValueError names a bad setting."""
@@ -336,7 +337,7 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
     stage = SpatialEncoderStage(runner, pset, curves, driver=config.encoder_driver,
                                 window_s=config.encoder_window_s,
                                 launch_budget_s=config.encoder_launch_budget_s,
-                                max_held=config.max_held_embeddings, clock=clock)
+                                max_held=config.max_held_embeddings, clock=clock, cache=cache)
     sis = None
     if mode == "spatial":
         sis = SpaceInferenceScheduler(curves, sorted(pset.splits), total_sms=total, clock=clock)

@@ -8,6 +8,15 @@ running request is preempted by recompute: its blocks are freed, its cached-toke
 and it goes back to the front of the waiting queue with its prompt and generated tokens (and its
 image embeddings), to be prefilled again later. Sampling draws depend only on (seed, index), so
 recomputation reproduces the same tokens.
+
+With prefix caching (the block manager's), a request being admitted first takes the longest
+chain of committed blocks its tokens name (`prefix_cache.block_hashes`), always leaving at least
+its last token to compute, and prefills only the rest; M-RoPE positions come from the whole
+prompt's table, so a chunk starting past the prefix gets the same positions it would have had.
+It is admitted only when its media from that point on have embeddings (`is_ready(req, start)`;
+items wholly inside the prefix need none). After every step the blocks it filled are committed
+to the cache, so they outlive it: a preempted, finished or aborted request's computed blocks
+stay for the next request with the same prefix until evicted.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .prefix_cache import block_hashes, max_match_blocks
 from .request import Request, Status
 
 
@@ -54,7 +64,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
-        is_ready: Callable[[Request], bool] | None = None,
+        is_ready: Callable[[Request, int], bool] | None = None,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -66,10 +76,40 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos = frozenset(eos_token_ids)
-        self.is_ready = is_ready or (lambda req: True)
+        self.is_ready = is_ready or (lambda req, start: True)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.prefix_queried_tokens = 0  # tokens of admitted requests looked up in the cache
+        self.prefix_hit_tokens = 0  # of which the cache held (not computed)
+        self.prefill_tokens = 0  # tokens computed other than a decoding request's newest one
+
+    def peek_cached(self, req: Request) -> int:
+        """Tokens of `req` the prefix cache holds now (nothing taken; 0 with caching off)."""
+        bm = self.bm
+        if not bm.enable_caching:
+            return 0
+        bs = bm.block_size
+        limit = max_match_blocks(req, bs)
+        return bm.peek(block_hashes(req, bs, limit * bs), limit) * bs
+
+    def _match(self, req: Request) -> None:
+        """Give a waiting request (nothing computed) its cached prefix blocks."""
+        bm = self.bm
+        if not bm.enable_caching or req.num_computed:
+            return
+        bs = bm.block_size
+        limit = max_match_blocks(req, bs)
+        got = bm.match(block_hashes(req, bs, limit * bs), limit)
+        if got:
+            req.block_ids = got
+            req.num_hashed = len(got)
+            req.num_computed = len(got) * bs
+
+    def _unmatch(self, req: Request) -> None:
+        if req.block_ids:
+            self.bm.free(req.block_ids)
+        req.num_computed = req.num_hashed = 0
 
     def add(self, req: Request) -> None:
         """Queue a validated request (its prompt fits the context and the cache)."""
@@ -125,13 +165,18 @@ class Scheduler:
         j = 0
         while j < len(waiting) and budget > 0 and self._free_rows:
             req = waiting[j]
-            if not self.is_ready(req):
+            self._match(req)
+            if not self.is_ready(req, req.num_computed):
+                self._unmatch(req)
                 j += 1
                 continue
             known = len(req.token_ids)
             n = min(known - req.num_computed, budget)
             if not bm.ensure(req.block_ids, req.num_computed + n):
+                self._unmatch(req)
                 break
+            self.prefix_queried_tokens += known
+            self.prefix_hit_tokens += req.num_computed
             del waiting[j]
             req.status = Status.RUNNING
             req.row = self._free_rows.pop()
@@ -145,18 +190,24 @@ class Scheduler:
             budget -= n
         return budget
 
-    @staticmethod
-    def _batch(dec: list[Request], pre: list[Request], pre_n: list[int],
+    def _batch(self, dec: list[Request], pre: list[Request], pre_n: list[int],
                preempted: list[Request]) -> ScheduledBatch:
         nd = len(dec)
         reqs = dec + pre
         sample = list(dec)
         need = [True] * nd
+        computed = 0
+        for req in dec:  # a lone token: prefill work only when it is not the newest output
+            if len(req.token_ids) <= req.num_prompt_tokens:
+                computed += 1
         for req, n in zip(pre, pre_n, strict=True):
-            last = req.num_computed + n == len(req.token_ids)
+            known = len(req.token_ids)
+            last = req.num_computed + n == known
             need.append(last)
+            computed += n - (last and known > req.num_prompt_tokens)
             if last:
                 sample.append(req)
+        self.prefill_tokens += computed
         return ScheduledBatch(
             reqs=reqs,
             num_cached=[r.num_computed for r in reqs],
@@ -178,7 +229,7 @@ class Scheduler:
         """Recompute-preemption: drop the KV blocks, keep tokens and embeddings."""
         self.bm.free(req.block_ids)
         self._release_row(req)
-        req.num_computed = 0
+        req.num_computed = req.num_hashed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.insert(0, req)
@@ -187,6 +238,8 @@ class Scheduler:
                now: float) -> list[Request]:
         """Account a finished step: advance cached counts, append the sampled tokens (one per
         `batch.sample_reqs`), finish the requests that stop. Returns the finished requests."""
+        if self.bm.enable_caching:
+            self._commit(batch)
         nd = batch.num_decodes
         for req, n, last in zip(batch.reqs[nd:], batch.num_new[nd:], batch.need_logits[nd:],
                                 strict=True):
@@ -211,6 +264,17 @@ class Scheduler:
         if done:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
         return done
+
+    def _commit(self, batch: ScheduledBatch) -> None:
+        """Offer the blocks each request of a finished step filled to the prefix cache."""
+        bm = self.bm
+        bs = bm.block_size
+        for req, c, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
+            full = min(c + n, len(req.block_ids) * bs) // bs
+            if full <= req.num_hashed or req.status is not Status.RUNNING:
+                continue  # nothing new, or its blocks are gone (preempted or ended meanwhile)
+            bm.commit(req.block_ids, block_hashes(req, bs, full * bs), req.num_hashed, full)
+            req.num_hashed = full
 
     def finish(self, req: Request, reason: str, error: str | None = None, *,
                prune: bool = True) -> None:

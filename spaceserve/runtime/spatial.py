@@ -10,6 +10,8 @@ launch goes on the current partition's encoder stream under its encoder budget, 
 event. Hand-off: embeddings are attached to the request (admitting it to prefill) only once that
 event has completed - `event.query()`, never a wait - and are marked with ``record_stream`` on
 every decoder stream; they stay with the request (recompute needs them) until `release`.
+Media items the encoder cache already has, or whose tokens all lie in the prefix cache, never
+become a job: TWSRFT sees only the items that need the encoder (`encoder_cache.MediaTracker`).
 
 The launches themselves (TWSRFT grants, one event each, under the ``cooperative`` or the
 ``thread`` driver, and why cooperative is the default) are `spatial_launch.py`.
@@ -17,6 +19,7 @@ The launches themselves (TWSRFT grants, one event each, under the ``cooperative`
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -24,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .curves import CurveSet
+from .encoder_cache import EncoderCache, MediaTracker
 from .encoder_stage import release_encoding
 from .partition import PartitionSet
 from .request import Request
@@ -42,6 +46,7 @@ class SpatialEncoderStage(EncoderLaunches):
     `event_factory` replaces CUDA events (tests and the host-side experiment model an
     asynchronous device with it). `max_held` bounds the requests holding or computing
     embeddings; `max_inflight` the launches (each a few layers and one event) not complete.
+    `cache` is the encoder output cache (None: none).
     """
 
     def __init__(self, runner: ModelRunner, partitions: PartitionSet, curves: CurveSet, *,
@@ -49,7 +54,8 @@ class SpatialEncoderStage(EncoderLaunches):
                  policy: str = "twsrft", max_held: int = 64,
                  max_inflight: int = 2, launch_budget_s: float = 0.003,
                  clock: Callable[[], float] = time.monotonic,
-                 event_factory: Callable[[], Any] | None = None) -> None:
+                 event_factory: Callable[[], Any] | None = None,
+                 cache: EncoderCache | None = None) -> None:
         if driver not in DRIVERS:
             raise ValueError(f"driver={driver!r} is not one of {', '.join(DRIVERS)}")
         if not launch_budget_s >= 0:
@@ -60,6 +66,7 @@ class SpatialEncoderStage(EncoderLaunches):
         self.runner = runner
         self.partitions = partitions
         self.max_held = max_held
+        self.media = MediaTracker(cache if cache is not None else EncoderCache(0), runner)
         self.preemptible = all(hasattr(runner, m) for m in (
             "encoder_layers", "start_encode", "advance_encode", "finish_encode"))
         self.num_layers = int(runner.encoder_layers) if self.preemptible else 1
@@ -74,7 +81,9 @@ class SpatialEncoderStage(EncoderLaunches):
         self.sched = TwsrftScheduler(self.num_layers, cost, policy=policy, window_s=window_s,
                                      max_wait_s=max_wait_s, token_budget=1,
                                      clock=clock)
-        self._encodings: dict[int, Encoding] = {}  # request seq_no -> encoding, until release
+        self._encodings: dict[int, Encoding] = {}  # job key -> encoding, until release
+        self._by_req: dict[int, int] = {}  # request seq_no -> key of its latest encoding
+        self._keys = itertools.count()
         self._backlog: deque[Encoding] = deque()  # waiting for a max_held slot
         self._active = 0  # encodings set up (or being set up) and not finished
         self._held: set[int] = set()
@@ -94,17 +103,32 @@ class SpatialEncoderStage(EncoderLaunches):
         with self._lock:
             return len(self._backlog) + self._active
 
-    def submit(self, req: Request) -> None:
-        if req.mm is None or req.mm.embeds is not None:
-            return
-        enc = Encoding(req.seq_no, req, int(req.mm.pixel_values.shape[0]))
+    def submit(self, req: Request, covered: int = 0) -> None:
+        missing = self.media.open(req, covered)
+        if missing:
+            self._queue(req, missing)
+
+    def _queue(self, req: Request, items: list[int]) -> None:
+        mm = self.media.job(req, items)
+        enc = Encoding(next(self._keys), req, int(mm.pixel_values.shape[0]), items=items, mm=mm)
         with self._lock:
+            self._encodings.pop(self._by_req.get(req.seq_no, -1), None)  # a finished one
             self._encodings[enc.key] = enc
+            self._by_req[req.seq_no] = enc.key
             self._backlog.append(enc)
         self._admit()
 
-    def ready(self, req: Request) -> bool:
-        return req.mm is None or req.mm.embeds is not None
+    def ready(self, req: Request, start: int = 0) -> bool:
+        if self.media.ready(req, start):
+            return True
+        with self._lock:
+            enc = self._encodings.get(self._by_req.get(req.seq_no, -1))
+            if enc is not None and enc.state in ("backlog", "active"):
+                return False
+        missing = self.media.missing(req, start)
+        if missing:
+            self._queue(req, missing)
+        return not missing
 
     def step(self) -> list[tuple[Request, str]]:
         """Attach the embeddings of completed grants, start backlogged jobs; returns failures."""
@@ -116,19 +140,19 @@ class SpatialEncoderStage(EncoderLaunches):
 
     def release(self, req: Request) -> None:
         with self._lock:
-            enc = self._encodings.pop(req.seq_no, None)
+            enc = self._encodings.pop(self._by_req.pop(req.seq_no, -1), None)
             if enc is not None:
                 if enc.state == "backlog":
                     self._backlog.remove(enc)
                 elif enc.state == "active":
                     self._active -= 1
+                if enc.state != "held":
+                    release_encoding(self.runner, enc.mm)
                 enc.state = "released"
                 enc.embeds = enc.job = None
             self._held.discard(req.seq_no)
             self._cond.notify_all()
-        if req.mm is not None:
-            req.mm.embeds = None
-            release_encoding(self.runner, req)
+        self.media.drop(req)
 
     # -- completion and hand-off --------------------------------------------------------------
     def poll(self) -> int:
@@ -152,22 +176,22 @@ class SpatialEncoderStage(EncoderLaunches):
         self._active -= 1
         enc.state = "failed"
         enc.job = enc.embeds = None
+        release_encoding(self.runner, enc.mm)
         self._failures.append((enc.req, msg))
 
     def _attach(self, enc: Encoding) -> bool:
-        mm, emb = enc.req.mm, enc.embeds
+        emb = enc.embeds
         enc.embeds = None
-        if emb is None or emb.dim() != 2 or emb.shape[0] != mm.num_tokens:
-            shape = None if emb is None else tuple(emb.shape)
-            self._fail(enc, f"encoder returned shape {shape} for {mm.num_tokens} image tokens")
-            return False
-        if emb.is_cuda:
+        if emb is not None and emb.is_cuda:
             for stream in self.partitions.decoder_streams():
                 emb.record_stream(stream)
-        mm.embeds = emb
+        msg = self.media.store(enc.req, enc.items, enc.mm, emb)
+        if msg is not None:
+            self._fail(enc, msg)
+            return False
         self._active -= 1
         enc.state = "held"
-        self._held.add(enc.key)
+        self._held.add(enc.req.seq_no)
         return True
 
     def _admit(self) -> None:
@@ -197,7 +221,7 @@ class SpatialEncoderStage(EncoderLaunches):
         """Set up a job; on CUDA on the upload stream (`PartitionSet.staged`): the pixels are
         pinned and copied non-blocking, and the job's small blocking uploads (rotary tables,
         attention plan) synchronise only that idle stream, never the encoder's queue."""
-        mm, pset = enc.req.mm, self.partitions
+        mm, pset = enc.mm, self.partitions
         if not pset.cuda:
             return self.runner.start_encode(mm)
         with pset.staged() as done:
@@ -214,14 +238,14 @@ class SpatialEncoderStage(EncoderLaunches):
         out = []
         with self._lock:
             for job in self.sched.jobs():
-                prompt = sum(len(e.req.token_ids) for k in job.request_ids
+                prompt = sum(_prefill(e.req) for k in job.request_ids
                              if (e := self._encodings.get(k)) is not None)
                 out.append(PendingEncode(job.patches, max(1, round(job.layers_left * scale)),
                                          prompt))
             for enc in self._backlog:
                 out.append(PendingEncode(max(1, enc.patches), max(1, round(self.num_layers
                                                                            * scale)),
-                                         len(enc.req.token_ids)))
+                                         _prefill(enc.req)))
         return out
 
     def wait(self, timeout_s: float = 0.005) -> None:
@@ -234,3 +258,8 @@ class SpatialEncoderStage(EncoderLaunches):
         elif self._thread is not None and self.num_pending:
             with self._cond:
                 self._cond.wait(timeout_s)
+
+
+def _prefill(req: Request) -> int:
+    """Tokens a waiting request will prefill: those the prefix cache did not hold."""
+    return len(req.token_ids) - max(req.num_computed, req.prefix_hint)

@@ -196,7 +196,7 @@ class StepPlanner:
                 lo, hi = np.searchsorted(mm.positions, [s, s + n])
                 if hi > lo:
                     idx_parts.append(mm.positions[lo:hi] - s + t)
-                    emb_parts.append(mm.embeds[lo:hi])
+                    emb_parts.append(mm.rows(int(lo), int(hi)))
             t += n
         buckets = self.graph_batch_sizes
         if pad_to is None and nd == nb and buckets and nb <= buckets[-1]:

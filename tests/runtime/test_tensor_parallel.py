@@ -129,6 +129,15 @@ def test_tp2_matches_tp1_and_transformers(request, model, mode, extra):
         two.check_idle()
         stats = two.runner.worker_stats()
         assert stats[0]["steps"] > 0
+        # workers mirror rank 0's encoder cache: one set of rows per cached media item ...
+        assert (stats[0]["embeds"], stats[0]["jobs"]) == (two.encoder_cache.num_live, 0)
+        items = sum(len(p.get(k, ())) for p in prompts
+                    for k in ("images", "image_grid_thw", "video_grid_thw"))
+        assert two.encoder_cache.num_live == items  # every image and video, once
+        media = sum(1 for p in prompts if {"images", "image_grid_thw", "video_grid_thw"} & set(p))
+        assert two.counters()["encoder_jobs"] == media  # the first generate's, never again
+        two.encoder_cache.clear()  # ... and drop them with it
+        stats = two.runner.worker_stats()
         assert (stats[0]["embeds"], stats[0]["jobs"]) == (0, 0), "a worker kept image state"
 
 

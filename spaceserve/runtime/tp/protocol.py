@@ -19,6 +19,9 @@ them, until a `Release`. Encoder commands carry no collectives, so their order r
 steps matters only in that a step comes after the `FinishEncode` of the embeddings it uses -
 which the pipe's order guarantees. (A data-parallel encoder - each rank encoding a share and
 all-gathering the embeddings - adds an owner rank per job and a gather after `FinishEncode`.)
+A finished job's output is split into one set of rows per media item (`Split`), kept under the
+key of rank 0's encoder-cache entry for that item until a `Release` of it: a cache hit on rank 0
+is a hit on every rank.
 
 Every command that launches work carries `budgets`: rank 0's runner's (encoder, decoder) SM
 budgets when it was sent. A worker runs the command under the same budget and, in the
@@ -148,6 +151,15 @@ class Release:
 
 
 @dataclass
+class Split:
+    """Rows ``lo..hi-1`` of the embeddings under `key` (a finished job) are kept under each
+    part's own key (an encoder-cache entry); `key` itself is dropped."""
+
+    key: int
+    parts: list[tuple[int, int, int]]  # (entry key, lo, hi)
+
+
+@dataclass
 class Step:
     """One engine step (module docstring); `pieces` are (key or None, lo, hi)."""
 
@@ -174,7 +186,7 @@ class Stop:
 
 
 COMMANDS = (Profile, Allocate, Capture, Encode, StartEncode, AdvanceEncode, FinishEncode,
-            Embeds, Release, Step, Stats, Stop)
+            Embeds, Release, Split, Step, Stats, Stop)
 REPLIES = (Profile, Capture, Stats)  # the commands a worker answers
 
 

@@ -9,8 +9,12 @@ It holds rank 0's shard in an ordinary `Qwen2VLRunner` (`local`) and the other r
   where they validate input (`start_encode`), so a bad image never reaches the workers, and are
   sent first where they launch work (`encode`, `advance_encode`, `finish_encode`);
 - host-only calls (`prepare_request`, `kv_block_bytes`) stay on rank 0.
-Image embeddings are known to the workers by a key per `MultiModalData`, dropped again through
-`release_encoding` (the encoder stages call it when a request ends).
+Encoder jobs are known to the workers by a key per job (`MultiModalData`). When a job is done,
+rank 0's encoder cache splits its output into one entry per media item and `split_encoding`
+has every worker do the same (`Split`), so each item's embeddings live on every rank under a key
+of their own, as long as rank 0's entry lives: `release_encoding` drops a job or an entry
+(the encoder cache calls it when an entry is evicted or its last request ends). A step's image
+pieces name entries by those keys; one no worker has (never encoded there) is sent once.
 
 A worker's death, a failed send or a failed collective turns into `TensorParallelError` naming
 the worker (`group.py`); from then on every call raises it, and `close` stops what is left.
@@ -101,7 +105,7 @@ class TensorParallelRunner:
         self.info = self.local.info
         self.device = self.local.device
         self.model = self.local.model
-        self._keys: dict[int, tuple[int, MultiModalData]] = {}
+        self._keys: dict[int, tuple[int, Any]] = {}
         self._next_key = 0
 
     @classmethod
@@ -192,15 +196,16 @@ class TensorParallelRunner:
         for comm in self.comms.values():
             comm.abort()
 
-    def _key(self, mm: MultiModalData, *, create: bool = True) -> int | None:
+    def _key(self, obj: Any, *, create: bool = True) -> int | None:
+        """The workers' key of an encoder job (`MultiModalData`) or encoder-cache entry."""
         with self._lock:
-            entry = self._keys.get(id(mm))
-            if entry is not None and entry[1] is mm:
+            entry = self._keys.get(id(obj))
+            if entry is not None and entry[1] is obj:
                 return entry[0]
             if not create:
                 return None
             key, self._next_key = self._next_key, self._next_key + 1
-            self._keys[id(mm)] = (key, mm)
+            self._keys[id(obj)] = (key, obj)
             return key
 
     # -- the runner protocol -----------------------------------------------------------------
@@ -263,19 +268,37 @@ class TensorParallelRunner:
         self._send(P.FinishEncode(job.key, num_sms, self._budgets()))
         return self._run(self.local.finish_encode, job.local, num_sms=num_sms, fatal=False)
 
-    def release_encoding(self, mm: MultiModalData | None) -> None:
-        """Forget `mm`'s embeddings on every rank (its request ended)."""
-        if mm is None or self._dead:
+    def split_encoding(self, job: MultiModalData, parts: Sequence[tuple[Any, int, int]]) -> None:
+        """Rows ``lo..hi-1`` of `job`'s embeddings become those of each part's encoder-cache
+        entry, on every rank (`Split`); the job's own key is dropped."""
+        key = self._forget(job)
+        if key is None or self._dead:
             return
-        with self._lock:
-            entry = self._keys.get(id(mm))
-            if entry is None or entry[1] is not mm:
-                return
-            del self._keys[id(mm)]
         try:
-            self._send(P.Release([entry[0]]))
+            self._send(P.Split(key, [(self._key(e), lo, hi) for e, lo, hi in parts]))
         except TensorParallelError:
             pass  # reported by the next call that needs the workers
+
+    def release_encoding(self, obj: Any) -> None:
+        """Forget the embeddings of a job (`MultiModalData`) or an encoder-cache entry on every
+        rank (the job failed or was dropped; the entry is gone)."""
+        if obj is None or self._dead:
+            return
+        key = self._forget(obj)
+        if key is None:
+            return
+        try:
+            self._send(P.Release([key]))
+        except TensorParallelError:
+            pass  # reported by the next call that needs the workers
+
+    def _forget(self, obj: Any) -> int | None:
+        with self._lock:
+            entry = self._keys.get(id(obj))
+            if entry is None or entry[1] is not obj:
+                return None
+            del self._keys[id(obj)]
+            return entry[0]
 
     def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
         """One step on every rank: rank 0 prepares it, sends it, and runs its own shard;
@@ -288,7 +311,7 @@ class TensorParallelRunner:
                 key = self._key(src, create=False)
                 if key is None:  # embeddings rank 0 never encoded: ship them once
                     key = self._key(src)
-                    self._send(P.Embeds(key, src.embeds.detach().cpu()))
+                    self._send(P.Embeds(key, src.tensor.detach().cpu()))
             pieces.append((key, lo, hi))
         self._send(P.Step(step.stage, step.budget, step.graph, step.inputs.wire(), pieces,
                           self._budgets()))
