@@ -169,7 +169,7 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        text = client.metrics.render(client.gauges())
+        text = client.metrics.render(client.gauges(), client.counters())
         text += (f'# HELP spaceserve:mode_info Engine mode.\n# TYPE spaceserve:mode_info gauge\n'
                  f'spaceserve:mode_info{{mode="{client.mode}"}} 1\n')
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -330,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context length (default: the model's, capped by the KV cache)")
     p.add_argument("--seed", type=int, default=0,
                    help="engine seed for requests that bring none")
+    p.add_argument("--encoder-cache-bytes", type=int,
+                   help="encoder output cache budget in bytes; 0 turns it off (default: 5%% "
+                        "of free GPU memory, at most 8 GiB; 512 MiB on CPU)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="turn automatic prefix caching of KV blocks off")
     p.add_argument("--max-pending", type=int, default=256,
                    help="requests in flight before answering 503")
     p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes,
@@ -367,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len, seed=args.seed,
             max_images_per_prompt=args.max_images_per_request,
-            tensor_parallel_size=args.tensor_parallel_size)
+            tensor_parallel_size=args.tensor_parallel_size,
+            encoder_cache_bytes=args.encoder_cache_bytes,
+            enable_prefix_caching=args.prefix_caching)
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,20 @@ if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
     from spaceserve.runtime.request import RequestOutput, SamplingParams
 
 KNOWN_MODES = ("temporal", "spatial", "spatial-static", "shared")
+# Engine.counters() key -> (metric name, help)
+ENGINE_COUNTERS = (
+    ("encoder_cache_queries", "encoder_cache_queries_total",
+     "Media items (images, videos) looked up in the encoder cache."),
+    ("encoder_cache_hits", "encoder_cache_hits_total",
+     "Media items that needed no encoder pass (cached, or all their tokens prefix-cached)."),
+    ("encoder_jobs", "encoder_jobs_total", "Encoder jobs run (one per request needing one)."),
+    ("prefix_cache_queried_tokens", "prefix_cache_queried_tokens_total",
+     "Tokens of admitted requests looked up in the prefix cache."),
+    ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens_total",
+     "Tokens whose KV blocks the prefix cache held (not computed)."),
+    ("prefill_tokens", "prefill_tokens_computed_total",
+     "Tokens computed in prefill (every computed token but a decode's newest)."),
+)
 
 
 class QueueFull(Exception):
@@ -232,6 +246,7 @@ class AsyncEngine:
 
     def gauges(self) -> list[tuple[str, str, float]]:
         g = self.queue_depths()
+        bm = getattr(self.engine, "block_manager", None)
         enc, dec = self.sm_split()
         total = max(g["kv_blocks_total"], 1)
         return [
@@ -247,7 +262,17 @@ class AsyncEngine:
             ("decoder_sms", "SMs of the decoder stage.", dec),
             ("device_sms", "SMs of the device.", self._device_sms),
             ("engine_steps_total", "Engine steps run.", self.engine.num_steps),
+            ("encoder_cache_usage_bytes", "Bytes of embeddings the encoder cache keeps.",
+             int(getattr(getattr(self.engine, "encoder_cache", None), "bytes_cached", 0))),
+            ("prefix_cache_blocks", "KV blocks committed to the prefix cache (in use or free).",
+             int(getattr(bm, "num_cached", 0))),
         ]
+
+    def counters(self) -> list[tuple[str, str, int]]:
+        """The engine's cache and work counters, as Prometheus counters (name, help, value)."""
+        fn = getattr(self.engine, "counters", None)
+        c = fn() if callable(fn) else {}
+        return [(name, help_text, c[key]) for key, name, help_text in ENGINE_COUNTERS if key in c]
 
     def close(self) -> None:
         with self._cond:

@@ -91,13 +91,18 @@ class ServerMetrics:
         with self._lock:
             self.http_errors[status] = self.http_errors.get(status, 0) + 1
 
-    def render(self, gauges: Iterable[tuple[str, str, float]]) -> str:
-        """The exposition text; `gauges` are (name without prefix, help, value)."""
+    def render(self, gauges: Iterable[tuple[str, str, float]],
+               counters: Iterable[tuple[str, str, int]] = ()) -> str:
+        """The exposition text; `gauges` and `counters` (the engine's own, read from it) are
+        (name without prefix, help, value)."""
         p = self.PREFIX
         lines: list[str] = []
         for name, help_text, value in gauges:
             lines += [f"# HELP {p}{name} {help_text}", f"# TYPE {p}{name} gauge",
                       f"{p}{name} {float(value)!r}"]
+        for name, help_text, count in counters:
+            lines += [f"# HELP {p}{name} {help_text}", f"# TYPE {p}{name} counter",
+                      f"{p}{name} {int(count)}"]
         with self._lock:
             lines += [f"# HELP {p}request_success_total Finished requests by finish reason.",
                       f"# TYPE {p}request_success_total counter"]
