@@ -12,7 +12,10 @@ turns caching off: every item is encoded and its entry belongs to its request al
 `MediaTracker` is what the encoder stages share: per request, which items are needed (those
 with a token at or after the first token to compute; items whose tokens are all in the prefix
 cache need none), which of them the cache already has, the sub-request an encoder job runs
-for the rest, and the hand-off of a job's output into entries. Every entry has an integer
+for the rest, and the hand-off of a job's output into entries. With caching on, an item that
+another request's job is computing right now is not encoded twice: the request waits for that
+job and takes the entry from the cache (or encodes the item itself after all, should that job
+fail or its request end first). Every entry has an integer
 `key` unique for the engine's life. A runner that keeps embeddings elsewhere (a tensor-parallel
 group's workers) learns of new entries through ``split_encoding(job, [(entry, lo, hi)])`` -
 rows ``lo..hi-1`` of the job's output are that entry's - and of dropped ones through `on_drop`.
@@ -171,6 +174,8 @@ class MediaTracker:
         self.cache = cache
         self.runner = runner
         self.num_jobs = 0  # encoder jobs started (one per request that needed the encoder)
+        self._computing: dict[str, int] = {}  # item key -> jobs computing it now
+        self._jobs: dict[int, MultiModalData] = {}  # id -> job not finished yet
 
     @staticmethod
     def _items(mm: MultiModalData) -> list[Any]:
@@ -193,36 +198,56 @@ class MediaTracker:
         return missing
 
     def attach(self, mm: MultiModalData, needed: Sequence[int]) -> list[int]:
-        """Attach cached entries to the `needed` items without embeddings; the others."""
+        """Attach cached entries to the `needed` items without embeddings; returns those
+        neither cached nor being computed by a job (the ones to encode)."""
         items = self._items(mm)
         missing = []
         for i in needed:
             if items[i] is not None:
                 continue
-            entry = self.cache.lookup(mm.item_key(i))
-            if entry is None:
-                missing.append(i)
-            else:
+            key = mm.item_key(i)
+            entry = self.cache.lookup(key)
+            if entry is not None:
                 items[i] = entry
+            elif key not in self._computing:
+                missing.append(i)
         return missing
 
     def missing(self, req: Request, start: int) -> list[int]:
-        """Items a prefill from token `start` needs that have no embeddings, after looking in
-        the cache again (a preempted request, or a prefix match shorter than expected)."""
+        """Items a prefill from token `start` needs that have no embeddings and that no job
+        is computing, after looking in the cache again (an item another job computed; a
+        preempted request; a prefix match shorter than expected)."""
         mm = req.mm
         if mm is None:
             return []
         return self.attach(mm, mm.items_from(start))
 
     def job(self, req: Request, items: Sequence[int]) -> MultiModalData:
-        """The media an encoder job over `items` of `req` runs."""
+        """The media an encoder job over `items` of `req` runs (`done` when it ends)."""
         self.num_jobs += 1
-        return req.mm.subset(items)
+        job = req.mm.subset(items)
+        self._jobs[id(job)] = job
+        if self.cache.enabled:
+            for key in job.content_hashes:
+                self._computing[key] = self._computing.get(key, 0) + 1
+        return job
+
+    def done(self, job: MultiModalData) -> None:
+        """`job` ended (finished, failed or dropped with its request); idempotent."""
+        if self._jobs.pop(id(job), None) is None or not self.cache.enabled:
+            return
+        for key in job.content_hashes:
+            n = self._computing[key] - 1
+            if n:
+                self._computing[key] = n
+            else:
+                del self._computing[key]
 
     def store(self, req: Request, items: Sequence[int], job: MultiModalData,
               embeds: torch.Tensor) -> str | None:
         """Hand a finished job's embeddings to the request's items (and the cache); returns an
         error message for a malformed output, else None."""
+        self.done(job)
         mm = req.mm
         if embeds is None or embeds.dim() != 2 or embeds.shape[0] != job.num_tokens:
             shape = None if embeds is None else tuple(embeds.shape)

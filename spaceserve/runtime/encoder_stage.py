@@ -123,7 +123,7 @@ class TemporalEncoderStage:
         missing = self.media.missing(req, start)
         if missing:
             self._queue(req, missing)
-        return not missing
+        return self.media.ready(req, start)
 
     def step(self) -> list[tuple[Request, str]]:
         batch: list[_Job] = []
@@ -149,6 +149,7 @@ class TemporalEncoderStage:
                 failed += self._store([job], self.runner.encode([job.mm]))
             except Exception as exc:  # reported on the request, the others go on
                 self._jobs.pop(job.req.seq_no, None)
+                self.media.done(job.mm)
                 release_encoding(self.runner, job.mm)
                 failed.append((job.req, f"image encoding failed: {type(exc).__name__}: {exc}"))
         return failed
@@ -171,6 +172,7 @@ class TemporalEncoderStage:
     def release(self, req: Request) -> None:
         job = self._jobs.pop(req.seq_no, None)
         if job is not None:
+            self.media.done(job.mm)
             release_encoding(self.runner, job.mm)
         self.media.drop(req)
         self._held.discard(req.seq_no)

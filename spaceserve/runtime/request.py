@@ -196,8 +196,8 @@ class MultiModalData:
         self.items = [ItemEmbeds(embeds[int(b[i]):int(b[i + 1])]) for i in range(self.num_items)]
 
     def subset(self, items: Sequence[int]) -> MultiModalData:
-        """A media object of only `items` (patches and grids; no prompt positions): what an
-        encoder job over them takes."""
+        """A media object of only `items` (patches and grids; no prompt positions; their item
+        keys as its content hashes): what an encoder job over them takes."""
         items = list(items)
         if items == list(range(self.num_items)):
             pv, grid = self.pixel_values, self.image_grid_thw
@@ -209,7 +209,8 @@ class MultiModalData:
         bounds = self.item_bounds
         n = sum(int(bounds[i + 1] - bounds[i]) for i in items)
         return MultiModalData(pv, grid, np.arange(n, dtype=np.int64),
-                              video_items=tuple(j for j, i in enumerate(items) if i in videos))
+                              video_items=tuple(j for j, i in enumerate(items) if i in videos),
+                              hashes=tuple(self.item_key(i) for i in items))
 
     def grid_of(self, kind: str) -> torch.Tensor | None:
         """The grid rows of the images or of the videos (``kind`` "image" / "video"), in prompt

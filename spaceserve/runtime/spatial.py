@@ -128,7 +128,7 @@ class SpatialEncoderStage(EncoderLaunches):
         missing = self.media.missing(req, start)
         if missing:
             self._queue(req, missing)
-        return not missing
+        return self.media.ready(req, start)
 
     def step(self) -> list[tuple[Request, str]]:
         """Attach the embeddings of completed grants, start backlogged jobs; returns failures."""
@@ -147,6 +147,7 @@ class SpatialEncoderStage(EncoderLaunches):
                 elif enc.state == "active":
                     self._active -= 1
                 if enc.state != "held":
+                    self.media.done(enc.mm)
                     release_encoding(self.runner, enc.mm)
                 enc.state = "released"
                 enc.embeds = enc.job = None
@@ -176,6 +177,7 @@ class SpatialEncoderStage(EncoderLaunches):
         self._active -= 1
         enc.state = "failed"
         enc.job = enc.embeds = None
+        self.media.done(enc.mm)
         release_encoding(self.runner, enc.mm)
         self._failures.append((enc.req, msg))
 

@@ -274,3 +274,71 @@ def test_block_manager_reference_counts_and_cache() -> None:
     bm.check_all_free()
     with pytest.raises(RuntimeError, match="freed but not allocated"):
         bm.free([0])
+
+
+@pytest.mark.parametrize("mode", ["temporal", "spatial-static"])
+def test_media_the_prefix_cache_lost_before_admission_is_encoded_then(mode: str) -> None:
+    """An image inside the prefix cache at arrival is not encoded; when its blocks are gone by
+    admission (evicted), the request waits for an encoder job instead of running without it."""
+    import time
+
+    eng = make_engine(mode, encoder_cache_bytes=0)
+    gen = torch.Generator().manual_seed(11)
+    a = image(gen)
+    turn1 = media_prompt([40, 41, 42, None, 43, 44], [a])
+    check(eng, [turn1])
+    turn2 = media_prompt([40, 41, 42, None, 43, 44, 45, 46, 47], [a])
+    outs = []
+    eng.add_request(turn2, GREEDY, sink=outs.append)
+    eng._drain(time.monotonic())  # arrival: the image's tokens are all cached
+    req = next(iter(eng._active.values()))
+    assert req.prefix_hint == 8 and eng.counters()["encoder_jobs"] == 1
+    assert eng.block_manager.reset_cache() > 0  # ... and are gone before admission
+    while eng.has_unfinished():
+        eng.step()
+    assert (outs[-1].token_ids, outs[-1].finish_reason) == reference(eng, turn2, GREEDY)
+    assert eng.counters()["encoder_jobs"] == 2
+    eng.check_idle()
+
+
+@pytest.mark.parametrize("mode", ["temporal", "spatial-static", "spatial"])
+def test_an_image_in_flight_is_encoded_once(mode: str) -> None:
+    eng = make_engine(mode, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(12)
+    a, b = image(gen), image(gen, (1, 2, 4))
+    prompts = [media_prompt([50, None], [a]), media_prompt([51, 52, None, 53], [a]),
+               media_prompt([54, None, 55, None], [b, a])]
+    check(eng, prompts)
+    c = eng.counters()
+    assert c["encoder_jobs"] == 2  # a once, then b alone for the third request
+    assert (c["encoder_cache_queries"], c["encoder_cache_hits"]) == (4, 2)
+    eng.check_idle()
+
+
+def test_a_request_waiting_on_another_jobs_image_encodes_it_when_that_job_is_dropped() -> None:
+    eng = make_engine("spatial-static", enable_prefix_caching=False, prefill_on="decode")
+    done = [False]
+
+    class Event:
+        def query(self) -> bool:
+            return done[0]
+
+    eng.encoder.event_factory = Event
+    gen = torch.Generator().manual_seed(13)
+    a = image(gen)
+    first, second = media_prompt([60, None], [a]), media_prompt([61, None, 62], [a])
+    outs = []
+    r1 = eng.add_request(first, GREEDY, sink=outs.append)
+    eng.add_request(second, GREEDY, sink=outs.append)
+    eng.step()
+    assert eng.counters()["encoder_jobs"] == 1  # the second waits for the first's job
+    eng.abort(r1)
+    done[0] = True
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.counters()["encoder_jobs"] == 2  # the job was dropped: encoded for the second
+    final = {o.request_id: o for o in outs if o.finished}
+    assert final[r1].finish_reason == "abort"
+    (out,) = [o for r, o in final.items() if r != r1]
+    assert (out.token_ids, out.finish_reason) == reference(eng, second, GREEDY)
+    eng.check_idle()
