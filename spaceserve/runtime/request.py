@@ -248,13 +248,15 @@ class MultiModalData:
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Monotonic-clock timestamps (seconds): arrival, first token, every token, finish."""
+    """Monotonic-clock timestamps (seconds): arrival, first token, every token, finish; and
+    how many prompt tokens the prefix cache held when the request was first admitted."""
 
     arrival_time: float
     first_token_time: float | None
     token_times: tuple[float, ...]
     finished_time: float | None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -282,7 +284,7 @@ class Request:
         "status", "num_computed", "block_ids", "row", "synced_blocks", "finish_reason",
         "error", "arrival_time", "first_token_time", "token_times", "finished_time",
         "num_preemptions", "num_emitted", "sink", "stream", "model_state", "stop_ids",
-        "limit_len", "block_hashes", "num_hashed", "prefix_hint",
+        "limit_len", "block_hashes", "num_hashed", "prefix_hint", "num_cached_tokens",
     )
 
     def __init__(self, request_id: str, seq_no: int, prompt_token_ids: list[int],
@@ -316,6 +318,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of its full blocks so far
         self.num_hashed = 0  # leading blocks of block_ids offered to the prefix cache
         self.prefix_hint = 0  # prompt tokens the prefix cache held when it arrived
+        self.num_cached_tokens = -1  # prompt tokens it held at the first admission (-1: none)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -335,7 +338,8 @@ class Request:
 
     def metrics(self) -> RequestMetrics:
         return RequestMetrics(self.arrival_time, self.first_token_time, tuple(self.token_times),
-                              self.finished_time, self.num_preemptions)
+                              self.finished_time, self.num_preemptions,
+                              max(0, self.num_cached_tokens))
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens},"

@@ -177,6 +177,8 @@ class Scheduler:
                 break
             self.prefix_queried_tokens += known
             self.prefix_hit_tokens += req.num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed
             del waiting[j]
             req.status = Status.RUNNING
             req.row = self._free_rows.pop()

@@ -76,7 +76,8 @@ def test_shared_system_prompt_is_computed_once() -> None:
     before = eng.counters()
     users = [{"prompt_token_ids": system + torch.randint(4, 97, (k,), generator=gen).tolist()}
              for k in (3, 9, 1)]
-    check(eng, users)
+    outs = check(eng, users)
+    assert [o.metrics.num_cached_tokens for o in outs] == [20, 20, 20]
     d = delta(eng, before)
     # 22 shared tokens = 5 full blocks of 4 for each of the three
     assert d["prefix_cache_hit_tokens"] == 3 * 20
