@@ -272,9 +272,10 @@ class Scheduler:
         bm = self.bm
         bs = bm.block_size
         for req, c, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
-            full = min(c + n, len(req.block_ids) * bs) // bs
+            full = (c + n) // bs
             if full <= req.num_hashed or req.status is not Status.RUNNING:
                 continue  # nothing new, or its blocks are gone (preempted or ended meanwhile)
+            full = min(full, len(req.block_ids))
             bm.commit(req.block_ids, block_hashes(req, bs, full * bs), req.num_hashed, full)
             req.num_hashed = full
 
