@@ -168,6 +168,8 @@ class Engine(EngineFrontends):
             error = None
         except ValueError as exc:
             ids, mm, error = [], None, str(exc)
+        if mm is not None and (self.encoder_cache.enabled or self.block_manager.enable_caching):
+            _ = mm.content_hashes  # hashed here, on the caller's thread, not in the step loop
         req = Request(rid, seq_no, ids, params, seed, mm, arrival_time=now)
         req.sink, req.stream = sink, stream
         with self._lock:

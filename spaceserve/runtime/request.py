@@ -236,11 +236,11 @@ class MultiModalData:
             out, start = [], 0
             for row in self.image_grid_thw.tolist():
                 n = row[0] * row[1] * row[2]
-                h = hashlib.blake2b(digest_size=16, person=b"ss-patches")
+                h = hashlib.sha256(b"ss-patches")  # SHA-NI: several times blake2b's speed
                 h.update(repr((row, str(self.pixel_values.dtype))).encode())
-                h.update(self.pixel_values[start:start + n].detach().cpu().contiguous()
-                         .view(torch.uint8).numpy().tobytes())
-                out.append(h.hexdigest())
+                h.update(memoryview(self.pixel_values[start:start + n].detach().cpu()
+                                    .contiguous().view(torch.uint8).numpy()))
+                out.append(h.hexdigest()[:32])
                 start += n
             self.hashes = tuple(out)
         return self.hashes
