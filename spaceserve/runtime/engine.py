@@ -149,11 +149,16 @@ class Engine(EngineFrontends):
                     None = None, stream: bool = False) -> str:
         """Queue a prompt; returns its id. A bad prompt does not raise: the request ends with
         finish reason "error" and a message. A bad `sampling_params` or a duplicate
-        `request_id` raises ValueError (caller mistakes, not request data)."""
+        `request_id` raises ValueError (caller mistakes, not request data). With ``n`` > 1
+        the request's n sequences share the prompt's processing and KV blocks; each ends with
+        its own output (`RequestOutput.index`), and `abort` ends them all."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(params).__name__}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} sequences exceed the engine's max_num_seqs="
+                             f"{self.config.max_num_seqs}")
         now = time.monotonic()
         seq_no = next(self._ids)
         rid = f"req-{seq_no}" if request_id is None else request_id
@@ -172,6 +177,11 @@ class Engine(EngineFrontends):
             _ = mm.content_hashes  # hashed here, on the caller's thread, not in the step loop
         req = Request(rid, seq_no, ids, params, seed, mm, arrival_time=now)
         req.sink, req.stream = sink, stream
+        if params.n > 1 and error is None:  # parallel sampling: forks of the first sequence
+            req.forks = [req.fork_child(i, next(self._ids)) for i in range(1, params.n)]
+            req.group = [req, *req.forks]
+            for child in req.forks:
+                child.group = req.group
         with self._lock:
             if rid in self._active:
                 raise ValueError(f"request_id={rid!r} is already in use")
@@ -181,7 +191,9 @@ class Engine(EngineFrontends):
         if error is not None:  # never queued: nothing to release
             req.status, req.finish_reason, req.error = Status.FINISHED, "error", error
             req.finished_time = now
-            self._emit(req, True)
+            for i in range(params.n):  # every sequence ends, each with its own output
+                req.index = i
+                self._emit(req, True)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -222,11 +234,22 @@ class Engine(EngineFrontends):
                 batch = self.scheduler.schedule()
                 if batch:
                     logits = self.runner.execute(batch)
-                    sampled = self.sampler(logits, batch.sample_reqs).tolist() \
-                        if batch.sample_reqs else []
-                    self._account(batch, sampled)
+                    ids = self.sample(logits, batch)
+                    self._account(batch, ids.tolist() if ids is not None else [])
             out, self._outbox = self._outbox, []
             return out
+
+    def sample(self, logits: torch.Tensor, batch: Any) -> torch.Tensor | None:
+        """One token per ``batch.sample_reqs`` row, then one per sequence forked this step
+        (drawn from its parent's row with its own seed); None when nothing is sampled."""
+        reqs = batch.sample_reqs
+        if not reqs:
+            return None
+        if batch.forks:
+            rows = torch.tensor([i for i, _ in batch.forks], device=logits.device)
+            logits = torch.cat([logits, logits.index_select(0, rows)])
+            reqs = reqs + [child for _, child in batch.forks]
+        return self.sampler(logits, reqs)
 
     def _account(self, batch: Any, sampled: list[int], count_step: bool = True) -> None:
         """A batch's sampled tokens: advance the requests, finish those that stopped, stream."""
@@ -234,6 +257,9 @@ class Engine(EngineFrontends):
         for req in self.scheduler.update(batch, sampled, now):
             self._end(req, req.finish_reason, None, now)
         for req in batch.sample_reqs:
+            if req.stream and req.status is Status.RUNNING:
+                self._emit(req, False)
+        for _, req in batch.forks:
             if req.stream and req.status is Status.RUNNING:
                 self._emit(req, False)
         if count_step:
@@ -256,19 +282,27 @@ class Engine(EngineFrontends):
                 self.scheduler.add(item)
             else:
                 req = self._active.get(item)
-                if req is not None and not (self.spatial is not None
-                                            and self.spatial.defer_abort(req)):
-                    self._end(req, "abort", None, now)
+                for seq in (req.group or [req]) if req is not None else []:
+                    if seq.status is not Status.FINISHED and not (
+                            self.spatial is not None and self.spatial.defer_abort(seq)):
+                        self._end(seq, "abort", None, now)
 
     def _end(self, req: Request, reason: str, error: str | None, now: float) -> None:
         """Finish `req` for good: queues, KV blocks, embeddings, then its final output."""
+        forks, req.forks = req.forks, []  # sequences never forked end with it
         self.scheduler.finish(req, reason, error)
         self.encoder.release(req)
         req.finished_time = now
         with self._lock:
-            if self._active.get(req.request_id) is req:
+            group = req.group or [req]
+            if self._active.get(req.request_id) is group[0] and all(
+                    s.finished or s in forks for s in group):
                 del self._active[req.request_id]
         self._emit(req, True)
+        for child in forks:
+            self.scheduler.finish(child, reason, error)
+            child.finished_time = now
+            self._emit(child, True)
 
     def _emit(self, req: Request, finished: bool) -> None:
         out = self.outputs.make(req, finished)
@@ -284,9 +318,10 @@ class Engine(EngineFrontends):
             now = time.monotonic()
             with self._lock:
                 self._inbox.clear()
-                reqs = list(self._active.values())
+                reqs = [s for r in self._active.values() for s in (r.group or [r])]
             for req in reqs:
-                self._end(req, "error", message, now)
+                if req.status is not Status.FINISHED:
+                    self._end(req, "error", message, now)
 
     def counters(self) -> dict[str, int]:
         """Monotonic counters of the caches and of the work done: media items looked up in the

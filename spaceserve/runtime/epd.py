@@ -105,14 +105,17 @@ def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, Scheduled
     """(decode part, prefill part) of a batch; either is None when empty."""
     nd, n = batch.num_decodes, batch.num_seqs
     dec = pre = None
+    copies = batch.block_copies  # copy on write happens only to decoding requests' blocks
     if nd:
         dec = ScheduledBatch(batch.reqs[:nd], batch.num_cached[:nd], batch.num_new[:nd],
                              batch.need_logits[:nd], batch.sample_reqs[:nd], nd, nd,
-                             batch.preempted)
+                             batch.preempted, [f for f in batch.forks if f[0] < nd], copies)
     if n > nd:
         pre = ScheduledBatch(batch.reqs[nd:], batch.num_cached[nd:], batch.num_new[nd:],
                              batch.need_logits[nd:], batch.sample_reqs[nd:], 0,
-                             batch.num_tokens - nd, [] if dec else batch.preempted)
+                             batch.num_tokens - nd, [] if dec else batch.preempted,
+                             [(i - nd, c) for i, c in batch.forks if i >= nd],
+                             [] if dec else copies)
     return dec, pre
 
 
@@ -164,7 +167,7 @@ class SpatialRuntime:
             return
         with part.decoder_scope():
             logits = self.runner.execute(dec)
-            ids = eng.sampler(logits, dec.sample_reqs) if dec.sample_reqs else None
+            ids = eng.sample(logits, dec)
             self.stage.launch()  # while the decode step runs on the device
             sampled = ids.tolist() if ids is not None else []
         eng._account(dec, sampled)
@@ -183,8 +186,8 @@ class SpatialRuntime:
         with part.encoder_scope():
             logits = self.runner.execute(pre, stage="encoder")
             host = None
-            if pre.sample_reqs:
-                ids = eng.sampler(logits, pre.sample_reqs)
+            ids = eng.sample(logits, pre)
+            if ids is not None:
                 host = ids
                 if ids.is_cuda:
                     host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)

@@ -28,4 +28,5 @@ class OutputProcessor:
         if self.tokenizer is not None and (finished or req.stream):
             text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
         return RequestOutput(req.request_id, req.prompt_token_ids, out_ids, new, text, finished,
-                             req.finish_reason if finished else None, req.error, req.metrics())
+                             req.finish_reason if finished else None, req.error, req.metrics(),
+                             index=req.index)

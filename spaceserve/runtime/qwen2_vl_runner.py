@@ -272,6 +272,8 @@ class Qwen2VLRunner:
         if apply_sync:
             planner.apply(step.inputs.sync)
         ctx = planner.plan_inputs(step.inputs).context
+        if step.inputs.block_copies is not None:  # copy on write, before anything is stored
+            self.kv.copy_blocks(step.inputs.block_copies)
         if step.graph is not None:  # the graph captured the planner's buffers: nothing to copy
             graph = self.graphs.get((step.graph, step.budget))
             if graph is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,8 @@ class SamplingParams:
     temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / temperature)
     restricted to the smallest set whose probability reaches `top_p`. The draw for the token at
     sequence index ``i`` depends only on (seed, i), so batching and preemption never change it;
-    without a seed the engine picks one at arrival.
+    without a seed the engine picks one at arrival. `n` > 1 draws that many sequences from one
+    prompt, processed once (parallel sampling): sequence i uses seed + i.
     """
 
     max_tokens: int = 16
@@ -43,9 +44,11 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1)
+        check_int("n", self.n, 1)
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -262,7 +265,9 @@ class RequestMetrics:
 @dataclass(frozen=True)
 class RequestOutput:
     """What a request has produced so far. `token_ids` are all generated tokens;
-    `new_token_ids` those since the previous output of the same request (streaming)."""
+    `new_token_ids` those since the previous output of the same request (streaming). A request
+    with ``n`` > 1 produces outputs for each of its sequences, told apart by `index`; each
+    sequence ends with its own finished output."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -274,6 +279,7 @@ class RequestOutput:
     error: str | None
     metrics: RequestMetrics
     extra: dict[str, Any] = field(default_factory=dict)
+    index: int = 0  # which of the request's ``n`` sequences (parallel sampling)
 
 
 class Request:
@@ -285,6 +291,7 @@ class Request:
         "error", "arrival_time", "first_token_time", "token_times", "finished_time",
         "num_preemptions", "num_emitted", "sink", "stream", "model_state", "stop_ids",
         "limit_len", "block_hashes", "num_hashed", "prefix_hint", "num_cached_tokens",
+        "index", "group", "forks", "shared_tail",
     )
 
     def __init__(self, request_id: str, seq_no: int, prompt_token_ids: list[int],
@@ -319,6 +326,22 @@ class Request:
         self.num_hashed = 0  # leading blocks of block_ids offered to the prefix cache
         self.prefix_hint = 0  # prompt tokens the prefix cache held when it arrived
         self.num_cached_tokens = -1  # prompt tokens it held at the first admission (-1: none)
+        self.index = 0  # its sequence among the request's n (parallel sampling)
+        self.group: list[Request] | None = None  # all n sequences of the request (n > 1)
+        self.forks: list[Request] = []  # sequences to fork off it when its prompt is done
+        self.shared_tail = False  # its last block is shared with a fork: copy before writing
+
+    def fork_child(self, index: int, seq_no: int) -> Request:
+        """Sequence `index` of this request's n: same prompt, media (own embedding slots) and
+        parameters, seed + index; it takes this request's prompt blocks when forked."""
+        mm = self.mm
+        if mm is not None:
+            mm = replace(mm, items=None)
+        child = Request(self.request_id, seq_no, self.prompt_token_ids, self.params,
+                        self.seed + index, mm, arrival_time=self.arrival_time)
+        child.index = index
+        child.sink, child.stream = self.sink, self.stream
+        return child
 
     @property
     def prompt_token_ids(self) -> list[int]:

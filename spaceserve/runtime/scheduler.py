@@ -17,6 +17,14 @@ It is admitted only when its media from that point on have embeddings (`is_ready
 items wholly inside the prefix need none). After every step the blocks it filled are committed
 to the cache, so they outlive it: a preempted, finished or aborted request's computed blocks
 stay for the next request with the same prefix until evicted.
+
+Parallel sampling (``n`` > 1): only the first sequence is queued; the others wait on it
+(``req.forks``, their sequence slots reserved at its admission). In the step that computes its
+last prompt token each of them draws its own first token from the same logits row
+(`ScheduledBatch.forks`) and takes a reference on every prompt block (`BlockManager.fork`), so
+the prompt is prefilled once. A partial last prompt block stays shared until a holder writes
+into it: that holder gets a copy first (copy on write, `ScheduledBatch.block_copies`, which the
+runner applies before the step's forward pass).
 """
 
 from __future__ import annotations
@@ -44,6 +52,10 @@ class ScheduledBatch:
     num_decodes: int = 0
     num_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    # sequences forked in this step: (row of `sample_reqs` whose logits they sample, sequence)
+    forks: list[tuple[int, Request]] = field(default_factory=list)
+    # KV blocks to copy (source, destination) before the step runs (copy on write)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -83,6 +95,7 @@ class Scheduler:
         self.prefix_queried_tokens = 0  # tokens of admitted requests looked up in the cache
         self.prefix_hit_tokens = 0  # of which the cache held (not computed)
         self.prefill_tokens = 0  # tokens computed other than a decoding request's newest one
+        self._copies: list[tuple[Request, int, int]] = []  # this step's copy-on-write blocks
 
     def peek_cached(self, req: Request) -> int:
         """Tokens of `req` the prefix cache holds now (nothing taken; 0 with caching off)."""
@@ -117,6 +130,9 @@ class Scheduler:
         p = req.params
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
         req.limit_len = min(req.num_prompt_tokens + p.max_tokens, self.max_model_len)
+        for child in req.forks:
+            child.status, child.stop_ids, child.limit_len = Status.WAITING, req.stop_ids, \
+                req.limit_len
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -139,8 +155,8 @@ class Scheduler:
             if n > budget:
                 n = budget
             total = req.num_computed + n
-            if len(req.block_ids) * bs < total:
-                while not bm.ensure(req.block_ids, total):
+            if len(req.block_ids) * bs < total or req.shared_tail:
+                while not (self._own_tail(req) and bm.ensure(req.block_ids, total)):
                     victim = running.pop()
                     self._preempt(victim)
                     preempted.append(victim)
@@ -165,6 +181,8 @@ class Scheduler:
         j = 0
         while j < len(waiting) and budget > 0 and self._free_rows:
             req = waiting[j]
+            if len(req.forks) >= len(self._free_rows):
+                break  # its forks need sequence slots too
             self._match(req)
             if not self.is_ready(req, req.num_computed):
                 self._unmatch(req)
@@ -183,6 +201,8 @@ class Scheduler:
             req.status = Status.RUNNING
             req.row = self._free_rows.pop()
             req.synced_blocks = 0
+            for child in req.forks:
+                child.row = self._free_rows.pop()
             self.running.append(req)
             if n == 1 and req.num_computed + 1 == known:
                 dec.append(req)
@@ -191,6 +211,21 @@ class Scheduler:
                 pre_n.append(n)
             budget -= n
         return budget
+
+    def _own_tail(self, req: Request) -> bool:
+        """Copy on write: give `req` its own copy of the shared block its next token goes
+        into; False when no block is free."""
+        if not req.shared_tail:
+            return True
+        idx = req.num_computed // self.bm.block_size
+        got = self.bm.make_writable(req.block_ids, idx)
+        if got is False:
+            return False
+        if got is not None:
+            self._copies.append((req, got[0], got[1]))
+            req.synced_blocks = min(req.synced_blocks, idx)
+        req.shared_tail = False
+        return True
 
     def _batch(self, dec: list[Request], pre: list[Request], pre_n: list[int],
                preempted: list[Request]) -> ScheduledBatch:
@@ -210,6 +245,11 @@ class Scheduler:
             if last:
                 sample.append(req)
         self.prefill_tokens += computed
+        forks = [(i, child) for i, r in enumerate(sample) if r.forks for child in r.forks]
+        copies: list[tuple[int, int]] = []
+        if self._copies:  # only those of requests still running (not preempted meanwhile)
+            copies = [(a, b) for r, a, b in self._copies if r.status is Status.RUNNING]
+            self._copies = []
         return ScheduledBatch(
             reqs=reqs,
             num_cached=[r.num_computed for r in reqs],
@@ -219,6 +259,8 @@ class Scheduler:
             num_decodes=nd,
             num_tokens=nd + sum(pre_n),
             preempted=preempted,
+            forks=forks,
+            block_copies=copies,
         )
 
     def _release_row(self, req: Request) -> None:
@@ -226,12 +268,17 @@ class Scheduler:
             self._free_rows.append(req.row)
             req.row = -1
         req.synced_blocks = 0
+        for child in req.forks:  # the slots reserved for its forks
+            if child.row >= 0:
+                self._free_rows.append(child.row)
+                child.row = -1
 
     def _preempt(self, req: Request) -> None:
         """Recompute-preemption: drop the KV blocks, keep tokens and embeddings."""
         self.bm.free(req.block_ids)
         self._release_row(req)
         req.num_computed = req.num_hashed = 0
+        req.shared_tail = False
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.insert(0, req)
@@ -248,7 +295,12 @@ class Scheduler:
             if not last:  # a prefill chunk short of the end; sampled requests follow below
                 req.num_computed += n
         done: list[Request] = []
-        for req, tok in zip(batch.sample_reqs, sampled, strict=True):
+        pairs = zip(batch.sample_reqs, sampled[:len(batch.sample_reqs)], strict=True)
+        if batch.forks:
+            children = [self._fork(batch.sample_reqs[i], c) for i, c in batch.forks]
+            pairs = list(pairs) + list(zip(children, sampled[len(batch.sample_reqs):],
+                                           strict=True))
+        for req, tok in pairs:
             toks = req.token_ids
             req.num_computed = len(toks)  # a sampled request has computed all it knew
             toks.append(tok)
@@ -266,6 +318,25 @@ class Scheduler:
         if done:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
         return done
+
+    def _fork(self, req: Request, child: Request) -> Request:
+        """Start `child` (one of `req`'s n sequences) on `req`'s prompt blocks, all computed."""
+        if child in req.forks:
+            req.forks.remove(child)
+        bs = self.bm.block_size
+        n = req.num_prompt_tokens
+        child.block_ids = self.bm.fork(req.block_ids[:self.bm.blocks_for(n)])
+        child.num_computed = n
+        child.block_hashes = list(req.block_hashes[:n // bs])
+        child.num_hashed = min(req.num_hashed, n // bs)
+        child.model_state = req.model_state
+        child.num_cached_tokens = req.num_cached_tokens
+        child.synced_blocks = 0
+        child.status = Status.RUNNING
+        if n % bs:
+            req.shared_tail = child.shared_tail = True
+        self.running.append(child)
+        return child
 
     def _commit(self, batch: ScheduledBatch) -> None:
         """Offer the blocks each request of a finished step filled to the prefix cache."""

@@ -115,6 +115,7 @@ class StepInputs:
     width: int | None
     sync: RowSync
     mm_parts: tuple[list[np.ndarray], list[torch.Tensor]] = ((), ())
+    block_copies: np.ndarray | None = None  # [C, 2] KV blocks (source, destination) to copy
 
     @property
     def num_seqs(self) -> int:
@@ -125,7 +126,8 @@ class StepInputs:
         i32 = np.int32
         return StepInputs(self.rows.astype(i32), self.num_cached.astype(i32),
                           self.num_new.astype(i32), self.need_logits, self.input_ids.astype(i32),
-                          self.num_decodes, self.pad_to, self.width, self.sync)
+                          self.num_decodes, self.pad_to, self.width, self.sync,
+                          block_copies=self.block_copies)
 
 
 class StepPlanner:
@@ -207,7 +209,8 @@ class StepPlanner:
             np.array(batch.num_cached, dtype=np.int64), np.array(batch.num_new, dtype=np.int64),
             None if nd == nb else np.array(batch.need_logits, dtype=bool),
             np.array(ids, dtype=np.int64), nd, pad_to,
-            self.limits.max_blocks_per_seq if graph else None, sync, (idx_parts, emb_parts))
+            self.limits.max_blocks_per_seq if graph else None, sync, (idx_parts, emb_parts),
+            np.array(batch.block_copies, dtype=np.int64) if batch.block_copies else None)
 
     def apply(self, sync: RowSync) -> None:
         """Apply another planner's row-state changes (a tensor-parallel worker's rows follow

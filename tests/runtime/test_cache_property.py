@@ -1,12 +1,14 @@
 """Random lifecycles with both caches under pressure: prompts drawn from a few shared system
-prompts and images, follow-up turns that resend a finished conversation, aborts at any time,
-a KV cache small enough to preempt and evict constantly and an encoder cache of a few images.
+prompts and images, follow-up turns that resend a finished conversation, parallel sampling
+(n up to 3: forked sequences sharing the prompt's blocks, copy on write of the last one), aborts
+at any time, a KV cache small enough to preempt and evict constantly and an encoder cache of a
+few images.
 
 Properties: after every step each KV block's reference count equals the number of running
 requests' block lists holding it, free blocks have none, and the prefix cache's table names only
-committed blocks; every completed request's tokens equal those of the same request run alone
-over an unpaged sequence; at the end no block, slot, embedding or encoder-cache reference is
-held - no leak."""
+committed blocks; every completed sequence's tokens equal those of the same request run alone
+over an unpaged sequence (sequence i with seed + i); at the end no block, slot, embedding or
+encoder-cache reference is held - no leak."""
 
 import random
 
@@ -35,6 +37,7 @@ def check_blocks(engine: Engine) -> None:
             held[b] += 1
     for req in engine.scheduler.waiting:
         assert not req.block_ids, "a waiting request holds blocks"
+        assert all(not c.block_ids for c in req.forks), "an unforked sequence holds blocks"
     assert held == [bm.ref_count(b) for b in range(bm.num_blocks)]
     free = set(bm._free) | set(bm._lru)
     assert len(free) == bm.num_free and all(held[b] == 0 for b in free)
@@ -92,6 +95,14 @@ def test_random_lifecycles_with_caching(run: int) -> None:
     engine = Engine(NullModelRunner(), EngineConfig(num_kv_blocks=rng.randint(30, 60) // bs + 2,
                                                     **config))
     pool = Pool(rng, gen)
+    copies: list = []
+    execute = engine.runner.execute
+
+    def recording(batch, **kw):
+        copies.extend(batch.block_copies)
+        return execute(batch, **kw)
+
+    engine.runner.execute = recording
     submitted: dict[str, tuple[dict, SamplingParams]] = {}
     finals: dict = {}
     aborted: set[str] = set()
@@ -102,7 +113,9 @@ def test_random_lifecycles_with_caching(run: int) -> None:
                 prompt = pool.prompt(engine.max_model_len - 17)
                 params = SamplingParams(max_tokens=rng.randint(1, 12),
                                         temperature=rng.choice([0.0, 0.8]),
-                                        seed=rng.randrange(1 << 30), ignore_eos=True)
+                                        seed=rng.randrange(1 << 30), ignore_eos=True,
+                                        n=min(rng.choice([1, 1, 1, 1, 2, 3]),
+                                              config["max_num_seqs"]))
                 submitted[engine.add_request(prompt, params)] = (prompt, params)
         if submitted and rng.random() < 0.1:
             rid = rng.choice(list(submitted))
@@ -110,8 +123,9 @@ def test_random_lifecycles_with_caching(run: int) -> None:
                 aborted.add(rid)
         for out in engine.step():
             if out.finished:
-                assert out.request_id not in finals, "a request finished twice"
-                finals[out.request_id] = out
+                key = (out.request_id, out.index)
+                assert key not in finals, "a sequence finished twice"
+                finals[key] = out
                 if out.finish_reason == "length":
                     prompt = submitted[out.request_id][0]
                     said = [5 if t == IMG else t for t in out.token_ids]  # text, not media
@@ -121,19 +135,20 @@ def test_random_lifecycles_with_caching(run: int) -> None:
         steps += 1
         assert steps < 60 * LIFECYCLES_PER_RUN, "the engine stopped making progress"
 
-    assert set(finals) == set(submitted)
+    assert set(finals) == {(r, i) for r, (_, p) in submitted.items() for i in range(p.n)}
     engine.check_idle()
     c = engine.counters()
     assert c["prefix_cache_hit_tokens"] > 0 and c["encoder_cache_hits"] > 0
     assert engine.block_manager.num_evicted > 0, "the prefix cache never evicted"
-    for rid, (prompt, params) in submitted.items():
-        out = finals[rid]
+    assert copies or bs == 1, "no forked sequence ever copied a shared block"
+    for (rid, i), out in finals.items():
+        prompt, params = submitted[rid]
         assert out.error is None, out.error
         ids, mm = process_prompt(prompt, engine.runner.info, context_len=10**6, capacity=10**6,
                                  max_images=9)
-        ref, reason = engine.runner.reference_generate(ids, mm, params, params.seed,
+        ref, reason = engine.runner.reference_generate(ids, mm, params, params.seed + i,
                                                        engine.max_model_len)
         if out.finish_reason == "abort":
             assert rid in aborted and out.token_ids == ref[: len(out.token_ids)]
         else:
-            assert (out.token_ids, out.finish_reason) == (ref, reason), rid
+            assert (out.token_ids, out.finish_reason) == (ref, reason), (rid, i)
