@@ -20,8 +20,6 @@ import argparse
 import asyncio
 import json
 import sys
-import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -47,6 +45,7 @@ from . import protocol as P
 from .engine_client import AsyncEngine, QueueFull, RequestHandle
 from .media_args import add_media_args, media_limits
 from .protocol import APIError
+from .server_thread import ServerThread  # noqa: F401  (re-exported: tests, benchmarks)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -188,7 +187,7 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
         return SamplingParams(max_tokens=limit if limit is not None else ctx - n,
                               temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-                              ignore_eos=req.ignore_eos)
+                              ignore_eos=req.ignore_eos, n=req.n)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -217,12 +216,20 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
                 raise _error_of(first)
             created_at = P.now()
             if not req.stream:
-                if first.finish_reason == "error":
-                    raise _error_of(first)
+                outs = [first]  # one final output per choice (n > 1: in any order)
+                while not handle.finished:
+                    out = await _next(handle, gone)
+                    if out is None:
+                        return Response(status_code=499)
+                    outs.append(out)
+                outs.sort(key=lambda o: o.index)
+                if any(o.finish_reason == "error" for o in outs):
+                    raise _error_of(next(o for o in outs if o.finish_reason == "error"))
                 return _json(P.completion_response(
-                    rid, model_name, created_at, first.text or "", first.finish_reason,
-                    first.prompt_token_ids, first.token_ids,
-                    return_token_ids=req.return_token_ids))
+                    rid, model_name, created_at, first.text or "", outs[0].finish_reason,
+                    first.prompt_token_ids, outs[0].token_ids,
+                    return_token_ids=req.return_token_ids,
+                    more=[(o.text or "", o.finish_reason, o.token_ids) for o in outs[1:]]))
             streaming = True
             return StreamingResponse(_stream(req, handle, gone, first, created_at),
                                      media_type="text/event-stream",
@@ -236,28 +243,31 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
                       first: RequestOutput, created_at: int) -> AsyncIterator[bytes]:
         rid, usage = handle.request_id, bool(req.stream_options and
                                             req.stream_options.include_usage)
-        deltas = _Deltas()
+        deltas = [_Deltas() for _ in range(handle.n)]  # per choice (n > 1: interleaved)
         out: RequestOutput | None = first
-        role = True
+        role = [True] * handle.n
+        completion = 0
         try:
             while out is not None:
-                text = deltas.take(out.text, out.finished)
+                i = out.index
+                text = deltas[i].take(out.text, out.finished)
                 ids = out.new_token_ids if req.return_token_ids else None
                 reason = out.finish_reason if out.finished else None
                 if reason == "error":
                     yield P.sse(_error_of(out).body())
                     break
-                if role or text or reason or ids:
-                    delta: dict[str, Any] = {"role": "assistant"} if role else {}
-                    if text or role:
+                if role[i] or text or reason or ids:
+                    delta: dict[str, Any] = {"role": "assistant"} if role[i] else {}
+                    if text or role[i]:
                         delta["content"] = text
                     yield P.sse(P.chunk(rid, model_name, created_at, delta, reason,
-                                        include_usage=usage, token_ids=ids))
-                    role = False
-                if out.finished:
+                                        include_usage=usage, token_ids=ids, index=i))
+                    role[i] = False
+                completion += len(out.token_ids) if out.finished else 0
+                if handle.finished:
                     if usage:
                         yield P.sse(P.usage_chunk(rid, model_name, created_at,
-                                                  len(out.prompt_token_ids), len(out.token_ids)))
+                                                  len(out.prompt_token_ids), completion))
                     break
                 out = await _next(handle, gone)
             if out is not None:
@@ -267,42 +277,6 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
             handle.close()
 
     return app
-
-
-class ServerThread:
-    """uvicorn serving `app` on a background thread (loopback tests, benchmarks); port 0
-    picks a free port, readable as `port` once started."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning") -> None:
-        import uvicorn
-
-        self.host, self.port = host, port
-        # uvicorn binds the socket itself: asyncio then sets TCP_NODELAY on every connection
-        # (a socket passed in without IPPROTO_TCP misses it, and each response waits ~40 ms
-        # for a delayed ACK).
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                                    log_level=log_level, lifespan="off",
-                                                    timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -70,7 +70,9 @@ class RequestHandle:
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.added = False
-        self.finished = False
+        self.finished = False  # every one of its n sequences has ended
+        self.n = 1
+        self._left = 1
         self.closed = False
         self._lock = threading.Lock()  # orders adding against closing
 
@@ -89,6 +91,7 @@ class RequestHandle:
         def job() -> Any:
             prompt = prepare()
             sp = params(prompt) if callable(params) else params
+            self.n = self._left = sp.n
             with self._lock:
                 if self.closed:
                     return prompt
@@ -105,7 +108,8 @@ class RequestHandle:
 
     async def next(self) -> RequestOutput:
         out = await self.queue.get()
-        self.finished = out.finished
+        self._left -= out.finished
+        self.finished = self._left <= 0
         return out
 
     def close(self) -> None:

@@ -72,12 +72,14 @@ class ServerMetrics:
         self.generation_tokens = 0
 
     def observe(self, out: RequestOutput) -> None:
-        """Record a finished request (engine clock timestamps)."""
+        """Record a finished sequence (engine clock timestamps); a request with ``n`` > 1
+        counts its prompt once."""
         m = out.metrics
         with self._lock:
             reason = out.finish_reason or "unknown"
             self.finished[reason] = self.finished.get(reason, 0) + 1
-            self.prompt_tokens += len(out.prompt_token_ids)
+            if out.index == 0:
+                self.prompt_tokens += len(out.prompt_token_ids)
             self.generation_tokens += len(out.token_ids)
             if m.first_token_time is not None:
                 self.ttft.observe(m.first_token_time - m.arrival_time)

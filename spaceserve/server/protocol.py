@@ -76,7 +76,7 @@ class ChatCompletionRequest(_Model):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=128)
     stop: None = None
     logprobs: Literal[False] | None = None
     tools: None = None
@@ -119,9 +119,7 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
         err = max(exc.errors(include_url=False), key=lambda e: len(e.get("loc", ())))
         where = _loc(tuple(err.get("loc", ())))
         msg = err.get("msg", "invalid value")
-        if where in ("n",):
-            msg = "only n=1 is supported"
-        elif where in ("stop", "tools", "logprobs"):
+        if where in ("stop", "tools", "logprobs"):
             msg = f"{where} is not supported"
         raise APIError(400, f"{where or 'body'}: {msg}", param=where or None) from None
     if req.stream_options is not None and not req.stream:
@@ -181,24 +179,31 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str,
                         prompt_ids: list[int], token_ids: list[int], *,
-                        return_token_ids: bool = False) -> dict[str, Any]:
-    """A non-streaming ``chat.completion`` object."""
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                              "logprobs": None, "finish_reason": finish_reason}
+                        return_token_ids: bool = False,
+                        more: list[tuple[str, str, list[int]]] = ()) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` object; `more` holds choices 1, 2, ... of a
+    request with ``n`` > 1 as (text, finish reason, token ids). Usage counts the prompt once
+    and every choice's tokens."""
+    choices: list[dict[str, Any]] = []
+    for i, (t, reason, ids) in enumerate([(text, finish_reason, token_ids), *more]):
+        choices.append({"index": i, "message": {"role": "assistant", "content": t},
+                        "logprobs": None, "finish_reason": reason})
+        if return_token_ids:
+            choices[-1]["token_ids"] = list(ids)
+    completion = len(token_ids) + sum(len(ids) for _, _, ids in more)
     out: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": created,
-                           "model": model, "choices": [choice],
-                           "usage": usage(len(prompt_ids), len(token_ids))}
+                           "model": model, "choices": choices,
+                           "usage": usage(len(prompt_ids), completion)}
     if return_token_ids:
-        choice["token_ids"] = list(token_ids)
         out["prompt_token_ids"] = list(prompt_ids)
     return out
 
 
 def chunk(rid: str, model: str, created: int, delta: dict[str, Any],
           finish_reason: str | None = None, *, include_usage: bool = False,
-          token_ids: list[int] | None = None) -> dict[str, Any]:
-    """One ``chat.completion.chunk`` with a single choice."""
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+          token_ids: list[int] | None = None, index: int = 0) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` with a single choice (choice `index` of the n)."""
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
                               "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids

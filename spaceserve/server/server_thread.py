@@ -1,0 +1,46 @@
+"""uvicorn on a background thread: a live server inside a test or a benchmark process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+
+class ServerThread:
+    """uvicorn serving `app` on a background thread (loopback tests, benchmarks); port 0
+    picks a free port, readable as `port` once started."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.host, self.port = host, port
+        # uvicorn binds the socket itself: asyncio then sets TCP_NODELAY on every connection
+        # (a socket passed in without IPPROTO_TCP misses it, and each response waits ~40 ms
+        # for a delayed ACK).
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
+                                                    log_level=log_level, lifespan="off",
+                                                    timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
