@@ -18,6 +18,7 @@ from spaceserve.cli_args import HelpFormatter
 from ..analytic import PRESETS, analytic_curves
 from ..curves import CurveSet
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler
+from . import multiturn_cli
 from .cluster import ROUTERS
 from .engine import MODES, PLACEMENTS, SimConfig, default_allowed
 from .sweep import capacity_rate, default_rates, headline, plot, run_sweep, table, write_outputs
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="headline: the rate where temporal TPOT is this x unloaded")
     p.add_argument("--out", type=Path, default=Path("runs/sim"), help="output directory")
     p.add_argument("--no-plot", action="store_true", help="skip the figure")
+    multiturn_cli.add_args(p)
     return p
 
 
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)}")
+    if args.workload == "multiturn":
+        return multiturn_cli.main(args, modes)
     if args.curves is not None:
         curves = CurveSet.load(args.curves)
     else:

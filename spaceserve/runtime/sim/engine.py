@@ -99,6 +99,7 @@ class Simulator:
     config: SimConfig = field(default_factory=SimConfig)
     gpu: int = 0
     horizon: float = math.inf  # the background batch stops once this passes and work is done
+    on_finish: Callable[[Request], None] | None = None  # told of every request that finishes
 
     def __post_init__(self) -> None:
         c, self.total = self.config, self.curves.num_sms
@@ -128,6 +129,7 @@ class Simulator:
         self.timeline: list[tuple[float, int, int]] = [(0.0, 0, 0)]
         self.splits: list[tuple[float, int]] = []
         self._last_kind = "decode"
+        self.wake_at = math.inf
         self._open = 0
         self._bg_ids = itertools.count()
         n, out = c.background, c.background_output
@@ -153,7 +155,8 @@ class Simulator:
         req.gpu = self.gpu
         self.requests[req.rid] = req
         self._open += 1
-        if req.image_tokens > 0:
+        req.prefilled = req.cached_tokens  # a prefix-cache hit: prefill only the rest
+        if req.patches > 0:
             self.sched.submit(req.rid, req.patches)
         else:
             self.prefill_q.append(req)
@@ -164,10 +167,13 @@ class Simulator:
 
     # -- time --------------------------------------------------------------------------------
     def advance_to(self, t: float) -> None:
-        """Run events up to time `t` (math.inf: until nothing is left to run)."""
+        """Run events up to time `t` (math.inf: until nothing is left to run), or up to
+        `wake_at` if an `on_finish` callback sets it meanwhile (a closed-loop client's next
+        request); the caller resets `wake_at`."""
         if t < self.now:
             raise ValueError(f"t={t} is before the simulation clock {self.now}")
         while True:
+            t = min(t, self.wake_at)
             self._dispatch()
             self._record()
             if not self.ops:
@@ -230,7 +236,8 @@ class Simulator:
         """What SIS observes: waiting encoder jobs, prompts to prefill, the decode load."""
         reqs = self.requests
         encode = tuple(PendingEncode(j.patches, j.layers_left,
-                                     sum(reqs[r].prompt_tokens for r in j.request_ids))
+                                     sum(reqs[r].prompt_tokens - reqs[r].prefilled
+                                         for r in j.request_ids))
                        for j in self.sched.jobs() if not j.running)
         prefill = tuple(r.prompt_tokens - r.prefilled for r in self.prefill_q)
         batch = len(self.decoding)
@@ -369,3 +376,5 @@ class Simulator:
     def _finish(self, r: Request) -> None:
         r.finish = self.now
         self._open -= 1
+        if self.on_finish is not None:
+            self.on_finish(r)
