@@ -16,14 +16,18 @@ def point_errors(measured: dict[str, float], points: Iterable[Point], reference:
                  ) -> list[dict[str, Any]]:
     """One row per measured point: measured and modelled seconds per unit and the relative
     error ``modelled / measured - 1`` (positive: the model is pessimistic)."""
-    curves = {"encoder": reference.encoder_curve, "prefill": reference.prefill_curve,
-              "decode": reference.decode_curve}
     rows = []
     for p in points:
         if p.key not in measured:
             continue
         got = measured[p.key]
-        model = curves[p.stage](p.sms, *p.work, corun=p.corun)
+        other = p.other_sms if p.corun else False
+        if p.stage == "encoder":  # per layer, the curves' unit
+            model = reference.encoder(p.work[0], 1, p.sms, other)
+        elif p.stage == "prefill":  # measured beside an encoder pass: the decode side
+            model = reference.prefill(*p.work, p.sms, other, side="decoder")
+        else:
+            model = reference.decode(*p.work, p.sms, other)
         rows.append({"stage": p.stage, **dict(zip(STAGE_AXES[p.stage], p.work, strict=True)),
                      "sms": p.sms, "mode": "corun" if p.corun else "isolated",
                      "measured_ms": got * 1e3, "modelled_ms": model * 1e3,

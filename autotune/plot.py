@@ -10,21 +10,36 @@ from spaceserve.runtime.curves import CurveSet
 TITLES = {"encoder": "encoder (per layer)", "prefill": "prefill chunk", "decode": "decode step"}
 
 
-def _series(curve, corun: bool) -> dict[str, list[float]]:
-    """{"axis=value, ...": latencies over curve.sms} from the raw (not enveloped) grid."""
-    raw = curve.corun if corun else curve.isolated
+def _series(curve, corun: bool, scale: list[float] | None = None) -> dict[str, list[float]]:
+    """{"axis=value, ...": latencies over curve.sms} from the raw (not enveloped) grid; the
+    co-running grid (version-1 curves) or the isolated one times `scale` per SM count."""
+    raw = curve.corun if corun and curve.corun is not None else curve.isolated
+    scale = scale or [1.0] * len(curve.sms)
     names = list(curve.axes)
     out: dict[str, list[float]] = {}
 
-    def walk(values, prefix: list[str], depth: int) -> None:
+    def walk(values, prefix: list[str], depth: int, k: float) -> None:
         if depth == len(names):
-            out.setdefault(", ".join(prefix), []).append(values)
+            out.setdefault(", ".join(prefix), []).append(values * k)
             return
         for v, sub in zip(curve.grid[names[depth]], values, strict=True):
-            walk(sub, [*prefix, f"{names[depth]}={v:g}"], depth + 1)
+            walk(sub, [*prefix, f"{names[depth]}={v:g}"], depth + 1, k)
 
-    for row in raw:  # one row per SM count, in order
-        walk(row, [], 0)
+    for row, k in zip(raw, scale, strict=True):  # one row per SM count, in order
+        walk(row, [], 0, k)
+    return out
+
+
+def _corun_scale(curves: CurveSet, stage: str, sms: list[float]) -> list[float] | None:
+    """1 + the contention table's slowdown beside the other stage on the rest of the device."""
+    if curves.contention is None:
+        return None
+    side = "encoder" if stage == "encoder" else "decoder"
+    out = []
+    for n in sms:
+        other = max(1.0, curves.num_sms - n)
+        pair = (n, other) if side == "encoder" else (other, n)
+        out.append(1.0 + curves.slowdown(side, *pair))
     return out
 
 
@@ -40,7 +55,8 @@ def plot_curves(curves: CurveSet, path: str | Path) -> Path | None:
     stages = {"encoder": curves.encoder_curve, "prefill": curves.prefill_curve,
               "decode": curves.decode_curve}
     for ax, (stage, curve) in zip(axes, stages.items(), strict=True):
-        iso, cor = _series(curve, False), _series(curve, True)
+        iso = _series(curve, False)
+        cor = _series(curve, True, _corun_scale(curves, stage, curve.sms))
         cmap = plt.get_cmap("viridis", max(2, len(iso)))
         for i, label in enumerate(iso):
             color = cmap(i)
@@ -53,8 +69,10 @@ def plot_curves(curves: CurveSet, path: str | Path) -> Path | None:
         ax.set_title(TITLES[stage])
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6, ncol=2 if len(iso) > 8 else 1)
+    how = "contention table" if curves.contention is not None else "co-running grids"
     fig.suptitle(f"{curves.model.get('name', 'model')} on {curves.device} ({curves.dtype}, "
-                 f"{curves.source}); dashed: co-running")
+                 f"{curves.source}); dashed: co-running beside the other stage on the rest of "
+                 f"the device ({how})")
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})
     plt.close(fig)

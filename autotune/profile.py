@@ -5,7 +5,9 @@ every SM count (multiples of 8 and the whole device, as green contexts hand them
 one unit of work alone and while the other stage runs at the complementary budget
 (``max(min_other_sms, device SMs - sms)``), and writes
 
-- ``<out>/curves.json``: a `CurveSet` in the scheduling core's format (source "measured");
+- ``<out>/curves.json``: a `CurveSet` in the scheduling core's format (source "measured"): the
+  isolated grids, and a contention table with one (encoder SMs, decoder SMs) pair per co-running
+  measurement (`contention_table`);
 - ``<out>/curves.png``: latency against SMs per stage (isolated solid, co-running dashed);
 - ``<out>/curves.checkpoint.json``: every finished point, written after each one. A run that
   was interrupted (or ran out of its time budget) resumes from it, and the final files depend
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spaceserve.runtime.contention import Contention, from_measurements
 from spaceserve.runtime.curves import STAGE_AXES, Curve, CurveSet
 
 from .points import STAGES, Point
@@ -261,21 +264,36 @@ class Profiler:
         for stage in STAGES:
             axes = self.grid.axes(stage)
 
-            def value(sms: int, *work: int, corun: bool, stage: str = stage) -> float:
-                other = self.other_sms(sms) if corun else 0
-                return measured[Point(stage, work, sms, corun, other).key]
+            def value(sms: int, *work: int, stage: str = stage) -> float:
+                return measured[Point(stage, work, sms, False).key]
 
             built[stage] = Curve(STAGE_AXES[stage],
                                  {a: list(v) for a, v in zip(STAGE_AXES[stage], axes,
                                                              strict=True)},
-                                 list(self.grid.sms),
-                                 _nested(lambda *a, v=value: v(*a, corun=False), self.grid.sms,
-                                         axes),
-                                 _nested(lambda *a, v=value: v(*a, corun=True), self.grid.sms,
-                                         axes))
+                                 list(self.grid.sms), _nested(value, self.grid.sms, axes))
         cs = CurveSet(w.device_name, w.num_sms, w.model_meta(), w.dtype, "measured",
-                      built["encoder"], built["prefill"], built["decode"])
+                      built["encoder"], built["prefill"], built["decode"],
+                      self.contention_table(measured))
         return CurveSet.from_dict(json.loads(json.dumps(cs.to_dict())))
+
+    def contention_table(self, measured: dict[str, float]) -> Contention:
+        """Co-running slowdown per (encoder SMs, decoder SMs) pair from the co-running points:
+        encoder points are the compute side at (their SMs, the background decode's); decode
+        points, and prefill points (run beside an encoder pass), the decode side at (the
+        background encoder's SMs, theirs). Per pair, the median over the workload grid."""
+        rows = []
+        for p in self.points():
+            if not p.corun:
+                continue
+            iso = measured[Point(p.stage, p.work, p.sms, False).key]
+            cor = measured[p.key]
+            if p.stage == "encoder":
+                rows.append(("encoder", p.sms, p.other_sms, iso, cor))
+            else:
+                rows.append(("decoder", p.other_sms, p.sms, iso, cor))
+        w = self.workload
+        return from_measurements(rows, note=f"measured on {w.device_name}: median over the "
+                                            "workload grid per pair")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -124,16 +124,16 @@ def _save(out: Path, rows: list[dict[str, Any]], runs: list[dict[str, Any]],
 
 def run_plan(plan: Plan, results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
     """Measure `plan` within `time_budget_s` seconds; rows (headline on each mode's last)."""
-    from spaceserve.bench.metrics import parse_slos
     from spaceserve.bench.random_model import RandomModels, default_backend
     from spaceserve.bench.serve import _free_device, bench_engine
     from spaceserve.bench.workload import ServeWorkload
+    from spaceserve.runtime.slo import Slo
     from spaceserve.server.engine_client import resolve_mode
 
     start = time.monotonic()
     deadline = start + time_budget_s - plan.reserve_s
     out = Path(results_dir)
-    slos = parse_slos(plan.slo)
+    slos = Slo.parse(plan.slo)
     workloads = [ServeWorkload(request_rate=r, duration_s=plan.duration_s,
                                image_mix=dict(plan.image_mix), probe_rate=plan.probe_rate,
                                input_words=plan.input_words, output_len=plan.output_len,

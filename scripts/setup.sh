@@ -73,10 +73,10 @@ spec = importlib.util.find_spec("spaceserve")
 here = spec is not None and os.path.realpath(spec.origin or "").startswith(os.path.realpath(root))
 print("spaceserve", "ok" if here else "missing")
 dev = ["triton", "transformers", "safetensors", "numpy", "pytest", "pytest_benchmark", "ruff",
-       "fastapi", "uvicorn", "httpx", "openai", "PIL", "matplotlib", "av"]
+       "fastapi", "uvicorn", "httpx", "openai", "PIL", "matplotlib", "av", "ray"]
 print("missing", " ".join(m for m in dev if importlib.util.find_spec(m) is None) or "-")
 versions = []
-for dist in ("triton", "transformers", "fastapi", "uvicorn", "openai"):
+for dist in ("triton", "transformers", "fastapi", "uvicorn", "openai", "ray"):
     try:
         versions.append(f"{dist} {md.version(dist)}")
     except md.PackageNotFoundError:

@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "sim": ("spaceserve.runtime.sim.cli",
             "simulate TWSRFT + SIS on resource-utility curves: TPOT against image rate per mode"),
     "profile": ("autotune.profile", "measure resource-utility curves of a model on this device"),
-    "serve": ("spaceserve.server.app", "OpenAI-compatible HTTP server (--model PATH or tiny)"),
+    "serve": ("spaceserve.server.serve", "OpenAI-compatible HTTP server (--model PATH or tiny)"),
     "bench": ("spaceserve.bench.cli", "benchmarks: `bench serve` (serving, in-process or HTTP)"),
 }
 

@@ -15,7 +15,8 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from spaceserve.plotting import pyplot
 
 
 @dataclass(frozen=True)
@@ -79,21 +80,10 @@ def run_labels(paths: list[str], labels: list[str] | None = None) -> list[str]:
     return [f"{Path(p).parent.name}/{Path(p).stem}" for p in paths]
 
 
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
 def plot_curves(points: list[Point], out: str | Path, title: str | None = None) -> Path:
     """One figure: a row per (kernel, case, dtype), latency and GB/s against SMs; a line per
     (run, backend). Raises RuntimeError without matplotlib."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         raise RuntimeError("matplotlib is not installed (pip install 'spaceserve[plot]')")
     groups = sorted({p.group for p in points})

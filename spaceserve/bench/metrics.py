@@ -5,17 +5,21 @@ The aggregation is the simulator's (`spaceserve.runtime.sim.metrics.summarize`):
 between consecutive streamed outputs, E2EL; mean / median / p99. This module turns measured
 results into the records it takes, adds goodput (requests per second that meet every SLO) and
 flattens everything to vLLM's key names (``mean_ttft_ms``, ``p99_itl_ms``, ...).
+
+SLOs and goodput are `spaceserve.runtime.slo`'s, as in the simulator and the server:
+``request_goodput`` (vLLM's name) is load requests per second of the run that met the SLO, and
+``goodput`` the image requests of the arrival window that met it (per second of the window, and
+as a fraction), a failed, cut or unsent one counting as a miss.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from spaceserve.runtime.sim.metrics import summarize
-
-SLO_METRICS = ("ttft", "tpot", "e2el")
+from spaceserve.runtime.slo import RequestLatency, Slo, goodput
 
 
 @dataclass
@@ -79,38 +83,16 @@ def to_record(r: Result, t0: float) -> Record | None:
                   max(r.output_tokens, 1), r.prompt_tokens, itls)
 
 
-def parse_slos(text: str | None) -> dict[str, float]:
-    """``"ttft:500,tpot:50"`` (milliseconds) -> {"ttft": 500.0, ...}; ValueError otherwise."""
-    out: dict[str, float] = {}
-    for part in (text or "").split(","):
-        if not part.strip():
-            continue
-        name, sep, value = part.strip().partition(":")
-        if not sep or name not in SLO_METRICS:
-            raise ValueError(f"SLO {part!r}: want NAME:MS with NAME in {', '.join(SLO_METRICS)}")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            raise ValueError(f"SLO {part!r}: {value!r} is not a number") from None
-        if not out[name] > 0:
-            raise ValueError(f"SLO {part!r} must be positive")
-    return out
+def latency(rec: Record) -> RequestLatency | None:
+    """A record's latencies for SLO checks (TPOT over its output count, p99 of its gaps)."""
+    return RequestLatency.from_times(rec.arrival, rec.first_token, rec.finish, rec.itls,
+                                     rec.generated)
 
 
-def meets(rec: Record, slos: dict[str, float]) -> bool:
-    """Whether a request meets every SLO (ms). A one-token request has no TPOT to miss."""
-    for name, limit_ms in slos.items():
-        value = getattr(rec, name)
-        if value is not None and value * 1e3 > limit_ms:
-            return False
-    return True
-
-
-def goodput(records: Sequence[Record], slos: dict[str, float], duration: float) -> float:
-    """Requests per second that met every SLO."""
-    if duration <= 0:
-        return 0.0
-    return sum(1 for r in records if meets(r, slos)) / duration
+def result_latency(r: Result) -> RequestLatency | None:
+    """A result's latencies; None for a failed (or cut) request."""
+    rec = to_record(r, r.send)
+    return None if rec is None else latency(rec)
 
 
 def flatten(summary: dict[str, Any]) -> dict[str, Any]:
@@ -124,12 +106,18 @@ def flatten(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def summarize_results(results: Iterable[Result], slos: dict[str, float], t0: float,
-                      duration: float | None = None) -> dict[str, Any]:
+def summarize_results(results: Iterable[Result], slo: Slo | dict | None, t0: float,
+                      duration: float | None = None, *, window_s: float | None = None,
+                      unsent_images: int = 0) -> dict[str, Any]:
     """Load (image + text) and probe metrics of one run, failures counted apart.
 
-    `duration` (seconds) defaults to first send -> last finish; throughput and goodput use it.
+    `duration` (seconds) defaults to first send -> last finish; throughput and
+    ``request_goodput`` use it. With `window_s` (the arrival window) and an `slo`, ``goodput``
+    covers the image requests (`unsent_images` of them never sent: misses). A dict `slo` is
+    an `Slo.to_dict()` (empty: no SLO).
     """
+    if isinstance(slo, dict):
+        slo = Slo.of(slo) if slo else None
     results = list(results)
     records = [rec for rec in (to_record(r, t0) for r in results) if rec is not None]
     out: dict[str, Any] = {"failed": sum(1 for r in results if not r.ok),
@@ -144,6 +132,10 @@ def summarize_results(results: Iterable[Result], slos: dict[str, float], t0: flo
             s["output_throughput"] = sum(r.generated for r in group) / span
         s["total_input_tokens"] = sum(r.prompt_tokens for r in group)
         s["total_output_tokens"] = sum(r.generated for r in group)
-        s["request_goodput"] = goodput(group, slos, span) if slos else None
+        s["request_goodput"] = goodput([latency(r) for r in group], slo, span).rate_per_s \
+            if slo is not None and span > 0 else None
         out[name] = s
+    if slo is not None and window_s is not None:
+        images = [result_latency(r) for r in results if r.kind == "image"]
+        out["goodput"] = goodput(images + [None] * unsent_images, slo, window_s).to_dict()
     return out

@@ -8,9 +8,10 @@ from typing import Any
 from spaceserve.plotting import pyplot
 
 
-def plot_vs_rate(runs: list[dict[str, Any]], path: Path) -> Path | None:
+def plot_vs_rate(runs: list[dict[str, Any]], path: Path, title: str = "") -> Path | None:
     """Mean TPOT, p99 ITL and mean TTFT of the load (solid) and probes (dashed) per mode, and
-    the simulator's prediction for the load (dotted) where the runs carry one."""
+    the simulator's prediction for the load (dotted) where the runs carry one; `title` names
+    the device, model and modes."""
     plt = pyplot()
     if plt is None:
         return None
@@ -34,28 +35,38 @@ def plot_vs_rate(runs: list[dict[str, Any]], path: Path) -> Path | None:
             ax.set_title(title)
             ax.set_xlabel("request rate (req/s)")
     axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def plot_timeline(runs: list[dict[str, Any]], path: Path) -> Path | None:
-    """Encoder and decoder SMs over time, one row per run."""
+def plot_timeline(runs: list[dict[str, Any]], path: Path, title: str = "") -> Path | None:
+    """Encoder and decoder SMs over time, one row per run. Both stages stay visible where
+    their lines coincide (temporal: both own the whole device): the encoder is a wide pale
+    band, the decoder a thin dashed line drawn over it."""
     plt = pyplot()
     if plt is None or not runs:
         return None
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.6 * len(runs) + 0.6), sharex=True,
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.6 * len(runs) + 0.9), sharex=True,
                              squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
         tl = run.get("timeline") or []
         t = [s["t"] for s in tl]
-        ax.step(t, [s["encoder_sms"] for s in tl], where="post", label="encoder SMs")
-        ax.step(t, [s["decoder_sms"] for s in tl], where="post", label="decoder SMs")
+        ax.step(t, [s["encoder_sms"] for s in tl], where="post", lw=5, alpha=0.35,
+                color="tab:orange", label="encoder SMs", zorder=1)
+        ax.step(t, [s["decoder_sms"] for s in tl], where="post", lw=1.2, ls="--",
+                color="tab:blue", label="decoder SMs", zorder=2)
+        top = max([v for s in tl for v in (s["encoder_sms"], s["decoder_sms"]) if v == v] + [1])
+        ax.set_ylim(0, 1.15 * top)
         ax.set_ylabel("SMs")
         ax.set_title(f"{run['label']} @ {run['rate']:g} req/s", fontsize=9)
-    axes[0, 0].legend(fontsize=8, loc="upper right")
+    axes[0, 0].legend(fontsize=8, loc="lower right")
     axes[-1, 0].set_xlabel("time since run start (s)")
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -26,7 +26,8 @@ def sim_config(engine: Any) -> Any:
     from spaceserve.runtime.sim import SimConfig
 
     mode = str(engine.config.mode)
-    kw: dict[str, Any] = {"mode": mode, "background": 0}
+    kw: dict[str, Any] = {"mode": mode, "background": 0,
+                          "window_s": float(getattr(engine.config, "encoder_window_s", 0.02))}
     spatial = getattr(engine, "spatial", None)
     if spatial is not None:
         pset = spatial.partitions

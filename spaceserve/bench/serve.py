@@ -7,6 +7,15 @@ mix with text-only requests, probe requests beside the load), then TTFT, TPOT, I
 probes apart, as `vllm bench serve` names them. Writes results.json (every run, every request,
 the SM split timeline), latency_vs_rate.png and sm_split_timeline.png under --out, and prints
 a table and a few outputs. A mode this engine build lacks runs as temporal and is labelled so.
+Goodput follows `spaceserve.runtime.slo` (--slo, default ttft:2000,tpot:50): the image requests
+of the arrival window that met the SLO, per second and as a fraction; a run waits at most
+--drain seconds after its last arrival, and a request unfinished then counts as a miss.
+
+The header and every figure name the device, model and modes. On a CPU, which cannot co-locate
+anything, the run proves correctness and plumbing only; it says so and prints the simulator's
+goodput prediction for the target GPU (--target-gpu) on the same requests and SLO, labelled
+as modelled. Over HTTP an unreachable server fails the command at once with the connection
+error.
 
 Models: a checkpoint directory, ``tiny`` (the tiny random-weight Qwen2-VL), or a random-weight
 model of real shapes with no checkpoint (``qwen2-vl-7b-random``, ``qwen2.5-vl-7b-random``;
@@ -23,18 +32,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
-import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from spaceserve.cli_args import HelpFormatter
+from spaceserve.runtime.slo import DEFAULT_SLO_TEXT, Slo
 
-from .backends import HttpBackend, InProcessBackend, chat_body
-from .metrics import Result, parse_slos, summarize_results
-from .plots import plot_timeline, plot_vs_rate
+from .backends import HttpBackend, InProcessBackend, Unreachable
 from .predict import predict_run
 from .random_model import (
     RANDOM_MODELS,
@@ -43,131 +49,27 @@ from .random_model import (
     is_random_model,
     random_config,
 )
-from .timeline import poll_split, thin_timeline
-from .workload import ServeWorkload, build_requests, parse_mix
+from .report import (
+    CPU_NOTE,
+    HEADER,
+    is_cpu,
+    modelled_table,
+    show,
+    sim_row,
+    table_row,
+    title,
+    write_outputs,
+)
+from .schedule import CUT, run_one
+from .workload import ServeWorkload, parse_mix
 
-CUT = "unfinished at the time limit"
+__all__ = ["CUT", "bench_engine", "main", "run_one", "write_outputs"]
 
-
-async def _collect(tasks: list[asyncio.Future], reqs: list[Any], t0: float,
-                   deadline: float | None) -> list[Result]:
-    """Every task's result; with a `deadline` (monotonic), the ones still running then are
-    cancelled (their requests aborted) and count as failed."""
-    if deadline is None or not tasks:
-        return list(await asyncio.gather(*tasks))
-    _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
-    for t in pending:
-        t.cancel()
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
-    return [Result(r.idx, r.kind, r.resolution, t0 + r.arrival, error=CUT) if t in pending
-            else t.result() for r, t in zip(reqs, tasks, strict=False)]
-
-
-async def run_one(backend: Any, workload: ServeWorkload, model: str, slos: dict[str, float],
-                  client: Any = None, *, deadline: float | None = None) -> dict[str, Any]:
-    """Send one workload on schedule; metrics, per-request results and the split timeline.
-
-    `deadline` (time.monotonic()): requests due later are not sent (counted as "unsent"), and
-    those unfinished then are aborted and fail with `CUT`, so a run ends in time."""
-    reqs = build_requests(workload)
-    make = getattr(backend, "body", None)
-    # images encoded (or token prompts drawn) before the clock starts
-    bodies = [make(r, model) if make is not None else chat_body(r, model) for r in reqs]
-    t0 = time.monotonic()
-    polled: list[dict[str, float]] = []
-    poller = asyncio.ensure_future(poll_split(backend, polled, t0)) \
-        if isinstance(backend, HttpBackend) else None
-    tasks = []
-    for r, body in zip(reqs, bodies, strict=True):
-        if deadline is not None and t0 + r.arrival >= deadline:
-            break
-        delay = t0 + r.arrival - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(backend.send(r, body)))
-    results = await _collect(tasks, reqs, t0, deadline)
-    end = time.monotonic()
-    if poller is not None:
-        poller.cancel()
-    if client is not None:
-        polled = [{"t": s.time - t0, "encoder_sms": s.encoder_sms, "decoder_sms": s.decoder_sms}
-                  for s in list(client.timeline) if t0 <= s.time <= end]
-    return {"rate": workload.request_rate, "num_requests": len(tasks),
-            "unsent": len(reqs) - len(tasks),
-            "metrics": summarize_results(results, slos, t0, duration=end - t0),
-            "timeline": thin_timeline(polled), "results": results, "t0": t0}
-
-
-def _request_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
-    t0 = run["t0"]
-    rows = []
-    for r in run["results"]:
-        row = {"idx": r.idx, "kind": r.kind, "resolution": r.resolution, "send": r.send - t0,
-               "prompt_tokens": r.prompt_tokens, "image_tokens": r.image_tokens,
-               "output_tokens": r.output_tokens, "error": r.error}
-        if r.ok:
-            row["ttft"] = r.first_token - r.send
-            row["e2el"] = r.finish - r.send
-            row["tpot"] = (r.finish - r.first_token) / (r.output_tokens - 1) \
-                if r.output_tokens > 1 else None
-        rows.append(row)
-    return rows
-
-
-def _fmt(x: Any, width: int = 8, digits: int = 1) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-".rjust(width)
-    return f"{x:{width}.{digits}f}"
-
-
-HEADER = (f"{'mode':<28}{'rate':>6}{'done':>6}{'fail':>5}{'req/s':>7}{'tok/s':>8}"
-          f"{'TTFT':>8}{'p99':>8}{'TPOT':>8}{'p99':>8}{'ITLp99':>8}{'E2EL':>8}{'good':>7}"
-          f" |{'probe TTFT':>11}{'TPOT':>7}")
-
-
-def _cells(label: str, rate: float, failed: Any, m: dict[str, Any], p: dict[str, Any]) -> str:
-    return (f"{label:<28}{rate:>6g}{m['completed']:>6}{failed:>5}"
-            f"{_fmt(m['request_throughput'], 7, 2)}{_fmt(m['output_throughput'], 8)}"
-            f"{_fmt(m['mean_ttft_ms'])}{_fmt(m['p99_ttft_ms'])}{_fmt(m['mean_tpot_ms'])}"
-            f"{_fmt(m['p99_tpot_ms'])}{_fmt(m['p99_itl_ms'])}{_fmt(m['mean_e2el_ms'])}"
-            f"{_fmt(m.get('request_goodput'), 7, 2)} |{_fmt(p['mean_ttft_ms'], 11)}"
-            f"{_fmt(p['mean_tpot_ms'], 7)}")
-
-
-def table_row(run: dict[str, Any]) -> str:
-    return _cells(run["label"], run["rate"], run["metrics"]["failed"], run["metrics"]["load"],
-                  run["metrics"]["probe"])
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:+.0f}%"
-
-
-def sim_row(run: dict[str, Any]) -> str:
-    """The simulator's prediction of a run in the table's columns, then its errors."""
-    sim = run.get("sim") or {}
-    if "load" not in sim:
-        return f"{'  sim':<28}failed: {sim.get('error', 'no prediction')}"
-    err = sim["errors"]["load"]
-    return (_cells("  sim", run["rate"], "", sim["load"], sim["probe"]) +
-            f"  err TPOT {_pct(err.get('tpot'))} ITLp99 {_pct(err.get('p99_itl'))} "
-            f"TTFT {_pct(err.get('ttft'))}")
-
-
-def _show(run: dict[str, Any], n: int) -> None:
-    shown = [r for r in run["results"] if r.ok][:n]
-    for r in shown:
-        what = f"{r.kind} {r.resolution}".strip()
-        print(f"  [{run['label']} #{r.idx} {what}, {r.prompt_tokens} prompt tokens] "
-              f"{r.text[:70]!r}")
-
-
-async def bench_engine(engine: Any, workloads: list[ServeWorkload], slos: dict[str, float], *,
+async def bench_engine(engine: Any, workloads: list[ServeWorkload], slo: Slo | None, *,
                        mode: str, model: str, note: str | None = None, preprocessor: Any = None,
                        prompts: Any = None, sim: bool = False, warm: bool = True,
-                       deadline: float | None = None, extra: dict[str, Any] | None = None
-                       ) -> list[dict[str, Any]]:
+                       deadline: float | None = None, extra: dict[str, Any] | None = None,
+                       drain_s: float | None = None) -> list[dict[str, Any]]:
     """Every workload on one engine in-process (a short warm-up first), one run dict each;
     closes the engine. Requests go through `preprocessor` (chat) or `prompts` (token ids).
     `deadline` (time.monotonic()): rates not started by then are left out, the running one is
@@ -182,11 +84,12 @@ async def bench_engine(engine: Any, workloads: list[ServeWorkload], slos: dict[s
         if warm:
             w = ServeWorkload(request_rate=50.0, duration_s=0.1, image_mix=workloads[0]
                               .image_mix, output_len=4, seed=12345)
-            await run_one(backend, w, model, slos, deadline=deadline)
+            await run_one(backend, w, model, slo, deadline=deadline)
         for w in workloads:
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            run = await run_one(backend, w, model, slos, client=client, deadline=deadline)
+            run = await run_one(backend, w, model, slo, client=client, deadline=deadline,
+                                drain_s=drain_s)
             run.update(label=label, mode=mode, ran_as=client.mode, note=note, **(extra or {}))
             print(table_row(run), flush=True)
             if sim:
@@ -208,7 +111,7 @@ def _free_device() -> None:
 
 
 async def _run_inprocess(args: argparse.Namespace, workloads: list[ServeWorkload],
-                         slos: dict[str, float]) -> list[dict[str, Any]]:
+                         slo: Slo) -> list[dict[str, Any]]:
     import torch
 
     from spaceserve.server.engine_client import load_engine, resolve_mode
@@ -223,7 +126,8 @@ async def _run_inprocess(args: argparse.Namespace, workloads: list[ServeWorkload
                                device=device, seed=args.seed,
                                tensor_parallel_size=args.tensor_parallel_size)
     cfg = dict(max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size, slo=slo,
+               encoder_window_s=args.encoder_window_ms / 1e3)
     runs = []
     for mode in args.modes:
         pre = prompts = None
@@ -237,22 +141,34 @@ async def _run_inprocess(args: argparse.Namespace, workloads: list[ServeWorkload
                                             attention_backend=args.attention_backend, **cfg)
         if note:
             print(f"note: {note}")
-        runs += await bench_engine(engine, workloads, slos, mode=mode, model=args.model,
+        runs += await bench_engine(engine, workloads, slo, mode=mode, model=args.model,
                                    note=note, preprocessor=pre, prompts=prompts, sim=args.sim,
-                                   extra=extra)
+                                   extra=extra, drain_s=args.drain)
         del engine
         _free_device()
     return runs
 
 
-async def _run_http(args: argparse.Namespace, workloads: list[ServeWorkload],
-                    slos: dict[str, float]) -> list[dict[str, Any]]:
+async def server_info(args: argparse.Namespace) -> dict[str, Any]:
+    """The server's model name and device (`Unreachable` when it does not answer)."""
     backend = HttpBackend(args.base_url, args.served_model or args.model)
+    try:
+        return await backend.info()
+    finally:
+        await backend.close()
+
+
+async def _run_http(args: argparse.Namespace, workloads: list[ServeWorkload],
+                    slo: Slo) -> list[dict[str, Any]]:
+    backend = HttpBackend(args.base_url, args.served_model or args.model,
+                          poll_metrics=not args.no_poll)
     runs = []
     try:
         for w in workloads:
-            run = await run_one(backend, w, backend.model, slos)
+            run = await run_one(backend, w, backend.model, slo, drain_s=args.drain)
             run.update(label=args.label, mode=args.label, ran_as=None, note=None)
+            if run["num_requests"] and run["metrics"]["failed"] == run["num_requests"]:
+                await backend.info()  # every request failed: Unreachable if the server is gone
             runs.append(run)
             print(table_row(run), flush=True)
     finally:
@@ -286,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32, help="output tokens per request")
     p.add_argument("--probe-output-len", type=int, default=8,
                    help="output tokens per probe request")
-    p.add_argument("--slo", default="ttft:1000,tpot:100",
-                   help="goodput SLOs in ms, e.g. ttft:500,tpot:50,e2el:5000")
+    p.add_argument("--slo", default=DEFAULT_SLO_TEXT,
+                   help="goodput SLO in ms: any of ttft, tpot, itl (p99 per request), e2el "
+                        f"(default {DEFAULT_SLO_TEXT})")
     p.add_argument("--seed", type=int, default=0, help="workload random seed")
     p.add_argument("--device", help="in-process: cuda or cpu (default: cuda when present)")
     p.add_argument("--attention-backend", help="in-process: triton or torch (default: triton "
@@ -302,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output directory")
     p.add_argument("--show", type=int, default=3, help="outputs to print per mode")
     p.add_argument("--no-plot", action="store_true", help="skip the figures")
+    p.add_argument("--encoder-window-ms", type=float, default=20.0,
+                   help="in-process: temporal-chunked's encoder chunk between decode steps, "
+                        "TWSRFT's grant in the spatial modes")
+    p.add_argument("--drain", type=float, default=30.0,
+                   help="seconds a run waits after its last arrival; then unfinished = missed")
+    p.add_argument("--target-gpu", default="H200",
+                   help="on a CPU: the GPU preset (H200, H100, A100) of the modelled goodput")
+    p.add_argument("--no-poll", action="store_true",
+                   help="http: do not scrape /metrics for the SM split timeline")
     return p
 
 
@@ -321,29 +247,19 @@ def check_model_args(args: argparse.Namespace) -> None:
                          f"'tiny' or a random-weight model ({', '.join(RANDOM_MODELS)})")
 
 
-def results_doc(config: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON document of a benchmark: its settings, every run and every request."""
-    return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.items()},
-            "runs": [{k: v for k, v in r.items() if k not in ("results", "t0")}
-                     | {"requests": _request_rows(r)} for r in runs]}
+def _where(args: argparse.Namespace) -> str:
+    """The device the run uses (in-process) or the server reports (HTTP)."""
+    if args.backend == "http":
+        info = asyncio.run(server_info(args))
+        if args.served_model is None and args.model not in info["models"] and \
+                len(info["models"]) == 1:
+            args.served_model = info["models"][0]  # the one model the server serves
+        return info["device"] or "the server's device (unknown)"
+    import torch
 
+    from spaceserve.server.engine_client import device_label
 
-def write_outputs(runs: list[dict[str, Any]], out: Path, config: dict[str, Any], *,
-                  plots: bool = True, prefix: str = "") -> list[Path]:
-    """results.json and (matplotlib present) the two figures under `out`; paths written."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{prefix}results.json"
-    path.write_text(json.dumps(results_doc(config, runs), indent=1, default=str))
-    written = [path]
-    if plots:
-        for fn, name in ((plot_vs_rate, "latency_vs_rate.png"),
-                         (plot_timeline, "sm_split_timeline.png")):
-            fig = fn(runs, out / f"{prefix}{name}")
-            if fig is None:
-                print("note: matplotlib is not installed (or nothing to plot); no plots")
-                break
-            written.append(fig)
-    return written
+    return device_label(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         rates = [float(x) for x in args.rates.split(",") if x.strip()]
-        slos = parse_slos(args.slo)
+        slo = Slo.parse(args.slo)
         check_model_args(args)
+        for name in ("encoder_window_ms", "drain"):
+            if not getattr(args, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
         workloads = [ServeWorkload(request_rate=r, duration_s=args.duration,
                                    burstiness=args.burstiness, image_mix=parse_mix(args.image_mix),
                                    probe_rate=args.probe_rate, input_words=args.input_words,
@@ -362,25 +281,46 @@ def main(argv: list[str] | None = None) -> int:
                      for r in rates]
         if not workloads:
             raise ValueError("--rates: no rate given")
+        where = _where(args)
     except ValueError as exc:
         print(f"spaceserve bench serve: {exc}", file=sys.stderr)
         return 2
+    except Unreachable as exc:
+        print(f"spaceserve bench serve: {exc}", file=sys.stderr)
+        return 1
+    modes = args.modes if args.backend == "inprocess" else [args.label]
     cut = f" (LLM cut to {args.llm_layers} layers)" if args.llm_layers else ""
-    print(f"serving benchmark: {args.backend}, model {args.model}{cut}, rates {rates} req/s, "
-          f"{args.duration:g} s each, mix {args.image_mix}, probes {args.probe_rate:g}/s, "
-          f"SLOs {slos} ms")
-    print("latencies in ms (means unless p99), goodput in req/s")
+    head = title(args.backend, f"{args.model}{cut}", where, modes)
+    print(f"serving benchmark: {head}\nrates {rates} req/s, {args.duration:g} s each, mix "
+          f"{args.image_mix}, probes {args.probe_rate:g}/s, SLO {slo} ms")
+    print("latencies in ms (means unless p99); good = image requests/s within the SLO, att% "
+          "= their share")
     print(HEADER)
     runner = _run_inprocess if args.backend == "inprocess" else _run_http
     try:
-        runs = asyncio.run(runner(args, workloads, slos))
+        runs = asyncio.run(runner(args, workloads, slo))
     except ValueError as exc:
         print(f"spaceserve bench serve: {exc}", file=sys.stderr)
         return 2
+    except Unreachable as exc:
+        print(f"spaceserve bench serve: {exc}", file=sys.stderr)
+        return 1
+    extra: dict[str, Any] = {"device": where}
+    if is_cpu(where):
+        from .modelled import predict
+
+        print(f"\n{CPU_NOTE}")
+        pred = predict(workloads, args.modes if args.backend == "inprocess" else
+                       ["temporal", "temporal-chunked", "spatial"], args.model, slo,
+                       device=args.target_gpu, window_s=args.encoder_window_ms / 1e3,
+                       drain_s=args.drain)
+        print(modelled_table(pred))
+        extra["modelled"] = pred
     print("\nsample outputs (random weights: the text is noise, the token counts are real):")
     for label in dict.fromkeys(r["label"] for r in runs):
-        _show(next(r for r in runs if r["label"] == label), args.show)
-    written = write_outputs(runs, args.out, vars(args), plots=not args.no_plot)
+        show(next(r for r in runs if r["label"] == label), args.show)
+    written = write_outputs(runs, args.out, vars(args), plots=not args.no_plot, title=head,
+                            extra=extra)
     print(f"\nwrote {', '.join(str(p) for p in written)} "
           f"({time.monotonic() - started:.1f} s in all)")
     return 0

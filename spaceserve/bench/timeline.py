@@ -10,9 +10,10 @@ from typing import Any
 
 
 async def poll_split(backend: Any, samples: list[dict[str, float]], t0: float,
-                     period: float = 0.1) -> None:
+                     period: float | None = None) -> None:
     """Append the server's encoder / decoder SMs (from its /metrics) to `samples` every
-    `period` seconds until cancelled; `t` is seconds since `t0` (monotonic)."""
+    `period` seconds (default: the backend's POLL_S, else 0.1) until cancelled; `t` is
+    seconds since `t0` (monotonic)."""
     from spaceserve.server.metrics import parse_gauges
 
     while True:
@@ -23,7 +24,7 @@ async def poll_split(backend: Any, samples: list[dict[str, float]], t0: float,
                             "decoder_sms": g.get("spaceserve:decoder_sms", math.nan)})
         except Exception:  # a missed scrape is a gap in the timeline, not a failure
             pass
-        await asyncio.sleep(period)
+        await asyncio.sleep(period or getattr(backend, "POLL_S", 0.1))
 
 
 def thin_timeline(samples: list[dict[str, float]], period: float = 0.1) -> list[dict[str, float]]:

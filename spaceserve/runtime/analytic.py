@@ -9,8 +9,10 @@ each op's FLOPs and bytes, computed from a transformers config, and a device pre
 - bandwidth saturates at ``min(HBM, sms * per_sm_bw)`` (a single SM only keeps so many bytes in
   flight), again counting only SMs the op can occupy;
 - an op takes ``max(compute, memory)``; every layer adds a fixed launch overhead;
-- co-running with the other stage derates both the HBM ceiling and the FLOP rate by the preset's
-  ``contention`` factor (shared HBM/L2 and power-capped clocks);
+- co-running with the other stage is one documented entry of the curves' contention table: the
+  preset's ``contention``, a flat slowdown of both sides (8% on every preset: shared HBM/L2 and
+  power-capped clocks; a guess at the order of magnitude, to be replaced by `spaceserve
+  profile`'s measurements or overridden with `spaceserve sim --contention X`);
 - Qwen2.5-VL's window blocks attend within windows of ``vision_window`` patches (cost linear in
   the patch count), its full blocks over the whole sequence; an encoder "layer" is the mean
   over the mix, so TWSRFT's remaining-work estimates and SIS see the right pass cost.
@@ -26,6 +28,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .contention import Contention
 from .curves import STAGE_AXES, Curve, CurveSet
 
 
@@ -38,7 +41,7 @@ class DevicePreset:
     flops: float  # dense bf16 FLOP/s of the whole device
     hbm_bw: float  # HBM bytes/s of the whole device
     per_sm_bw: float  # most bytes/s one SM can pull from HBM
-    contention: float  # fraction of HBM bandwidth and clock lost while the other stage runs
+    contention: float  # co-running slowdown of both sides (0.08: 8% slower); see contention.py
     layer_overhead_s: float  # fixed launch cost of one layer's kernels
     attn_efficiency: float = 0.6  # attention FLOP rate relative to GEMMs (D=80/128 tiles)
 
@@ -141,42 +144,41 @@ class Roofline:
     def __init__(self, shape: ModelShape, device: DevicePreset, dtype_bytes: int = 2) -> None:
         self.s, self.d, self.b = shape, device, dtype_bytes
 
-    def _rates(self, sms: int, par: float, corun: bool) -> tuple[float, float]:
-        derate = 1.0 - self.d.contention if corun else 1.0
+    def _rates(self, sms: int, par: float) -> tuple[float, float]:
         used = max(1.0, min(float(sms), par))
-        flops = self.d.flops / self.d.num_sms * derate * used
-        bw = min(self.d.hbm_bw * derate, self.d.per_sm_bw * used)
+        flops = self.d.flops / self.d.num_sms * used
+        bw = min(self.d.hbm_bw, self.d.per_sm_bw * used)
         return flops, bw
 
-    def _op(self, flops: float, nbytes: float, par: float, sms: int, corun: bool,
+    def _op(self, flops: float, nbytes: float, par: float, sms: int,
             efficiency: float = 1.0) -> float:
-        rate, bw = self._rates(sms, par, corun)
+        rate, bw = self._rates(sms, par)
         return max(flops / (rate * efficiency), nbytes / bw)
 
-    def _gemm(self, m: float, k: int, n: int, sms: int, corun: bool) -> float:
+    def _gemm(self, m: float, k: int, n: int, sms: int) -> float:
         if m <= 0:
             return 0.0
         par = math.ceil(m / 128) * math.ceil(n / 128) * max(1, k // 1024)
-        return self._op(2.0 * m * k * n, self.b * (m * k + k * n + m * n), par, sms, corun)
+        return self._op(2.0 * m * k * n, self.b * (m * k + k * n + m * n), par, sms)
 
-    def _rowwise(self, rows: float, width: int, sms: int, corun: bool) -> float:
+    def _rowwise(self, rows: float, width: int, sms: int) -> float:
         """A norm or elementwise pass: read and write `rows x width`."""
-        return self._op(0.0, 2.0 * self.b * rows * width, math.ceil(rows / 4), sms, corun)
+        return self._op(0.0, 2.0 * self.b * rows * width, math.ceil(rows / 4), sms)
 
-    def _vit_layer(self, p: float, segment: float, sms: int, corun: bool) -> float:
+    def _vit_layer(self, p: float, segment: float, sms: int) -> float:
         """One vision block over `p` patches attending within segments of `segment` patches."""
         s, segment = self.s, max(1.0, segment)
         e, hd = s.vision_embed, s.vision_embed // s.vision_heads
-        layer = 2 * self._rowwise(p, e, sms, corun)
-        layer += self._gemm(p, e, 3 * e, sms, corun) + self._gemm(p, e, e, sms, corun)
+        layer = 2 * self._rowwise(p, e, sms)
+        layer += self._gemm(p, e, 3 * e, sms) + self._gemm(p, e, e, sms)
         attn_par = math.ceil(p / segment) * math.ceil(segment / 128) * s.vision_heads
         layer += self._op(4.0 * p * segment * s.vision_heads * hd, 4.0 * self.b * p * e, attn_par,
-                          sms, corun, self.d.attn_efficiency)
+                          sms, self.d.attn_efficiency)
         up = 2 * s.vision_mlp if s.vision_gated else s.vision_mlp
-        layer += self._gemm(p, e, up, sms, corun) + self._gemm(p, s.vision_mlp, e, sms, corun)
+        layer += self._gemm(p, e, up, sms) + self._gemm(p, s.vision_mlp, e, sms)
         return layer
 
-    def encoder_layer(self, patches: float, sms: int, corun: bool = False) -> float:
+    def encoder_layer(self, patches: float, sms: int) -> float:
         """One vision-layer equivalent: a full pass over `patches` ViT tokens divided by depth.
 
         Full attention is costed as one sequence of `patches` tokens (an upper bound for a batch
@@ -185,45 +187,44 @@ class Roofline:
         s, p = self.s, float(patches)
         e = s.vision_embed
         windowed = s.vision_window_layers if s.vision_window else 0
-        total = (s.vision_depth - windowed) * self._vit_layer(p, p, sms, corun)
+        total = (s.vision_depth - windowed) * self._vit_layer(p, p, sms)
         if windowed:
-            total += windowed * self._vit_layer(p, min(p, float(s.vision_window)), sms, corun)
+            total += windowed * self._vit_layer(p, min(p, float(s.vision_window)), sms)
         m, wide = p / s.merge ** 2, e * s.merge ** 2
-        extra = self._gemm(p, s.patch_dim, e, sms, corun) + self._rowwise(p, e, sms, corun)
-        extra += self._gemm(m, wide, wide, sms, corun) + self._gemm(m, wide, s.vision_out, sms,
-                                                                   corun)
+        extra = self._gemm(p, s.patch_dim, e, sms) + self._rowwise(p, e, sms)
+        extra += self._gemm(m, wide, wide, sms) + self._gemm(m, wide, s.vision_out, sms)
         total = total + extra + (s.vision_depth + 2) * self.d.layer_overhead_s
         return total / s.vision_depth
 
-    def _text_layer(self, rows: float, attn: float, sms: int, corun: bool) -> float:
+    def _text_layer(self, rows: float, attn: float, sms: int) -> float:
         s = self.s
         q_width = s.heads * s.head_dim
-        t = 2 * self._rowwise(rows, s.hidden, sms, corun)
-        t += self._gemm(rows, s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim, sms, corun)
-        t += attn + self._gemm(rows, q_width, s.hidden, sms, corun)
-        t += self._gemm(rows, s.hidden, 2 * s.intermediate, sms, corun)
-        t += self._gemm(rows, s.intermediate, s.hidden, sms, corun)
+        t = 2 * self._rowwise(rows, s.hidden, sms)
+        t += self._gemm(rows, s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim, sms)
+        t += attn + self._gemm(rows, q_width, s.hidden, sms)
+        t += self._gemm(rows, s.hidden, 2 * s.intermediate, sms)
+        t += self._gemm(rows, s.intermediate, s.hidden, sms)
         return t + self.d.layer_overhead_s
 
-    def prefill(self, tokens: float, context: float, sms: int, corun: bool = False) -> float:
+    def prefill(self, tokens: float, context: float, sms: int) -> float:
         """One chunk of `tokens` new tokens of one sequence after `context` cached tokens."""
         s, t, c = self.s, float(tokens), float(context)
         pairs = t * c + t * (t + 1) / 2
         kv_bytes = self.b * (c + t) * 2 * s.kv_heads * s.head_dim
         io_bytes = 2 * self.b * t * s.heads * s.head_dim
         attn = self._op(4.0 * pairs * s.heads * s.head_dim, kv_bytes + io_bytes,
-                        math.ceil(t / 128) * s.heads, sms, corun, self.d.attn_efficiency)
-        layers = s.text_layers * self._text_layer(t, attn, sms, corun)
-        return layers + self._gemm(1, s.hidden, s.vocab, sms, corun)
+                        math.ceil(t / 128) * s.heads, sms, self.d.attn_efficiency)
+        layers = s.text_layers * self._text_layer(t, attn, sms)
+        return layers + self._gemm(1, s.hidden, s.vocab, sms)
 
-    def decode(self, batch: float, context: float, sms: int, corun: bool = False) -> float:
+    def decode(self, batch: float, context: float, sms: int) -> float:
         """One decode step of `batch` sequences with `context` cached tokens each."""
         s, bsz, c = self.s, float(batch), float(context)
         kv_bytes = self.b * bsz * (c + 1) * 2 * s.kv_heads * s.head_dim
         par = bsz * s.kv_heads * max(1, math.ceil(c / 512))
-        attn = self._op(4.0 * bsz * (c + 1) * s.heads * s.head_dim, kv_bytes, par, sms, corun)
-        layers = s.text_layers * self._text_layer(bsz, attn, sms, corun)
-        return layers + self._gemm(bsz, s.hidden, s.vocab, sms, corun)
+        attn = self._op(4.0 * bsz * (c + 1) * s.heads * s.head_dim, kv_bytes, par, sms)
+        layers = s.text_layers * self._text_layer(bsz, attn, sms)
+        return layers + self._gemm(bsz, s.hidden, s.vocab, sms)
 
 
 GRIDS: dict[str, dict[str, list[int]]] = {
@@ -240,10 +241,10 @@ def sms_grid(num_sms: int, step: int = 4) -> list[int]:
     return sorted({*range(step, num_sms + 1, step), num_sms})
 
 
-def _table(fn, sms: list[int], axes: list[list[int]], corun: bool) -> list:
+def _table(fn, sms: list[int], axes: list[list[int]]) -> list:
     def rec(prefix: tuple, rest: list[list[int]]) -> Any:
         if not rest:
-            return fn(*prefix, corun=corun)
+            return fn(*prefix)
         return [rec((*prefix, x), rest[1:]) for x in rest[0]]
 
     return [rec((n,), axes) for n in sms]
@@ -269,12 +270,15 @@ def analytic_curves(config: Any = None, device: str | DevicePreset = "H200", *,
     for stage, fn in fns.items():
         axes = [GRIDS[stage][a] for a in STAGE_AXES[stage]]
 
-        def call(n: int, *work: int, corun: bool, fn=fn) -> float:
-            return fn(*work, n, corun)
+        def call(n: int, *work: int, fn=fn) -> float:
+            return fn(*work, n)
 
         curves[stage] = Curve(STAGE_AXES[stage], {a: list(GRIDS[stage][a])
                                                   for a in STAGE_AXES[stage]}, sms,
-                              _table(call, sms, axes, False), _table(call, sms, axes, True))
+                              _table(call, sms, axes))
     meta = asdict(shape) | {"device_preset": asdict(device)}
+    contention = Contention.flat(device.contention, source="modelled",
+                                 note=f"{device.name} preset: a flat {100 * device.contention:g}% "
+                                      "slowdown of both sides while both run (not measured)")
     return CurveSet(device.name, device.num_sms, meta, dtype, "modelled", curves["encoder"],
-                    curves["prefill"], curves["decode"])
+                    curves["prefill"], curves["decode"], contention)

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .memory import GRAPH_RESERVE_BYTES
+from .slo import DEFAULT_SLO, Slo
 
-MODES = ("temporal", "shared", "spatial-static", "spatial")
+MODES = ("temporal", "temporal-chunked", "shared", "spatial-static", "spatial")
 ATTENTION_BACKENDS = ("triton", "torch")
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -31,8 +32,11 @@ class EngineConfig:
     "compute" or "decode"; `encoder_driver` "cooperative" or "thread" (the cooperative one
     launches encoder layers for `encoder_launch_budget_s` of host time per step, while the
     decode step runs, at least one layer per step; `encoder_window_s` is TWSRFT's grant
-    window); `green_contexts` False
+    window, and ``temporal-chunked``'s encoder chunk between decode steps, see
+    `encoder_chunked.py`); `green_contexts` False
     forces kernel budgets alone; `programs_per_sm` applies inside green partitions only.
+    `slo`: the latency SLO requests are judged by (`slo.py`; an `Slo` or its text such as
+    ``"ttft:2000,tpot:50"``, the default).
 
     `tensor_parallel_size` N > 1 splits the decoder over N ranks (one process each, rank 0 in
     the engine's; see `runtime/tp`); the runner must be a tensor-parallel one of that size
@@ -68,10 +72,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     encoder_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
+    slo: Slo | str = DEFAULT_SLO
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not available; modes: {', '.join(MODES)}")
+        try:
+            object.__setattr__(self, "slo", Slo.of(self.slo))
+        except ValueError as exc:
+            raise ValueError(f"slo={self.slo!r}: {exc}") from None
         from .epd import check_config
 
         check_config(self)  # the co-located modes' settings

@@ -26,7 +26,7 @@ import torch
 from .block_manager import BlockManager
 from .config import ATTENTION_BACKENDS, DEFAULT_GRAPH_SIZES, MODES, EngineConfig
 from .encoder_cache import EncoderCache, default_capacity
-from .encoder_stage import TemporalEncoderStage
+from .encoder_chunked import TEMPORAL_MODES, temporal_stage
 from .frontends import EngineFrontends
 from .inputs.processor import load_processor
 from .inputs.prompt import process_prompt
@@ -86,11 +86,10 @@ class Engine(EngineFrontends):
                                           enable_caching=config.enable_prefix_caching)
         self.spatial: Any = None  # the co-located modes' step runtime (epd.py)
         self.encoder: Any
-        if config.mode == "temporal":
+        if config.mode in TEMPORAL_MODES:
             self.graph_batch_sizes = runner.capture_decode_graphs(sizes)
-            self.encoder = TemporalEncoderStage(
-                runner, max_tokens_per_step=config.max_encoder_tokens_per_step,
-                max_held=config.max_held_embeddings, cache=self.encoder_cache)
+            self.encoder = temporal_stage(runner, config, clock=clock or time.monotonic,
+                                          cache=self.encoder_cache)
         else:
             from .epd import build_spatial
 

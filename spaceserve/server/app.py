@@ -40,17 +40,22 @@ from spaceserve.runtime.inputs import (
     VideoLimits,
     check_dir,
 )
+from spaceserve.runtime.slo import DEFAULT_SLO_TEXT
 
 from . import protocol as P
 from .engine_client import AsyncEngine, QueueFull, RequestHandle
 from .media_args import add_media_args, media_limits
 from .protocol import APIError
-from .server_thread import ServerThread  # noqa: F401  (re-exported: tests, benchmarks)
+from .replicas.args import add_data_parallel_args
+from .thread import ServerThread
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from spaceserve.runtime.request import RequestOutput
+
+# ServerThread lives in thread.py; tests and benchmarks import it from here too
+__all__ = ["ServerLimits", "ServerThread", "build_parser", "create_app", "main"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,10 @@ async def _next(handle: RequestHandle, gone: asyncio.Task) -> RequestOutput | No
 
 def _error_of(out: RequestOutput) -> APIError:
     msg = out.error or "request failed"
+    status = out.extra.get("status") if out.extra else None
+    if isinstance(status, int):  # the engine client's verdict (503: a replica failed)
+        return APIError(status, msg, type="server_error" if status >= 500 else
+                        "invalid_request_error")
     if msg.startswith("engine step failed"):
         return APIError(500, msg, type="server_error")
     return APIError(400, msg)
@@ -155,7 +164,7 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     @app.get("/health")
     async def health() -> Response:
         body = {"status": "ok" if client.alive else "dead", "mode": client.mode,
-                "note": client.mode_note}
+                "note": client.mode_note, "device": getattr(client, "device", None)}
         if not client.alive and client.last_error:
             body["error"] = client.last_error
         return _json(body, 200 if client.alive else 503)
@@ -287,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--mode", default="temporal",
-                   help="engine mode: temporal, spatial, spatial-static, shared")
+                   help="engine mode: temporal, temporal-chunked, spatial, spatial-static, shared")
     p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
     p.add_argument("--attention-backend",
@@ -324,6 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "allowed)")
     add_media_args(p)
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_data_parallel_args(p)
+    p.add_argument("--slo", default=DEFAULT_SLO_TEXT,
+                   help="latency SLO finished requests are judged by (/metrics "
+                        "request_slo_total), ms: any of ttft, tpot, itl (p99 per request), "
+                        f"e2el (default {DEFAULT_SLO_TEXT})")
+    p.add_argument("--encoder-window-ms", type=float, default=20.0,
+                   help="encoder time window: temporal-chunked's chunk between decode steps, "
+                        "TWSRFT's grant in the spatial modes")
     return p
 
 
@@ -346,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len, seed=args.seed,
             max_images_per_prompt=args.max_images_per_request,
-            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size, slo=args.slo,
+            encoder_window_s=args.encoder_window_ms / 1e3,
             encoder_cache_bytes=args.encoder_cache_bytes,
             enable_prefix_caching=args.prefix_caching)
     except ValueError as exc:
@@ -360,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     client = AsyncEngine(engine, max_pending=args.max_pending, mode_note=note)
     app = create_app(client, pre, model_name=args.served_model_name or args.model,
                      limits=limits, root=args.model)
-    print(f"spaceserve serve: {args.model} ({client.mode}) on http://{args.host}:{args.port}",
-          file=sys.stderr)
+    print(f"spaceserve serve: {args.model} ({client.mode}, SLO {engine.config.slo}) on "
+          f"http://{args.host}:{args.port}", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from spaceserve.runtime.slo import DEFAULT_SLO
+
 from .errors import APIError
 from .metrics import ServerMetrics
 
@@ -28,7 +30,7 @@ if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
     from spaceserve.runtime.engine import Engine
     from spaceserve.runtime.request import RequestOutput, SamplingParams
 
-KNOWN_MODES = ("temporal", "spatial", "spatial-static", "shared")
+KNOWN_MODES = ("temporal", "temporal-chunked", "spatial", "spatial-static", "shared")
 # Engine.counters() key -> (metric name, help)
 ENGINE_COUNTERS = (
     ("encoder_cache_queries", "encoder_cache_queries_total",
@@ -135,7 +137,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_pending = max_pending
         self.mode_note = mode_note
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(getattr(getattr(engine, "config", None), "slo", DEFAULT_SLO))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spaceserve-prep")
         self.timeline: deque[SplitSample] = deque(maxlen=timeline_len)
         self.last_error: str | None = None
@@ -146,6 +148,10 @@ class AsyncEngine:
         self._dead = False
         self._ids = 0
         self._device_sms = _device_sms(engine)
+        try:
+            self.device = device_label(engine.runner.device)
+        except Exception:  # a stand-in engine without a torch device
+            self.device = None
         self._thread = threading.Thread(target=self._run, name="spaceserve-engine", daemon=True)
         self._thread.start()
 
@@ -292,6 +298,19 @@ def _engine_dead(exc: BaseException) -> bool:
     from spaceserve.runtime.tp.group import TensorParallelError
 
     return isinstance(exc, TensorParallelError)
+
+
+def device_label(device: Any) -> str:
+    """``"NVIDIA H200 (132 SMs)"`` for a CUDA device, ``"CPU (16 cores)"`` otherwise."""
+    import os
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} ({props.multi_processor_count} SMs)"
+    return f"{device.type.upper()} ({os.cpu_count()} cores)"
 
 
 def _device_sms(engine: Engine) -> int:

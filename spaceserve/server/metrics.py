@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from spaceserve.runtime.request import RequestOutput
 
+from spaceserve.runtime.slo import DEFAULT_SLO, RequestLatency, Slo
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
@@ -52,12 +54,18 @@ class Histogram:
 
 
 class ServerMetrics:
-    """Counters and histograms updated as requests finish and HTTP errors are answered."""
+    """Counters and histograms updated as requests finish and HTTP errors are answered.
+
+    Every request that finishes (stop, length or error; not a client's abort) is judged by the
+    engine's SLO (`spaceserve.runtime.slo`): ``request_slo_total{result="met"|"missed"}`` is the
+    server's goodput counter, and ``slo_info`` names the bounds."""
 
     PREFIX = "spaceserve:"
 
-    def __init__(self) -> None:
+    def __init__(self, slo: Slo = DEFAULT_SLO) -> None:
         p = self.PREFIX
+        self.slo = slo
+        self.slo_results = {"met": 0, "missed": 0}
         self._lock = threading.Lock()
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token.",
                               TTFT_BUCKETS)
@@ -88,6 +96,10 @@ class ServerMetrics:
                     self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
             if m.finished_time is not None and reason in ("stop", "length"):
                 self.e2el.observe(m.finished_time - m.arrival_time)
+            if reason != "abort":
+                ok = reason in ("stop", "length") and self.slo.meets(
+                    RequestLatency.from_metrics(m))
+                self.slo_results["met" if ok else "missed"] += 1
 
     def http_error(self, status: int) -> None:
         with self._lock:
@@ -114,6 +126,13 @@ class ServerMetrics:
                       f"# TYPE {p}http_errors_total counter"]
             lines += [f'{p}http_errors_total{{status="{k}"}} {v}'
                       for k, v in sorted(self.http_errors.items())]
+            labels = ",".join(f'{k}_ms="{v:g}"' for k, v in self.slo.to_dict().items())
+            lines += [f"# HELP {p}slo_info The latency SLO requests are judged by (ms).",
+                      f"# TYPE {p}slo_info gauge", f"{p}slo_info{{{labels}}} 1",
+                      f"# HELP {p}request_slo_total Finished requests (not aborted) that met "
+                      "or missed the SLO.", f"# TYPE {p}request_slo_total counter"]
+            lines += [f'{p}request_slo_total{{result="{k}"}} {v}'
+                      for k, v in self.slo_results.items()]
             for name, value in (("prompt_tokens_total", self.prompt_tokens),
                                 ("generation_tokens_total", self.generation_tokens)):
                 lines += [f"# HELP {p}{name} Tokens of finished requests.",

@@ -13,6 +13,7 @@ from autotune.profile import Grid, Profiler, main, sms_points
 from autotune.timers import WallTimer
 from autotune.workload import FunctionWorkload, Point, Qwen2VLWorkload, image_grid, load_model
 from spaceserve.runtime.analytic import analytic_curves
+from spaceserve.runtime.contention import Contention, Pair
 from spaceserve.runtime.curves import CurveSet
 
 GRID = Grid(sms=(8, 64, 132), patches=(64, 256), prefill_tokens=(16, 64),
@@ -38,9 +39,17 @@ class FakeTimer:
         run()
         if point.corun:
             background()
-        fn = {"encoder": self.curves.encoder_curve, "prefill": self.curves.prefill_curve,
-              "decode": self.curves.decode_curve}[point.stage]
-        return fn(point.sms, *point.work, corun=point.corun) * point.units
+        return modelled(self.curves, point) * point.units
+
+
+def modelled(curves: CurveSet, p: Point) -> float:
+    """The curves' value of a profile point: beside the other stage at its `other_sms`."""
+    other = p.other_sms if p.corun else False
+    if p.stage == "encoder":
+        return curves.encoder(p.work[0], 1, p.sms, other)
+    if p.stage == "prefill":  # run beside an encoder pass: the decode side
+        return curves.prefill(*p.work, p.sms, other, side="decoder")
+    return curves.decode(*p.work, p.sms, other)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +85,29 @@ def test_fake_run_writes_valid_curves_and_plot(tmp_path, reference):
     assert curves.prefill(64, 128, 132) == pytest.approx(reference.prefill(64, 128, 132))
     png = res.files["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_contention_table_is_filled_from_the_corun_measurements(tmp_path, reference):
+    """A reference whose slowdown depends on the SM pair: the profiled table holds, per side,
+    the reference's slowdown at every pair the profiler measured (and nothing else)."""
+    pairs = (Pair(8, 124, 0.02, 0.40), Pair(64, 68, 0.10, 0.20), Pair(124, 8, 0.30, 0.05))
+    varied = reference.with_contention(Contention({"encoder": 0.5, "decoder": 0.5}, pairs,
+                                                  "modelled"))
+    prof, _ = _profile(tmp_path, varied)
+    res = prof.run()
+    table = CurveSet.load(res.files["json"]).contention
+    assert table.source == "measured"
+    measured = {(p.encoder_sms, p.decoder_sms): p for p in table.pairs}
+    # encoder points at (own, background); decode and prefill points at (background, own)
+    assert set(measured) == {(8, 124), (64, 68), (132, 8), (124, 8), (68, 64), (8, 132)}
+    for (e, d), p in measured.items():
+        for side in ("encoder", "decoder"):
+            got = getattr(p, side)
+            if got is not None:
+                assert got == pytest.approx(varied.slowdown(side, e, d), abs=1e-9), (e, d, side)
+    assert measured[(8, 124)].encoder == pytest.approx(0.02)
+    assert measured[(124, 8)].decoder == pytest.approx(0.05)
+    assert measured[(8, 124)].decoder is None and measured[(124, 8)].encoder is None
 
 
 def test_interrupted_run_resumes_to_identical_files(tmp_path, reference):

@@ -14,7 +14,8 @@ from spaceserve.runtime.analytic import (
     analytic_curves,
     qwen2_vl_7b_config,
 )
-from spaceserve.runtime.curves import Curve, CurveSet
+from spaceserve.runtime.contention import Contention, Pair, from_measurements
+from spaceserve.runtime.curves import FORMAT_V1, Curve, CurveSet
 
 SMS = [8, 16, 32, 64, 132]
 
@@ -28,24 +29,33 @@ def _grid(fn, sms, *axes):
     return [rec((n,), list(axes)) for n in sms]
 
 
-def synthetic() -> CurveSet:
-    """Small hand-made curves: compute-like encoder/prefill, memory-like decode."""
+PAIRS = (Pair(32, 100, encoder=0.05, decoder=0.30), Pair(64, 68, encoder=0.10),
+         Pair(100, 32, encoder=0.20, decoder=0.02))
+
+
+def synthetic(version: int = 2) -> CurveSet:
+    """Small hand-made curves: compute-like encoder/prefill, memory-like decode. Version 2 has
+    a contention table per SM pair; version 1 a co-running grid per stage (10% slower)."""
     patches, tokens, ctx, batch = [256, 1024, 4096], [16, 256, 2048], [0, 4096], [1, 32]
     enc = lambda n, p: p * 1e-7 * 132 / n
     pre = lambda n, t, c: (1e-3 + t * 2e-6 + t * c * 1e-10) * 132 / n
     dec = lambda n, b, c: (3e-3 + b * c * 1e-9) * max(1.0, 64 / n)
+    v1 = version == 1
+
+    def cor(fn, *axes):
+        return _grid(lambda *a: 1.1 * fn(*a), SMS, *axes) if v1 else None
+
     curves = {
         "encoder": Curve(("patches",), {"patches": patches}, SMS, _grid(enc, SMS, patches),
-                         _grid(lambda *a: 1.1 * enc(*a), SMS, patches)),
+                         cor(enc, patches)),
         "prefill": Curve(("tokens", "context"), {"tokens": tokens, "context": ctx}, SMS,
-                         _grid(pre, SMS, tokens, ctx),
-                         _grid(lambda *a: 1.1 * pre(*a), SMS, tokens, ctx)),
+                         _grid(pre, SMS, tokens, ctx), cor(pre, tokens, ctx)),
         "decode": Curve(("batch", "context"), {"batch": batch, "context": ctx}, SMS,
-                        _grid(dec, SMS, batch, ctx), _grid(lambda *a: 1.1 * dec(*a), SMS, batch,
-                                                           ctx)),
+                        _grid(dec, SMS, batch, ctx), cor(dec, batch, ctx)),
     }
+    table = None if v1 else Contention({"encoder": 0.08, "decoder": 0.08}, PAIRS, "measured")
     return CurveSet("H200", 132, {"name": "synthetic", "vision_depth": 4}, "bfloat16",
-                    "measured", curves["encoder"], curves["prefill"], curves["decode"])
+                    "measured", curves["encoder"], curves["prefill"], curves["decode"], table)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +78,9 @@ def test_analytic_round_trip(tmp_path, h200) -> None:
     back = CurveSet.load(h200.save(tmp_path / "h200.json"))
     assert back.source == "modelled" and back.device == "H200" and back.num_sms == 132
     assert back.model["vision_depth"] == 32 and back.dtype == "bfloat16"
+    # the presets' contention is one documented entry: a flat 8% on both sides
+    assert back.contention.flat_value == PRESETS["H200"].contention == 0.08
+    assert back.contention.source == "modelled" and "8%" in back.contention.note
     for n in (8, 60, 72, 132):
         assert back.prefill(2755, 0, n) == h200.prefill(2755, 0, n)
         assert back.decode(32, 1100, n, True) == h200.decode(32, 1100, n, True)
@@ -99,20 +112,86 @@ BAD = [
     (("curves", "decode", "grid", "context"), [-1, 4096], "$.curves.decode.grid.context[0]"),
     (("curves", "prefill", "grid", "tokens"), [16, 256.5, 2048],
      "$.curves.prefill.grid.tokens[1]"),
-    (("curves", "prefill", "corun", 0), [[1.0, 1.0]], "$.curves.prefill.corun[0]"),
     (("curves", "decode", "isolated", 1, 0, 1), -1.0, "$.curves.decode.isolated[1][0][1]"),
-    (("curves", "encoder", "corun", 2, 1), float("nan"), "$.curves.encoder.corun[2][1]"),
     (("curves", "encoder", "isolated", 0, 0), "fast", "$.curves.encoder.isolated[0][0]"),
+    (("curves", "encoder", "corun"), [[1.0]], "$.curves.encoder.corun"),
+    (("contention",), KeyError, "$.contention"),
+    (("contention", "source"), "guessed", "$.contention.source"),
+    (("contention", "default"), {"encoder": 0.1}, "$.contention.default"),
+    (("contention", "default", "decoder"), -0.1, "$.contention.default.decoder"),
+    (("contention", "pairs", 1, "encoder_sms"), 0, "$.contention.pairs[1].encoder_sms"),
+    (("contention", "pairs", 0, "decoder_sms"), 140, "$.contention.pairs[0].decoder_sms"),
+    (("contention", "pairs", 2, "decoder"), float("inf"), "$.contention.pairs[2].decoder"),
+    (("contention", "pairs", 1, "encoder"), KeyError, "$.contention.pairs[1]"),
+]
+BAD_V1 = [
+    (("curves", "prefill", "corun", 0), [[1.0, 1.0]], "$.curves.prefill.corun[0]"),
+    (("curves", "encoder", "corun", 2, 1), float("nan"), "$.curves.encoder.corun[2][1]"),
+    (("curves", "decode", "corun"), KeyError, "$.curves.decode.corun"),
 ]
 
 
-@pytest.mark.parametrize("path,value,named", BAD, ids=[b[2] for b in BAD])
-def test_malformed_rejected_with_field_named(path, value, named) -> None:
-    good = synthetic().to_dict()
+@pytest.mark.parametrize("version,path,value,named",
+                         [(2, *b) for b in BAD] + [(1, *b) for b in BAD_V1],
+                         ids=[b[2] for b in BAD] + [f"v1 {b[2]}" for b in BAD_V1])
+def test_malformed_rejected_with_field_named(version, path, value, named) -> None:
+    good = synthetic(version).to_dict()
     CurveSet.from_dict(good)
     with pytest.raises(ValueError) as exc:
         CurveSet.from_dict(_set(good, path, value))
     assert f"{named}:" in str(exc.value)
+
+
+def test_version_1_files_still_load(tmp_path) -> None:
+    """An old file keeps its measured co-running grids until a table replaces them."""
+    old = synthetic(1)
+    path = old.save(tmp_path / "v1.json")
+    assert json.loads(path.read_text())["format"] == FORMAT_V1
+    back = CurveSet.load(path)
+    assert back.contention is None and back.to_dict() == old.to_dict()
+    assert back.decode(16, 1000, 64, True) == pytest.approx(1.1 * back.decode(16, 1000, 64))
+    assert back.encoder(1024, 2, 32, 100) == pytest.approx(1.1 * back.encoder(1024, 2, 32))
+    flat = back.with_contention(Contention.flat(0.35))
+    assert flat.decode(16, 1000, 64, True) == pytest.approx(1.35 * back.decode(16, 1000, 64))
+    assert flat.to_dict()["format"] == "spaceserve-curves-v2"
+    with pytest.raises(ValueError, match="contention table"):
+        back.slowdown("encoder", 64, 68)
+
+
+def test_contention_per_sm_pair() -> None:
+    cs = synthetic()
+    iso_e, iso_d = cs.encoder(1024, 1, 32), cs.decode(16, 1000, 100)
+    # exact at a measured pair; the encoder side by (own, other), the decoder by (other, own)
+    assert cs.encoder(1024, 1, 32, 100) == pytest.approx(1.05 * iso_e)
+    assert cs.decode(16, 1000, 100, 32) == pytest.approx(1.30 * iso_d)
+    assert cs.decode(16, 1000, 32, 100) == pytest.approx(1.02 * cs.decode(16, 1000, 32))
+    # True: beside the rest of the device
+    assert cs.encoder(1024, 1, 64, True) == pytest.approx(1.10 * cs.encoder(1024, 1, 64))
+    # between pairs: inverse squared distance, so within the neighbours' range
+    mid = cs.slowdown("encoder", 48, 84)
+    assert 0.05 < mid < 0.10 and mid < cs.slowdown("encoder", 56, 76)
+    # a side whose pairs are the only data: every lookup stays within them
+    assert all(0.02 <= cs.slowdown("decoder", e, 132 - e) <= 0.30 for e in range(8, 128, 8))
+    # mixed steps run on the decode side: the decoder slowdown applies to their chunk too
+    alone = cs.mixed_step(16, 1000, 256, 0, 100)
+    assert cs.mixed_step(16, 1000, 256, 0, 100, 32) == pytest.approx(1.30 * alone)
+    flat = Contention.flat(0.2)
+    assert flat.flat_value == 0.2 and flat.slowdown("encoder", 1, 131) == 0.2
+    assert Contention({"encoder": 0.1, "decoder": 0.2}).slowdown("decoder", 64, 68) == 0.2
+    with pytest.raises(ValueError, match="slowdown >= 0"):
+        Contention.flat(-0.1)
+
+
+def test_contention_from_measurements() -> None:
+    rows = [("encoder", 64, 68, 1.0, 1.1), ("encoder", 64, 68, 2.0, 2.4),
+            ("encoder", 64, 68, 1.0, 1.3), ("decoder", 68, 64, 1.0, 0.9),
+            ("decoder", 32, 100, 4.0, 5.0)]
+    table = from_measurements(rows)
+    pairs = {(p.encoder_sms, p.decoder_sms): p for p in table.pairs}
+    assert pairs[(64, 68)].encoder == pytest.approx(0.2) and pairs[(64, 68)].decoder is None
+    assert pairs[(68, 64)].decoder == 0.0  # faster beside the other stage: noise, clamped
+    assert pairs[(32, 100)].decoder == pytest.approx(0.25)
+    assert table.source == "measured" and table.default["encoder"] == pytest.approx(0.2)
 
 
 def test_not_json_rejected(tmp_path) -> None:
@@ -141,7 +220,7 @@ def test_interpolation_exact_and_linear() -> None:
 def test_envelope_makes_noisy_data_monotone() -> None:
     sms, xs = [8, 16, 32, 64], [100, 200, 400]
     noisy = [[4.0, 5.0, 9.0], [2.0, 1.5, 5.0], [2.5, 2.6, 2.0], [0.9, 1.0, 1.1]]
-    c = Curve(("patches",), {"patches": xs}, sms, noisy, noisy)
+    c = Curve(("patches",), {"patches": xs}, sms, noisy)
     points = [8, 10, 12, 16, 20, 24, 32, 40, 64, 100]
     for x in (100, 150, 200, 300, 400, 500):
         vals = [c(n, x) for n in points]
@@ -173,13 +252,16 @@ def test_analytic_more_sms_never_slower(stage, h200) -> None:
     model = Roofline(ModelShape.from_config(qwen2_vl_7b_config()), PRESETS["H200"])
     raw = {"encoder": model.encoder_layer, "prefill": model.prefill, "decode": model.decode}
     curve = getattr(h200, f"{stage}_curve")
+    lookup = {"encoder": lambda n, p, corun: h200.encoder(p, 1, n, corun),
+              "prefill": lambda n, t, c, corun: h200.prefill(t, c, n, corun),
+              "decode": lambda n, b, c, corun: h200.decode(b, c, n, corun)}[stage]
     for work in WORK[stage]:
-        for corun in (False, True):
-            direct = [raw[stage](*work, n, corun) for n in range(1, 133)]
-            looked = [curve(n, *work, corun=corun) for n in range(1, 133)]
-            for vals in (direct, looked):
-                assert all(a >= b for a, b in zip(vals, vals[1:], strict=False)), work
-            assert all(curve(n, *work, corun=True) >= curve(n, *work) for n in range(4, 133, 4))
+        direct = [raw[stage](*work, n) for n in range(1, 133)]
+        looked = [curve(n, *work) for n in range(1, 133)]
+        for vals in (direct, looked):
+            assert all(a >= b for a, b in zip(vals, vals[1:], strict=False)), work
+        for n in range(4, 133, 4):
+            assert lookup(n, *work, True) == pytest.approx(1.08 * lookup(n, *work, False))
 
 
 def test_analytic_more_work_never_faster(h200) -> None:

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from spaceserve.runtime.analytic import analytic_curves
+from spaceserve.runtime.contention import Contention
 from spaceserve.runtime.curves import CurveSet
 from spaceserve.runtime.sim import (
     MODES,
@@ -27,6 +28,7 @@ from spaceserve.runtime.sim.metrics import percentile, request_record, summarize
 from spaceserve.runtime.sim.sweep import crossing
 from spaceserve.runtime.sim.workload import Request, arrival_times
 from spaceserve.runtime.sis import SpaceInferenceScheduler
+from spaceserve.runtime.slo import Slo
 from spaceserve.runtime.twsrft import TwsrftScheduler
 
 
@@ -71,7 +73,7 @@ def test_every_request_completes(h200, mode, prefill_on) -> None:
     sim = res.gpus[0]
     if mode != "shared":  # partitions never hand out more SMs than the GPU has
         assert all(e + d <= sim.total for _, e, d in sim.timeline)
-    if mode == "temporal":
+    if mode in ("temporal", "temporal-chunked"):
         assert all(e == 0 or d == 0 for _, e, d in sim.timeline)
     if mode == "spatial-static":
         assert {e for _, e, _ in sim.timeline} <= {0, 64}
@@ -153,6 +155,125 @@ def test_metrics_follow_vllm_definitions() -> None:
     assert crossing([0, 1], [1.0, 2.0], 3.0) is None
 
 
+def _ops(sim: Simulator) -> list[tuple[str, float, object]]:
+    """Record (kind, seconds alone, payload) of every op the simulator completes."""
+    log: list[tuple[str, float, object]] = []
+    real = sim._complete
+
+    def complete(op):
+        log.append((op.kind, op.latency(op.sms, False), op.payload))
+        real(op)
+
+    sim._complete = complete
+    return log
+
+
+def _one_image_beside_decode(h200, mode: str, **kw) -> tuple[Simulator, list]:
+    sim = Simulator(h200, SimConfig(mode=mode, background=8, **kw))
+    log = _ops(sim)
+    sim.add(Request(0, 0.0, RESOLUTIONS["1920x1080"], 64, 4, "image"))
+    sim.advance_to(0.05)
+    sim.add(Request(1, 0.05, RESOLUTIONS["448x448"], 64, 4, "image"))
+    sim.drain()
+    return sim, log
+
+
+def test_temporal_chunked_interleaves_decode_with_encoder_windows(h200) -> None:
+    """Between two decode steps the encoder runs at most one window (plus the layer that
+    crosses it); a 1080p pass spans many windows, so decode keeps going while it encodes;
+    prompts are prefilled in chunks carried by the decode steps."""
+    window = 0.01
+    sim, log = _one_image_beside_decode(h200, "temporal-chunked", window_s=window)
+    layer = h200.encoder(4 * RESOLUTIONS["1920x1080"], 1, 132)
+    assert {k for k, _, _ in log} == {"encode", "decode"}  # no whole-prompt prefill op
+    spent, windows, steps_while_encoding = 0.0, [], 0
+    for kind, secs, _ in log:
+        if kind == "encode":
+            spent += secs
+        else:
+            if spent:
+                windows.append(spent)
+                steps_while_encoding += 1
+            spent = 0.0
+    assert windows and max(windows) <= window + layer + 1e-12
+    assert sum(w >= window for w in windows) >= 3 and steps_while_encoding >= 4
+    passes = sum(secs for kind, secs, _ in log if kind == "encode")
+    assert passes == pytest.approx(h200.encoder(4 * RESOLUTIONS["1920x1080"], 32, 132) +
+                                   h200.encoder(4 * RESOLUTIONS["448x448"], 32, 132), rel=1e-9)
+    # the small image arriving behind the big one is not stuck behind its whole pass
+    small, big = sim.requests[1], sim.requests[0]
+    assert small.encoded_at < big.encoded_at
+    chunked = [p for k, _, p in log if k == "decode" and p[1] is not None]
+    assert chunked and all(chunk <= 512 for _, _, chunk in chunked)
+
+
+def test_temporal_runs_whole_jobs_and_decodes_between_them(h200) -> None:
+    """The full-pass baseline: each encoder job is one op on the whole GPU (FIFO), and a
+    decode step runs between any two compute ops while requests decode."""
+    sim, log = _one_image_beside_decode(h200, "temporal", window_s=0.01)  # window ignored
+    encodes = [(secs, p) for k, secs, p in log if k == "encode"]
+    assert [p.layers for _, p in encodes] == [32, 32]
+    assert encodes[0][0] == pytest.approx(h200.encoder(4 * RESOLUTIONS["1920x1080"], 32, 132))
+    kinds = [k for k, _, _ in log]
+    assert all(not (a != "decode" and b != "decode") for a, b in zip(kinds, kinds[1:],
+                                                                   strict=False))
+    assert sim.requests[0].encoded_at < sim.requests[1].encoded_at  # FIFO
+
+
+def test_contention_slows_co_running_work(h200) -> None:
+    """The same split and arrivals with the contention table at 0 and at 35%: decode beside
+    the encoder, and the encoder itself, run about 35% slower."""
+    w = Workload(6.0, 2.0, seed=4)
+    cfg = SimConfig(mode="spatial-static", background=16)
+    runs = {}
+    for x in (0.0, 0.35):
+        curves = h200.with_contention(Contention.flat(x))
+        runs[x] = simulate(curves, cfg, w)
+    busy = {x: summarize(res.requests, ("background",))["itl"]["p99_ms"]
+            for x, res in runs.items()}
+    assert 1.3 * busy[0.0] < busy[0.35] < 1.4 * busy[0.0]
+    enc = {x: max(r.encoded_at - r.arrival for r in res.requests if r.kind == "image")
+           for x, res in runs.items()}
+    assert enc[0.35] > 1.3 * enc[0.0]  # queueing can only add to it
+
+
+def test_bounded_drain_counts_unfinished_requests_as_misses(h200) -> None:
+    w = Workload(30.0, 2.0, seed=2)  # well past the GPU's image capacity
+    cfg = SimConfig(mode="temporal", background=8)
+    cut = simulate(h200, cfg, w, drain_s=0.5)
+    left = [r for r in cut.requests if r.kind == "image" and r.finish is None]
+    assert left and cut.drain_s == 0.5
+    g = cut.goodput(Slo(ttft=1e6))  # every finished request meets it
+    assert g.counted == len(generate(w)) and g.met == g.counted - len(left)
+    assert summarize(cut.requests, ("image",))["unfinished"] == len(left)
+    whole = simulate(h200, cfg, w)
+    assert all(r.finish is not None for r in whole.requests)
+    assert whole.goodput(Slo(ttft=1e6)).attainment == 1.0
+
+
+def test_sweep_rows_carry_goodput_per_mode_and_rate(tmp_path, capsys) -> None:
+    rc = main(["--modes", "temporal,temporal-chunked,spatial", "--slo", "ttft:2000,itl:21",
+               "--contention", "0.2", "--rates", "0,6", "--duration", "1.5", "--seeds", "0,1",
+               "--batch", "8", "--out", str(tmp_path), "--no-plot"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "SLO ttft:2000,itl:21" in out and "flat 20%" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["slo"] == {"ttft": 2000.0, "itl": 21.0}
+    assert results["meta"]["contention"]["default"] == {"encoder": 0.2, "decoder": 0.2}
+    for mode, rows in results["sweep"].items():
+        assert [r["rate"] for r in rows] == [0.0, 6.0] and rows[1]["seeds"] == [0, 1]
+        g = rows[1]["goodput"]
+        assert g["slo"] == {"ttft": 2000.0, "itl": 21.0} and 0 <= g["attainment"] <= 1
+        assert g["rate_per_s"] == pytest.approx(g["met"] / (2 * 1.5))
+        line = next(x for x in out.splitlines() if x.startswith(mode + " ") and " 6.00 " in x)
+        assert f"{g['rate_per_s']:.2f}" in line and f"{100 * g['attainment']:.1f}%" in line
+    saved = CurveSet.load(tmp_path / "curves_H200.json")
+    assert saved.contention.flat_value == 0.2
+    for bad in (["--slo", "ttft:x"], ["--contention", "-1"], ["--encoder-window-ms", "0"]):
+        with pytest.raises(SystemExit):
+            main(bad + ["--out", str(tmp_path), "--no-plot"])
+
+
 def test_one_command_produces_the_figure(tmp_path, capsys) -> None:
     start = time.perf_counter()
     rc = main(["--points", "4", "--duration", "2", "--out", str(tmp_path), "--seed", "1"])
@@ -165,7 +286,9 @@ def test_one_command_produces_the_figure(tmp_path, capsys) -> None:
     assert all(len(rows) == 4 for rows in results["sweep"].values())
     assert (tmp_path / "curves_H200.json").exists() and "temporal" in out
     CurveSet.load(tmp_path / "curves_H200.json")
+    assert all("goodput" in row for rows in results["sweep"].values() for row in rows)
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "tpot_vs_rate.png").stat().st_size > 10_000
+        assert (tmp_path / "goodput_vs_rate.png").stat().st_size > 10_000
     else:
         assert "skipping the figure" in out

@@ -19,6 +19,7 @@ from spaceserve.runtime.sim.multiturn import (
     summarize_turns,
 )
 from spaceserve.runtime.sim.workload import RESOLUTIONS
+from spaceserve.runtime.slo import DEFAULT_SLO
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_caching_serves_the_same_conversations_with_less_work_and_faster(h200) -
     for caching in (True, False):
         turns = run_multiturn(h200, SimConfig(mode="temporal", background=8), mt,
                               caching=caching)
-        runs[caching] = summarize_turns(turns, ttft_s=2.0, tpot_s=0.05)
+        runs[caching] = summarize_turns(turns, DEFAULT_SLO)
     on, off = runs[True], runs[False]
     assert on["turns"] == off["turns"] > 12
     assert on["encoded_patches"] < off["encoded_patches"]

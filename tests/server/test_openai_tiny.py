@@ -107,7 +107,7 @@ def test_models_health_and_metrics(openai_client, live_tiny) -> None:
         text = http.get("/metrics").text
     for name in ("num_requests_waiting", "num_requests_running", "encoder_queue_depth",
                  "encoder_sms", "decoder_sms", "time_to_first_token_seconds_bucket",
-                 "time_per_output_token_seconds_count"):
+                 "time_per_output_token_seconds_count", "request_slo_total", "slo_info"):
         assert f"spaceserve:{name}" in text, name
     count = [ln for ln in text.splitlines()
              if ln.startswith("spaceserve:time_to_first_token_seconds_count")]

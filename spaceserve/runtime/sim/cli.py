@@ -1,8 +1,11 @@
 """`spaceserve sim` / `python -m spaceserve.runtime.sim`: sweep image rates, write the figure.
 
 Default: analytic (modelled) curves of Qwen2-VL-7B on an H200 preset, a background batch of 32
-decoding requests, all four modes, image rates from 0 to 85% of the GPU's encode+prefill
-capacity. Writes curves, results.json, requests.json and tpot_vs_rate.png under --out.
+decoding requests, all five modes, image rates from 0 to 85% of the GPU's encode+prefill
+capacity. Every point reports goodput under --slo (default ttft:2000,tpot:50): image requests
+per second of the arrival window that met it, and the fraction that did; a request still
+unfinished --drain seconds after arrivals stop counts as a miss. Writes curves, results.json,
+requests.json, tpot_vs_rate.png and goodput_vs_rate.png under --out.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from pathlib import Path
 from spaceserve.cli_args import HelpFormatter
 
 from ..analytic import PRESETS, analytic_curves
+from ..contention import Contention
 from ..curves import CurveSet
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler
+from ..slo import DEFAULT_SLO_TEXT, Slo
 from . import multiturn_cli
 from .cluster import ROUTERS
 from .engine import MODES, PLACEMENTS, SimConfig, default_allowed
-from .sweep import capacity_rate, default_rates, headline, plot, run_sweep, table, write_outputs
+from .plots import plot, plot_goodput
+from .sweep import capacity_rate, default_rates, headline, run_sweep, table, write_outputs
 from .workload import DEFAULT_MIX, Workload
 
 
@@ -35,6 +41,23 @@ def _mix(text: str) -> dict[str, float]:
             raise argparse.ArgumentTypeError(f"--mix: bad entry {part!r} (want RES=WEIGHT)"
                                              ) from None
     return out
+
+
+def _slo(text: str) -> Slo:
+    try:
+        return Slo.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds {text!r}: want integers like 0,1") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("--seeds: no seed given")
+    return seeds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,8 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request router across GPUs")
     p.add_argument("--factor", type=float, default=3.0,
                    help="headline: the rate where temporal TPOT is this x unloaded")
+    p.add_argument("--slo", type=_slo, default=Slo.parse(DEFAULT_SLO_TEXT),
+                   help="goodput SLO in ms: any of ttft, tpot, itl (p99 per request), e2el "
+                        f"(default {DEFAULT_SLO_TEXT})")
+    p.add_argument("--contention", type=float,
+                   help="co-running slowdown of both stages, e.g. 0.2 = 20%% slower, replacing "
+                        "the curves' contention table (default: the curves' own)")
+    p.add_argument("--encoder-window-ms", type=float, default=20.0,
+                   help="encoder time window: temporal-chunked's chunk between decode steps, "
+                        "TWSRFT's grant elsewhere (temporal runs whole jobs)")
+    p.add_argument("--drain", type=float, default=10.0,
+                   help="seconds a run goes on after arrivals stop; unfinished requests miss")
+    p.add_argument("--seeds", type=_seeds, help="comma-separated seeds pooled per point "
+                   "(default: --seed)")
     p.add_argument("--out", type=Path, default=Path("runs/sim"), help="output directory")
-    p.add_argument("--no-plot", action="store_true", help="skip the figure")
+    p.add_argument("--no-plot", action="store_true", help="skip the figures")
     multiturn_cli.add_args(p)
     return p
 
@@ -87,12 +123,24 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)}")
+    for name in ("encoder_window_ms", "drain"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"--{name.replace('_', '-')}: must be positive")
     if args.workload == "multiturn":
         return multiturn_cli.main(args, modes)
     if args.curves is not None:
-        curves = CurveSet.load(args.curves)
+        try:
+            curves = CurveSet.load(args.curves)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--curves {args.curves}: {exc}") from None
     else:
         curves = analytic_curves(device=args.device)
+    if args.contention is not None:
+        try:
+            curves = curves.with_contention(Contention.flat(args.contention))
+        except ValueError as exc:
+            raise SystemExit(f"--contention: {exc}") from None
+    if args.curves is None or args.contention is not None:
         curves.save(args.out / f"curves_{curves.device}.json")
     workload = Workload(0.0, args.duration, burstiness=args.burstiness, image_mix=args.mix,
                         text_rate=args.text_rate, text_tokens=args.text_tokens,
@@ -100,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     base = SimConfig(static_encoder_sms=args.static_encoder_sms, tpot_factor=args.tpot_factor,
                      prefill_on=args.prefill_on, encoder_policy=args.encoder_policy,
                      background=args.batch, background_context=args.context,
-                     shared_decode_share=args.shared_decode_share)
+                     shared_decode_share=args.shared_decode_share,
+                     window_s=args.encoder_window_ms / 1e3)
     cap = capacity_rate(curves, workload, args.gpus)
     sis = SpaceInferenceScheduler(curves, base.allowed_encoder_sms or
                                   default_allowed(curves.num_sms), tpot_factor=args.tpot_factor)
@@ -112,31 +161,45 @@ def main(argv: list[str] | None = None) -> int:
         rates = sorted(float(r) for r in args.rates.split(","))
     else:
         rates = default_rates(cap, args.points)
+    seeds = args.seeds or [args.seed]
     sweep = run_sweep(curves, modes, rates, workload, base, num_gpus=args.gpus,
-                      router=args.router)
+                      router=args.router, slo=args.slo, seeds=seeds, drain_s=args.drain)
     head, runs = headline(curves, sweep, workload, base, factor=args.factor,
-                          num_gpus=args.gpus, router=args.router)
+                          num_gpus=args.gpus, router=args.router, drain_s=args.drain)
+    table_ = curves.contention
+    contention = ("co-running grids (version-1 curves)" if table_ is None else
+                  f"{table_.source} contention: {table_.note or 'per SM pair'}")
     meta = {"device": curves.device, "source": curves.source, "model": curves.model.get("name"),
             "capacity_rate": cap, "sis_encoder_sms": sis_sms, "sis_capacity_rate": sis_cap,
             "workload": dataclasses.asdict(workload),
-            "config": dataclasses.asdict(base), "gpus": args.gpus, "router": args.router}
-    paths = write_outputs(args.out, meta, sweep, head, runs)
-    fig = None if args.no_plot else plot(sweep, head, runs, args.out / "tpot_vs_rate.png")
+            "config": dataclasses.asdict(base), "gpus": args.gpus, "router": args.router,
+            "slo": args.slo.to_dict(), "seeds": seeds, "drain_s": args.drain,
+            "contention": None if table_ is None else table_.to_dict()}
+    paths = write_outputs(args.out, meta, sweep, head, runs, args.slo)
+    title = (f"{curves.model.get('name')} on {curves.device} ({curves.source}), "
+             f"{', '.join(modes)}; {contention}")
+    figs = {}
+    if not args.no_plot:
+        figs = {"figure": plot(sweep, head, runs, args.out / "tpot_vs_rate.png", title),
+                "goodput figure": plot_goodput(sweep, args.out / "goodput_vs_rate.png", title)}
     print(f"{curves.device} ({curves.source} curves), {curves.model.get('name')}, "
-          f"batch {args.batch}, {args.gpus} GPU(s)\nencode+prefill capacity: {cap:.2f} images/s "
-          f"on whole GPUs, {sis_cap:.2f} images/s on SIS's {sis_sms}-SM encoder partition "
-          f"(co-running, at this decode load)")
+          f"batch {args.batch}, {args.gpus} GPU(s); {contention}\nencode+prefill capacity: "
+          f"{cap:.2f} images/s on whole GPUs, {sis_cap:.2f} images/s on SIS's {sis_sms}-SM "
+          f"encoder partition (co-running, at this decode load)")
+    print(f"goodput: image requests/s meeting SLO {args.slo} (ms) over {args.duration:g} s of "
+          f"arrivals x {len(seeds)} seed(s) {seeds}; unfinished {args.drain:g} s after arrivals "
+          f"stop = missed")
     print(table(sweep))
     if head.get("modes"):
         print(f"\nat {head['rate']:.2f} images/s temporal TPOT = {args.factor:g}x unloaded "
               f"({head['unloaded_tpot_ms']:.2f} ms TPOT, {head['unloaded_p99_itl_ms']:.2f} ms "
               f"p99 ITL unloaded):")
         for mode, m in head["modes"].items():
-            print(f"  {mode:<15} TPOT {m['tpot_x']:5.2f}x  p99 ITL {m['p99_itl_x']:6.2f}x  "
+            print(f"  {mode:<17}TPOT {m['tpot_x']:5.2f}x  p99 ITL {m['p99_itl_x']:6.2f}x  "
                   f"TTFT mean {m['ttft_mean_ms']:8.1f} ms  p99 {m['ttft_p99_ms']:8.1f} ms")
     elif head.get("note"):
         print(f"\n{head['note']}")
-    for name, path in {**paths, **({"figure": fig} if fig else {})}.items():
+    for name, path in {**paths, **{k: v for k, v in figs.items() if v}}.items():
         print(f"{name}: {path}")
     print(f"({time.perf_counter() - t0:.1f} s)")
     return 0

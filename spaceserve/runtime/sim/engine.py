@@ -1,4 +1,4 @@
-"""Discrete-event simulation of one GPU serving a multimodal LLM under four execution modes.
+"""Discrete-event simulation of one GPU serving a multimodal LLM under five execution modes.
 
 The simulator drives the real `TwsrftScheduler` and `SpaceInferenceScheduler`; every stage's
 latency comes from a `CurveSet` at the SM count its launch got, using the co-running variant
@@ -6,8 +6,13 @@ while the other stage is busy. Work proceeds as a fraction per second, so when t
 starts or stops mid-launch the remaining work continues at the new speed.
 
 Modes:
-- ``temporal``: one stage at a time on the whole GPU (encoder pass or prefill, then a decode
-  step, alternating; decode waits while the others run) - the time-multiplexed baseline;
+- ``temporal``: one stage at a time on the whole GPU (a whole encoder job or a whole prefill,
+  then a decode step, alternating; decode waits while the others run) - the time-multiplexed
+  baseline as vLLM / SGLang run it;
+- ``temporal-chunked``: the time-multiplexed baseline at its strongest, as Sarathi chunks
+  prefill: between two decode steps the encoder runs layer chunks (TWSRFT-ordered) for one
+  time window (``window_s``, default 20 ms) on the whole GPU, and prompts are prefilled in
+  chunks carried by the decode steps (``prefill_on`` "auto" = "decode");
 - ``spatial-static``: a fixed split, encoder + prefill on ``static_encoder_sms``, decode on the
   rest, concurrently;
 - ``spatial``: SIS picks the split (and prefill placement) each scheduling round;
@@ -17,11 +22,14 @@ Modes:
 
 A launch keeps its SMs until it ends. After a split change the encoder side waits for the running
 decode step (a few ms) to hand its SMs back; the decode side starts at once with
-``min(target, SMs not held by the encoder's running launch)``.
+``min(target, SMs not held by the encoder's running launch)``. While both lanes run, each op
+takes its isolated latency times ``1 + slowdown`` from the curves' contention table at the
+current (encoder SMs, decoder SMs) pair, re-evaluated whenever the other lane changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import deque
@@ -31,64 +39,31 @@ from dataclasses import dataclass, field
 from ..curves import CurveSet
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
 from ..twsrft import Grant, TwsrftScheduler, curve_cost
+from .config import MODES, PLACEMENTS, TEMPORAL_MODES, SimConfig, default_allowed
 from .workload import Request
 
-MODES = ("temporal", "spatial-static", "spatial", "shared")
-PLACEMENTS = ("auto", "compute", "decode")
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """How one GPU runs: mode, scheduler knobs and the background decode batch."""
-
-    mode: str = "spatial"
-    static_encoder_sms: int = 64
-    allowed_encoder_sms: tuple[int, ...] | None = None  # default: multiples of 8
-    encoder_policy: str | None = None  # default: fifo for temporal, twsrft otherwise
-    window_s: float | None = None  # default: whole jobs for temporal, 20 ms otherwise
-    max_wait_s: float = 0.5
-    token_budget: int = 16384
-    tpot_factor: float = 1.15
-    min_gain: float = 0.1
-    min_dwell_s: float = 0.05
-    prefill_on: str = "auto"  # auto: SIS decides in spatial mode, compute partition elsewhere
-    chunk_tokens: int = 512
-    background: int = 32  # requests kept decoding (replaced as they finish)
-    background_context: int = 1024  # their prompt length
-    background_output: int = 256  # their output length
-    context_bucket: int = 64  # SIS sees the decode context rounded to this
-    shared_decode_share: float = 0.5  # shared mode: decode's share of SM throughput when both run
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.prefill_on not in PLACEMENTS:
-            raise ValueError(f"prefill_on must be one of {PLACEMENTS}, got {self.prefill_on!r}")
-        if self.background < 0 or self.background_context < 0 or self.background_output < 2:
-            raise ValueError("background, background_context must be >= 0; "
-                             "background_output >= 2")
-        if self.chunk_tokens < 1 or self.context_bucket < 1:
-            raise ValueError("chunk_tokens and context_bucket must be >= 1")
-        if not 0 < self.shared_decode_share < 1:
-            raise ValueError(f"shared_decode_share must be in (0, 1), got "
-                             f"{self.shared_decode_share}")
-
-
-def default_allowed(total_sms: int, step: int = 8) -> tuple[int, ...]:
-    """Encoder SM counts a Hopper green-context partition offers (multiples of 8)."""
-    return tuple(range(step, total_sms - step + 1, step))
+__all__ = ["MODES", "PLACEMENTS", "TEMPORAL_MODES", "Op", "SimConfig", "Simulator",
+           "default_allowed"]
 
 
 @dataclass
 class Op:
-    """A launch in flight on one lane: remaining work fraction and its two speeds."""
+    """A launch in flight on one lane: remaining work fraction and its latency model
+    ``fn(sms, other)`` (whole-op seconds; `other` False alone, else the other lane's SMs)."""
 
     lane: str
     kind: str
     sms: int
-    latency: tuple[float, float]  # whole-op seconds: (alone, co-running)
+    fn: Callable[[int, int | bool], float]
     payload: object
     remaining: float = 1.0
+    _lat: dict = field(default_factory=dict, repr=False)
+
+    def latency(self, sms: int, other: int | bool) -> float:
+        key = (sms, other)
+        if key not in self._lat:
+            self._lat[key] = self.fn(sms, other)
+        return self._lat[key]
 
 
 @dataclass
@@ -105,11 +80,12 @@ class Simulator:
         c, self.total = self.config, self.curves.num_sms
         self.now = 0.0
         self.allowed = c.allowed_encoder_sms or default_allowed(self.total)
-        temporal = c.mode == "temporal"
+        temporal = c.mode in TEMPORAL_MODES
         if c.mode == "spatial-static" and not 0 < c.static_encoder_sms < self.total:
             raise ValueError(f"static_encoder_sms must be in 1..{self.total - 1}")
-        policy = c.encoder_policy or ("fifo" if temporal else "twsrft")
-        window = c.window_s if c.window_s is not None else (math.inf if temporal else 0.02)
+        policy = c.encoder_policy or ("fifo" if c.mode == "temporal" else "twsrft")
+        window = math.inf if c.mode == "temporal" else (c.window_s or 0.02)
+        self.window_s = window
         clock: Callable[[], float] = lambda: self.now
         cost = curve_cost(self.curves, self._encoder_target, corun=not temporal)
         self.sched = TwsrftScheduler(self.curves.encoder_depth, cost, policy=policy,
@@ -130,6 +106,7 @@ class Simulator:
         self.splits: list[tuple[float, int]] = []
         self._last_kind = "decode"
         self.wake_at = math.inf
+        self._window_spent = 0.0  # temporal-chunked: encoder seconds since the last decode step
         self._open = 0
         self._bg_ids = itertools.count()
         n, out = c.background, c.background_output
@@ -180,30 +157,49 @@ class Simulator:
                 if math.isfinite(t):
                     self.now = max(self.now, t)
                 return
-            corun = len(self.ops) == 2
-            t_next = min(self.now + op.remaining * op.latency[corun] for op in self.ops.values())
+            lat = self._latencies()
+            t_next = min(self.now + op.remaining * lat[lane] for lane, op in self.ops.items())
             if t_next > t:
-                self._progress(t - self.now, corun)
+                self._progress(t - self.now, lat)
                 self.now = t
                 return
-            self._progress(t_next - self.now, corun)
+            self._progress(t_next - self.now, lat)
             self.now = t_next
             for lane, op in list(self.ops.items()):
-                if op.remaining * op.latency[corun] <= 1e-12:
+                if op.remaining * lat[lane] <= 1e-12:
                     del self.ops[lane]
                     self._complete(op)
 
-    def drain(self) -> None:
-        """Run until every request has finished (the background batch stops after that)."""
+    def drain(self, limit_s: float | None = None) -> None:
+        """Run until every request has finished (the background batch stops after that), or
+        for at most `limit_s` seconds more: requests unfinished then stay unfinished."""
         self.horizon = min(self.horizon, self.now)
+        if limit_s is not None:
+            if not limit_s >= 0:
+                raise ValueError(f"limit_s must be >= 0, got {limit_s}")
+            self.advance_to(self.now + limit_s)
+            return
         self.advance_to(math.inf)
         left = [r.rid for r in self.requests.values() if r.finish is None]
         if left:
             raise RuntimeError(f"simulation stalled with unfinished requests {left[:10]}")
 
-    def _progress(self, dt: float, corun: bool) -> None:
-        for op in self.ops.values():
-            op.remaining = max(0.0, op.remaining - dt / op.latency[corun])
+    def _latencies(self) -> dict[str, float]:
+        """Whole-op seconds of each running op at the current co-running state."""
+        if len(self.ops) < 2:
+            return {lane: op.latency(op.sms, False) for lane, op in self.ops.items()}
+        comp, dec = self.ops["compute"], self.ops["decode"]
+        if self.config.mode == "shared":  # both on all SMs: each gets its share's throughput
+            share = self.config.shared_decode_share
+            d = max(1, round(self.total * share))
+            e = max(1, round(self.total * (1 - share)))
+        else:
+            e, d = comp.sms, dec.sms
+        return {"compute": comp.latency(e, d), "decode": dec.latency(d, e)}
+
+    def _progress(self, dt: float, lat: dict[str, float]) -> None:
+        for lane, op in self.ops.items():
+            op.remaining = max(0.0, op.remaining - dt / lat[lane])
 
     def _record(self) -> None:
         held = (self._held("compute"), self._held("decode"))
@@ -230,6 +226,8 @@ class Simulator:
             return "compute"
         if c.prefill_on != "auto":
             return c.prefill_on
+        if c.mode == "temporal-chunked":
+            return "decode"
         return self.split.prefill_on if (self.sis and self.split) else "compute"
 
     def sis_state(self) -> SisState:
@@ -245,22 +243,10 @@ class Simulator:
         bucket = self.config.context_bucket
         return SisState(encode, prefill, batch, round(ctx / bucket) * bucket)
 
-    def _lat(self, fn: Callable[[int, bool], float], sms: int, lane: str
-             ) -> tuple[float, float]:
-        corun_sms = sms
-        if self.config.mode == "shared":
-            share = self.config.shared_decode_share
-            corun_sms = max(1, round(self.total * (share if lane == "decode" else 1 - share)))
-        return fn(sms, False), fn(corun_sms, True)
-
     def _dispatch(self) -> None:
-        if self.config.mode == "temporal":
+        if self.config.mode in TEMPORAL_MODES:
             if not self.ops:
-                has_compute = bool(self.prefill_q) or self._encoder_waiting()
-                if has_compute and (self._last_kind == "decode" or not self.decoding):
-                    self._start_compute(self.total)
-                elif self.decoding:
-                    self._start_decode(self.total)
+                self._dispatch_temporal()
             return
         if "compute" not in self.ops:
             if self.sis is not None:
@@ -271,6 +257,21 @@ class Simulator:
             self._start_compute(self._budget("compute"))
         if "decode" not in self.ops:
             self._start_decode(self._budget("decode"))
+
+    def _dispatch_temporal(self) -> None:
+        """One stage at a time on the whole GPU. ``temporal``: a whole encoder job or prefill,
+        then a decode step. ``temporal-chunked``: encoder chunks until the window is spent (or
+        the encoder has no work), then a decode step carrying a prefill chunk."""
+        on_compute = self._placement() == "compute"
+        has_compute = (on_compute and bool(self.prefill_q)) or self._encoder_waiting()
+        has_decode = bool(self.decoding) or (not on_compute and bool(self.prefill_q))
+        turn = self._last_kind == "decode" or not has_decode
+        if self.config.mode == "temporal-chunked" and self._window_spent < self.window_s:
+            turn = True  # the window is not spent: keep encoding
+        if has_compute and turn:
+            self._start_compute(self.total)
+        elif has_decode:
+            self._start_decode(self.total)
 
     def _budget(self, lane: str) -> int:
         mode, other = self.config.mode, self._held("decode" if lane == "compute" else "compute")
@@ -298,14 +299,18 @@ class Simulator:
             req = ready[0]
             self.prefill_q.remove(req)
             tokens, ctx = req.prompt_tokens - req.prefilled, req.prefilled
-            lat = self._lat(lambda n, co: c.prefill(tokens, ctx, n, co), sms, "compute")
-            self.ops["compute"] = Op("compute", "prefill", sms, lat, req)
+            self.ops["compute"] = Op("compute", "prefill", sms,
+                                     lambda n, o: c.prefill(tokens, ctx, n, o), req)
         elif self._encoder_waiting():
             g = self.sched.next_grant()
             assert g is not None
-            lat = self._lat(lambda n, co: c.encoder(g.patches, g.layers, n, co), sms,
-                           "compute")
-            self.ops["compute"] = Op("compute", "encode", sms, lat, g)
+            if self.config.mode == "temporal-chunked":  # the rest of the window, >= 1 layer
+                per_layer = c.encoder(g.patches, 1, sms)
+                left = self.window_s - self._window_spent
+                layers = max(1, min(g.layers, math.ceil(left / per_layer - 1e-9)))
+                g = dataclasses.replace(g, layers=layers)
+            self.ops["compute"] = Op("compute", "encode", sms,
+                                     lambda n, o: c.encoder(g.patches, g.layers, n, o), g)
         else:
             return
         self._last_kind = "compute"
@@ -323,15 +328,17 @@ class Simulator:
             chunk_ctx = chunk_req.prefilled
             chunk = min(self.config.chunk_tokens, chunk_req.prompt_tokens - chunk_ctx)
         c = self.curves
-        lat = self._lat(lambda n, co: c.mixed_step(len(batch), ctx, chunk, chunk_ctx, n, co), sms,
-                        "decode")
-        self.ops["decode"] = Op("decode", "decode", sms, lat, (batch, chunk_req, chunk))
+        self.ops["decode"] = Op("decode", "decode", sms,
+                                lambda n, o: c.mixed_step(len(batch), ctx, chunk, chunk_ctx, n, o),
+                                (batch, chunk_req, chunk))
         self._last_kind = "decode"
+        self._window_spent = 0.0
 
     # -- completions -------------------------------------------------------------------------
     def _complete(self, op: Op) -> None:
         if op.kind == "encode":
             g: Grant = op.payload  # type: ignore[assignment]
+            self._window_spent += op.latency(op.sms, False)
             for rid in self.sched.report(g.job_id, g.layers):
                 req = self.requests[rid]
                 req.encoded_at = self.now

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..slo import Goodput, RequestLatency, Slo, goodput
 from .workload import Request
 
 
@@ -35,16 +36,35 @@ def stats(values: Sequence[float]) -> dict[str, float]:
             "p99_ms": 1e3 * percentile(values, 99)}
 
 
-def request_record(r: Request) -> dict[str, Any]:
-    """Per-request outcome (seconds) for the JSON output."""
-    ttft = None if r.kind == "background" else r.first_token - r.arrival
-    e2el = r.finish - r.arrival
-    tpot = (r.finish - r.first_token) / (r.generated - 1) if r.generated > 1 else None
-    return {"rid": r.rid, "gpu": r.gpu, "kind": r.kind, "resolution": r.resolution,
-            "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.generated,
-            "ttft": ttft, "tpot": tpot, "e2el": None if r.kind == "background" else e2el,
-            "mean_itl": sum(r.itls) / len(r.itls) if r.itls else None,
-            "max_itl": max(r.itls) if r.itls else None}
+def latency(r: Request) -> RequestLatency | None:
+    """A served request's latencies for SLO checks; None while it is unfinished."""
+    return RequestLatency.from_times(r.arrival, r.first_token, r.finish, r.itls, r.generated)
+
+
+def request_record(r: Request, slo: Slo | None = None) -> dict[str, Any]:
+    """Per-request outcome (seconds) for the JSON output; None where it has none (an unfinished
+    request has no E2EL); ``slo_met`` when an SLO is given (image and text requests)."""
+    served = r.kind != "background"
+    ttft = r.first_token - r.arrival if served and r.first_token is not None else None
+    e2el = r.finish - r.arrival if served and r.finish is not None else None
+    tpot = None
+    if r.finish is not None and r.first_token is not None and r.generated > 1:
+        tpot = (r.finish - r.first_token) / (r.generated - 1)
+    out = {"rid": r.rid, "gpu": r.gpu, "kind": r.kind, "resolution": r.resolution,
+           "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.generated,
+           "finished": r.finish is not None, "ttft": ttft, "tpot": tpot, "e2el": e2el,
+           "mean_itl": sum(r.itls) / len(r.itls) if r.itls else None,
+           "max_itl": max(r.itls) if r.itls else None}
+    if slo is not None and served:
+        out["slo_met"] = slo.meets(latency(r))
+    return out
+
+
+def image_goodput(requests: Iterable[Request], slo: Slo, window_s: float) -> Goodput:
+    """Goodput of the image requests that arrived in ``[0, window_s)`` (the arrival window);
+    one unfinished when the run ended is a miss."""
+    return goodput((latency(r) for r in requests if r.kind == "image" and r.arrival < window_s),
+                   slo, window_s)
 
 
 def summarize(requests: Iterable[Request], kinds: Sequence[str] | None = None

@@ -15,7 +15,7 @@ of Qwen2-VL-7B KV); eviction is not modelled. Without caching every turn encodes
 and prefills its whole history. Both runs see the same conversations (their contents are drawn
 per conversation); only the timing differs.
 
-Goodput: turns that met the SLO (TTFT and TPOT bounds) per second of the window in which turns
+Goodput (`slo.goodput`): turns that met the SLO per second of the window in which turns
 arrived, and as a fraction of all turns (attainment).
 """
 
@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..curves import CurveSet
-from .engine import SimConfig, Simulator
+from ..slo import RequestLatency, Slo, goodput
+from .config import SimConfig
+from .engine import Simulator
 from .metrics import stats
 from .workload import DEFAULT_MIX, RESOLUTIONS, Request, arrival_times
 
@@ -149,28 +151,26 @@ def run_multiturn(curves: CurveSet, config: SimConfig, mt: MultiTurn, *, caching
     return turns
 
 
-def summarize_turns(numbered: Sequence[tuple[int, int, Request]], ttft_s: float,
-                    tpot_s: float) -> dict[str, Any]:
-    """TTFT (all turns, follow-ups), TPOT, goodput under (TTFT, TPOT) bounds, and the work."""
-    def tpot(r: Request) -> float | None:
-        return (r.finish - r.first_token) / (r.generated - 1) if r.generated > 1 else None
-
+def summarize_turns(numbered: Sequence[tuple[int, int, Request]], slo: Slo,
+                    window_s: float | None = None) -> dict[str, Any]:
+    """TTFT (all turns, follow-ups), TPOT, goodput under `slo` over `window_s` (default: up
+    to the last turn's arrival), and the work done (patches encoded, tokens prefilled)."""
     turns = [r for _, _, r in numbered]
-    ttft = [r.first_token - r.arrival for r in turns]
-    follow = [r.first_token - r.arrival for _, k, r in numbered if k > 0]
-    good = sum(1 for r in turns if r.first_token - r.arrival <= ttft_s
-               and (tpot(r) is None or tpot(r) <= tpot_s))
-    span = max((r.arrival for r in turns), default=0.0)
-    return {"turns": len(turns), "ttft": stats(ttft), "followup_ttft": stats(follow),
-            "tpot": stats([x for r in turns if (x := tpot(r)) is not None]),
-            "good": good, "attainment": good / len(turns) if turns else float("nan"),
-            "goodput": good / span if span > 0 else 0.0,
+    lats = [RequestLatency.from_times(r.arrival, r.first_token, r.finish, r.itls, r.generated)
+            for r in turns]
+    window = window_s or max((r.arrival for r in turns), default=0.0) or 1.0
+    good = goodput(lats, slo, window)
+    return {"turns": len(turns), "ttft": stats([x.ttft for x in lats if x is not None]),
+            "followup_ttft": stats([r.first_token - r.arrival for _, k, r in numbered
+                                    if k > 0 and r.first_token is not None]),
+            "tpot": stats([x.tpot for x in lats if x is not None and x.tpot is not None]),
+            "good": good.met, "attainment": good.attainment, "goodput": good.rate_per_s,
             "encoded_patches": sum(r.patches for r in turns),
             "prefilled_tokens": sum(r.prompt_tokens - r.cached_tokens for r in turns)}
 
 
 def sweep_multiturn(curves: CurveSet, modes: Sequence[str], rates: Sequence[float],
-                    mt: MultiTurn, base: SimConfig, *, ttft_s: float, tpot_s: float,
+                    mt: MultiTurn, base: SimConfig, *, slo: Slo,
                     seeds: Sequence[int] = (0,)) -> list[dict[str, Any]]:
     """Every (mode, conversation rate, caching on / off): one summary row each, over the
     turns of every seed pooled (goodput: SLO-meeting turns over the seeds' windows summed)."""
@@ -186,9 +186,8 @@ def sweep_multiturn(curves: CurveSet, modes: Sequence[str], rates: Sequence[floa
                     turns = run_multiturn(curves, cfg, w, caching=caching)
                     window += max((r.arrival for _, _, r in turns), default=0.0)
                     pooled += turns
-                row = summarize_turns(pooled, ttft_s, tpot_s)
-                row["goodput"] = row["good"] / window if window > 0 else 0.0
-                rows.append({"mode": mode, "rate": rate, "caching": caching, **row})
+                rows.append({"mode": mode, "rate": rate, "caching": caching,
+                             **summarize_turns(pooled, slo, window or None)})
     return rows
 
 

@@ -2,8 +2,8 @@
 
 Sweeps conversation rates for each mode; every point runs twice on the same conversations,
 with SpaceServe's caches (encoder output cache, prefix caching) and without, and reports TTFT
-(all turns and follow-up turns), TPOT and goodput under a (TTFT, TPOT) SLO. Writes
-multiturn.json and prints the Markdown table.
+(all turns and follow-up turns), TPOT and goodput under `--slo`, over the `--seeds` pooled.
+Writes multiturn.json and prints the Markdown table.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import json
 import time
 
 from ..analytic import analytic_curves
+from ..contention import Contention
 from ..curves import CurveSet
-from .engine import SimConfig
+from .config import SimConfig
 from .multiturn import MultiTurn, sweep_multiturn, table
 from .sweep import capacity_rate
 from .workload import Workload
@@ -33,17 +34,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="mean think time (s) between an answer and the next turn")
     g.add_argument("--image-reuse", type=float, default=0.75,
                    help="chance a follow-up turn brings no new image (asks about the earlier)")
-    g.add_argument("--seeds", default="0,1", help="comma-separated seeds, pooled per point")
-    g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT bound")
-    g.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput: TPOT bound")
 
 
 def main(args: argparse.Namespace, modes: list[str]) -> int:
     t0 = time.perf_counter()
     if args.gpus != 1:
         raise SystemExit("--workload multiturn simulates one GPU (--gpus 1)")
-    curves = CurveSet.load(args.curves) if args.curves is not None else \
-        analytic_curves(device=args.device)
+    try:
+        curves = CurveSet.load(args.curves) if args.curves is not None else \
+            analytic_curves(device=args.device)
+        if args.contention is not None:
+            curves = curves.with_contention(Contention.flat(args.contention))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"spaceserve sim: {exc}") from None
     mt = MultiTurn(0.0, args.duration, turns=args.turns, think_s=args.think,
                    image_reuse=args.image_reuse, image_mix=args.mix,
                    text_tokens=args.text_tokens, output_tokens=args.output_tokens,
@@ -51,27 +54,26 @@ def main(args: argparse.Namespace, modes: list[str]) -> int:
     base = SimConfig(static_encoder_sms=args.static_encoder_sms, tpot_factor=args.tpot_factor,
                      prefill_on=args.prefill_on, encoder_policy=args.encoder_policy,
                      background=args.batch, background_context=args.context,
-                     shared_decode_share=args.shared_decode_share)
+                     shared_decode_share=args.shared_decode_share,
+                     window_s=args.encoder_window_ms / 1e3)
     cap = capacity_rate(curves, Workload(0.0, args.duration, image_mix=args.mix,
                                          text_tokens=args.text_tokens))
     if args.rates:
         rates = sorted(float(r) for r in args.rates.split(","))
     else:  # around the rate whose first turns alone keep encode + prefill busy
         rates = [round(cap / args.turns * f, 2) for f in (0.25, 0.5, 1.0, 1.5)]
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    rows = sweep_multiturn(curves, modes, rates, mt, base, ttft_s=args.slo_ttft_ms / 1e3,
-                           tpot_s=args.slo_tpot_ms / 1e3, seeds=seeds)
+    seeds = args.seeds or [args.seed]
+    rows = sweep_multiturn(curves, modes, rates, mt, base, slo=args.slo, seeds=seeds)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "multiturn.json"
     path.write_text(json.dumps({"device": curves.device, "source": curves.source,
                                 "model": curves.model.get("name"), "seeds": seeds,
-                                "slo_ms": {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms},
+                                "slo": args.slo.to_dict(),
                                 "workload": dataclasses.asdict(mt),
                                 "config": dataclasses.asdict(base), "rows": rows}, indent=1))
     print(f"{curves.device} ({curves.source} curves), {curves.model.get('name')}, batch "
           f"{args.batch}; {args.turns} turns, think {args.think:g} s, image reuse "
-          f"{args.image_reuse:g}; SLO TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} "
-          f"ms; seeds {seeds}")
+          f"{args.image_reuse:g}; SLO {args.slo} (ms); seeds {seeds}")
     print(table(rows))
     print(f"results: {path}\n({time.perf_counter() - t0:.1f} s)")
     return 0

@@ -1,4 +1,9 @@
-"""Image-rate sweeps across execution modes, the headline comparison and the figure.
+"""Image-rate sweeps across execution modes, the headline comparison and the figures.
+
+Every sweep point runs each seed and pools them: latency statistics over the pooled requests,
+throughputs as the seeds' mean, and goodput (`spaceserve.runtime.slo`) over the image requests
+of every seed's arrival window: ``rate_per_s`` = met / (window x seeds), ``attainment`` = met /
+arrived.
 
 The headline: find the image rate at which time-multiplexed (temporal) TPOT reaches
 ``factor`` x its unloaded value, rerun every mode at exactly that rate and report each mode's
@@ -14,10 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from ..curves import CurveSet
+from ..slo import DEFAULT_SLO, Slo
 from .cluster import SimResult, simulate
 from .engine import MODES, SimConfig
-from .metrics import request_record
+from .metrics import request_record, summarize
 from .workload import RESOLUTIONS, Workload
+
+THROUGHPUTS = ("duration_s", "request_throughput", "output_throughput",
+               "served_output_throughput")
 
 
 def capacity_rate(curves: CurveSet, workload: Workload, num_gpus: int = 1,
@@ -40,22 +49,51 @@ def default_rates(capacity: float, points: int = 9, top: float = 0.85) -> list[f
     return [round(capacity * top * i / (points - 1), 4) for i in range(points)]
 
 
-def _row(rate: float, res: SimResult) -> dict[str, Any]:
-    s = res.summary()
-    return {"rate": rate, "all": s["all"], "image": s["image"], "background": s["background"]}
+def _pooled(results: Sequence[SimResult], kinds: tuple[str, ...] | None) -> dict[str, Any]:
+    s = summarize([r for res in results for r in res.requests], kinds)
+    if len(results) > 1:  # a rate per run, not per pooled span
+        per = [summarize(res.requests, kinds) for res in results]
+        for key in THROUGHPUTS:
+            s[key] = sum(p[key] for p in per) / len(per)
+    return s
+
+
+def pooled_goodput(results: Sequence[SimResult], slo: Slo) -> dict[str, Any]:
+    """Goodput over every run's arrival window (module docstring), with each run's rate."""
+    per = [res.goodput(slo) for res in results]
+    met, counted = sum(g.met for g in per), sum(g.counted for g in per)
+    window = sum(g.window_s for g in per)
+    return {"slo": slo.to_dict(), "rate_per_s": met / window,
+            "attainment": met / counted if counted else 1.0, "met": met, "counted": counted,
+            "window_s": per[0].window_s, "runs": len(per),
+            "per_seed_rate_per_s": [g.rate_per_s for g in per]}
+
+
+def _row(rate: float, results: Sequence[SimResult], slo: Slo) -> dict[str, Any]:
+    return {"rate": rate, "seeds": [res.workload.seed for res in results],
+            "all": _pooled(results, None), "image": _pooled(results, ("image",)),
+            "background": _pooled(results, ("background",)),
+            "goodput": pooled_goodput(results, slo)}
 
 
 def run_sweep(curves: CurveSet, modes: Sequence[str], rates: Sequence[float],
               workload: Workload, base: SimConfig, *, num_gpus: int = 1,
-              router: str = "round_robin") -> dict[str, list[dict[str, Any]]]:
-    """Simulate every (mode, rate) pair; returns rows of summaries per mode."""
+              router: str = "round_robin", slo: Slo = DEFAULT_SLO,
+              seeds: Sequence[int] | None = None, drain_s: float | None = None
+              ) -> dict[str, list[dict[str, Any]]]:
+    """Simulate every (mode, rate, seed); returns one pooled row per mode and rate. `seeds`
+    default to the workload's; `drain_s` bounds each run after its arrivals stop."""
+    seeds = list(seeds) if seeds else [workload.seed]
     out: dict[str, list[dict[str, Any]]] = {}
     for mode in modes:
         cfg = dataclasses.replace(base, mode=mode)
-        out[mode] = [_row(rate, simulate(curves, cfg, dataclasses.replace(workload,
-                                                                          image_rate=rate),
-                                         num_gpus=num_gpus, router=router))
-                     for rate in rates]
+        out[mode] = []
+        for rate in rates:
+            runs = [simulate(curves, cfg, dataclasses.replace(workload, image_rate=rate,
+                                                              seed=seed),
+                             num_gpus=num_gpus, router=router, drain_s=drain_s)
+                    for seed in seeds]
+            out[mode].append(_row(rate, runs, slo))
     return out
 
 
@@ -70,7 +108,8 @@ def crossing(rates: Sequence[float], values: Sequence[float], level: float) -> f
 
 def headline(curves: CurveSet, sweep: dict[str, list[dict[str, Any]]], workload: Workload,
              base: SimConfig, *, factor: float = 3.0, num_gpus: int = 1,
-             router: str = "round_robin") -> tuple[dict[str, Any], dict[str, SimResult]]:
+             router: str = "round_robin", drain_s: float | None = None
+             ) -> tuple[dict[str, Any], dict[str, SimResult]]:
     """Each mode at the rate where temporal TPOT is `factor` x unloaded."""
     if "temporal" not in sweep or sweep["temporal"][0]["rate"] != 0:
         return {"note": "needs a temporal sweep starting at rate 0"}, {}
@@ -88,7 +127,7 @@ def headline(curves: CurveSet, sweep: dict[str, list[dict[str, Any]]], workload:
     for mode in sweep:
         res = simulate(curves, dataclasses.replace(base, mode=mode),
                        dataclasses.replace(workload, image_rate=rate), num_gpus=num_gpus,
-                       router=router)
+                       router=router, drain_s=drain_s)
         s = res.summary()["all"]
         runs[mode] = res
         info["modes"][mode] = {
@@ -99,81 +138,33 @@ def headline(curves: CurveSet, sweep: dict[str, list[dict[str, Any]]], workload:
 
 
 def table(sweep: dict[str, list[dict[str, Any]]]) -> str:
-    """A plain-text table of the sweep."""
-    lines = [f"{'mode':<15}{'rate/s':>8}{'TPOT ms':>9}{'p99 ITL':>9}{'TTFT ms':>10}"
-             f"{'p99 TTFT':>10}{'served':>8}"]
+    """A plain-text table of the sweep: latencies over every request (TTFT over the image
+    and text requests), goodput over the image requests."""
+    lines = [f"{'mode':<17}{'rate/s':>7}{'TPOT ms':>9}{'p99 ITL':>9}{'TTFT ms':>10}"
+             f"{'p99 TTFT':>10}{'served':>7}{'unfin':>6}{'good/s':>8}{'attain':>8}"]
     for mode, rows in sweep.items():
         for r in rows:
-            a = r["all"]
-            lines.append(f"{mode:<15}{r['rate']:>8.2f}{a['tpot']['mean_ms']:>9.2f}"
+            a, g = r["all"], r["goodput"]
+            lines.append(f"{mode:<17}{r['rate']:>7.2f}{a['tpot']['mean_ms']:>9.2f}"
                          f"{a['itl']['p99_ms']:>9.2f}{a['ttft']['mean_ms']:>10.1f}"
-                         f"{a['ttft']['p99_ms']:>10.1f}{a['served']:>8d}")
+                         f"{a['ttft']['p99_ms']:>10.1f}{a['served']:>7d}"
+                         f"{r['image']['unfinished']:>6d}{g['rate_per_s']:>8.2f}"
+                         f"{100 * g['attainment']:>7.1f}%")
     return "\n".join(lines)
 
 
-def plot(sweep: dict[str, list[dict[str, Any]]], head: dict[str, Any],
-         runs: dict[str, SimResult], path: Path) -> Path | None:
-    """TPOT, p99 ITL and TTFT against image rate per mode, and SIS's split over time."""
-    from spaceserve.plotting import pyplot
-
-    plt = pyplot()
-    if plt is None:
-        print("matplotlib is not installed: skipping the figure (pip install matplotlib)")
-        return None
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
-    panels = [("tpot", "mean_ms", "mean TPOT (ms)"), ("itl", "p99_ms", "p99 ITL (ms)"),
-              ("ttft", "mean_ms", "mean TTFT (ms)")]
-    for ax, (metric, stat, label) in zip(axes.flat, panels, strict=False):
-        for mode, rows in sweep.items():
-            pts = [(r["rate"], r["all"][metric][stat]) for r in rows
-                   if r["all"][metric][stat] == r["all"][metric][stat]]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
-        if head.get("rate") is not None:
-            ax.axvline(head["rate"], color="grey", ls=":", lw=1)
-        ax.set_xlabel("image requests / s")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0, 0].axhline(head.get("unloaded_tpot_ms", 0), color="k", ls="--", lw=0.8)
-    axes[0, 0].legend()
-    axes[1, 0].set_yscale("log")
-    ax = axes[1, 1]
-    res = runs.get("spatial")
-    if res is not None:
-        g = res.gpus[0]
-        tl = g.timeline
-        ax.fill_between([t for t, _, _ in tl], [e for _, e, _ in tl], step="post", alpha=0.5,
-                        lw=0, label="encoder SMs in use")
-        if g.splits:
-            end = tl[-1][0]
-            ax.step([t for t, _ in g.splits] + [end], [e for _, e in g.splits] +
-                    [g.splits[-1][1]], where="post", color="k", lw=0.8,
-                    label="SIS encoder split")
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel(f"encoder SMs (of {g.total})")
-        ax.set_ylim(0, g.total)
-        ax.set_title(f"spatial (SIS) at {head['rate']:.2f} images/s, GPU 0")
-        ax.legend(loc="upper right")
-    else:
-        ax.set_axis_off()
-    fig.suptitle("Decode latency against image request rate")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def write_outputs(out: Path, meta: dict[str, Any], sweep: dict[str, list[dict[str, Any]]],
-                  head: dict[str, Any], runs: dict[str, SimResult]) -> dict[str, Path]:
+                  head: dict[str, Any], runs: dict[str, SimResult], slo: Slo = DEFAULT_SLO
+                  ) -> dict[str, Path]:
     """results.json (config, sweep, headline) and requests.json (headline runs, per request)."""
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.json"
     results.write_text(json.dumps({"meta": meta, "sweep": sweep, "headline": head}, indent=1))
     reqs = out / "requests.json"
-    reqs.write_text(json.dumps({mode: [request_record(r) for r in res.requests]
+    reqs.write_text(json.dumps({mode: [request_record(r, slo) for r in res.requests]
                                 for mode, res in runs.items()}))
     return {"results": results, "requests": reqs}
 
 
-__all__ = ["MODES", "capacity_rate", "crossing", "default_rates", "headline", "plot",
+__all__ = ["MODES", "capacity_rate", "crossing", "default_rates", "headline", "pooled_goodput",
            "run_sweep", "table", "write_outputs"]

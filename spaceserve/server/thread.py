@@ -1,4 +1,5 @@
-"""uvicorn on a background thread: a live server inside a test or a benchmark process."""
+"""`ServerThread`: the app served by uvicorn on a background thread, for loopback tests and
+benchmarks that need a real HTTP server in their own process."""
 
 from __future__ import annotations
 

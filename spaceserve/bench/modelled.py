@@ -1,0 +1,104 @@
+"""The simulator's goodput prediction for the target GPU, printed beside a CPU run.
+
+A CPU cannot co-locate anything, so `spaceserve bench serve` on a CPU shows only that the
+plumbing works. Beside it, this module replays the *same* request stream (the benchmark's
+workload: arrivals, image sizes, prompt and output lengths, probes) through the discrete-event
+simulator on analytic curves of the target GPU (an H200 preset by default) for the model the
+run stands for - the checkpoint's own config, the random-weight model's full config, or, for
+``--model tiny``, Qwen2-VL-7B (the model the tiny one stands in for) - in each benchmarked mode,
+with the same SLO, arrival window and bounded drain. Everything here is modelled, never
+measured, and says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from spaceserve.runtime.slo import Slo
+
+from .metrics import flatten
+from .prompts import TEMPLATE_TOKENS, image_grid
+from .workload import ServeWorkload, build_requests
+
+GROUPS = (("load", ("image", "text")), ("probe", ("probe",)))
+
+
+def target_config(model: str) -> tuple[Any, str]:
+    """(transformers config, name) of the model a benchmark run stands for."""
+    from .random_model import is_random_model, random_config
+
+    if is_random_model(model):
+        return random_config(model), model.removesuffix("-random")
+    path = Path(model).expanduser()
+    if model != "tiny" and (path / "config.json").is_file():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path, local_files_only=True), path.name
+    from spaceserve.runtime.analytic import qwen2_vl_7b_config
+
+    return qwen2_vl_7b_config(), "Qwen2-VL-7B (what the tiny model stands in for)"
+
+
+def sim_requests(w: ServeWorkload, vision_config: Any) -> list[Any]:
+    """The workload's requests as the simulator's: image tokens from the target model's
+    preprocessing of each resolution, text tokens as the token-id prompts count them."""
+    from spaceserve.runtime.sim import Request
+
+    merge = int(vision_config.spatial_merge_size)
+    grids: dict[str, int] = {}
+    out = []
+    for r in build_requests(w):
+        image = 0
+        if r.kind == "image":
+            if r.resolution not in grids:
+                t, h, wd = image_grid(r.resolution, vision_config)
+                grids[r.resolution] = t * h * wd // merge ** 2
+            image = grids[r.resolution]
+        out.append(Request(r.idx, r.arrival, image, TEMPLATE_TOKENS + len(r.prompt.split()),
+                           r.max_tokens, r.kind, r.resolution))
+    return out
+
+
+def sim_config(mode: str, num_sms: int, window_s: float) -> Any:
+    """The simulator's settings for an engine mode at its defaults (no background batch)."""
+    from spaceserve.runtime.partition import default_splits
+    from spaceserve.runtime.sim import SimConfig
+
+    splits = default_splits(num_sms)
+    return SimConfig(mode=mode, background=0, window_s=window_s,
+                     static_encoder_sms=splits[len(splits) // 2], allowed_encoder_sms=splits)
+
+
+def predict(workloads: list[ServeWorkload], modes: list[str], model: str, slo: Slo, *,
+            device: str = "H200", window_s: float = 0.02, drain_s: float = 30.0
+            ) -> dict[str, Any]:
+    """Modelled metrics and goodput per mode and rate; {"error": why} when it cannot run."""
+    try:
+        from spaceserve.runtime.analytic import analytic_curves
+        from spaceserve.runtime.sim import Simulator, summarize
+        from spaceserve.runtime.sim.metrics import image_goodput
+
+        config, name = target_config(model)
+        curves = analytic_curves(config, device, name=name)
+        rows = []
+        for mode in modes:
+            cfg = sim_config(mode, curves.num_sms, window_s)
+            for w in workloads:
+                reqs = sim_requests(w, config.vision_config)
+                sim = Simulator(curves, cfg, horizon=w.duration_s)
+                for r in reqs:
+                    sim.advance_to(r.arrival)
+                    sim.add(r)
+                sim.advance_to(w.duration_s)
+                sim.drain(drain_s)
+                row = {"mode": mode, "rate": w.request_rate,
+                       "goodput": image_goodput(reqs, slo, w.duration_s).to_dict()}
+                row |= {g: flatten(summarize(reqs, kinds)) for g, kinds in GROUPS}
+                rows.append(row)
+    except Exception as exc:  # a prediction failing must not lose the measurement
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    table = curves.contention
+    return {"model": name, "device": curves.device, "curves": curves.source,
+            "contention": table.note if table is not None else "co-running grids",
+            "slo": str(slo), "drain_s": drain_s, "rows": rows}

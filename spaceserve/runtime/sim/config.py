@@ -1,0 +1,53 @@
+"""The simulator's settings: execution mode, scheduler knobs and the background decode batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("temporal", "temporal-chunked", "spatial-static", "spatial", "shared")
+TEMPORAL_MODES = ("temporal", "temporal-chunked")
+PLACEMENTS = ("auto", "compute", "decode")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How one GPU runs: mode, scheduler knobs and the background decode batch."""
+
+    mode: str = "spatial"
+    static_encoder_sms: int = 64
+    allowed_encoder_sms: tuple[int, ...] | None = None  # default: multiples of 8
+    encoder_policy: str | None = None  # default: fifo for temporal, twsrft otherwise
+    window_s: float | None = None  # encoder window; default 20 ms (temporal: whole jobs)
+    max_wait_s: float = 0.5
+    token_budget: int = 16384
+    tpot_factor: float = 1.15
+    min_gain: float = 0.1
+    min_dwell_s: float = 0.05
+    prefill_on: str = "auto"  # auto: SIS (spatial), decode steps (temporal-chunked), else compute
+    chunk_tokens: int = 512
+    background: int = 32  # requests kept decoding (replaced as they finish)
+    background_context: int = 1024  # their prompt length
+    background_output: int = 256  # their output length
+    context_bucket: int = 64  # SIS sees the decode context rounded to this
+    shared_decode_share: float = 0.5  # shared mode: decode's share of SM throughput when both run
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.prefill_on not in PLACEMENTS:
+            raise ValueError(f"prefill_on must be one of {PLACEMENTS}, got {self.prefill_on!r}")
+        if self.background < 0 or self.background_context < 0 or self.background_output < 2:
+            raise ValueError("background, background_context must be >= 0; "
+                             "background_output >= 2")
+        if self.chunk_tokens < 1 or self.context_bucket < 1:
+            raise ValueError("chunk_tokens and context_bucket must be >= 1")
+        if not 0 < self.shared_decode_share < 1:
+            raise ValueError(f"shared_decode_share must be in (0, 1), got "
+                             f"{self.shared_decode_share}")
+        if self.window_s is not None and not self.window_s > 0:
+            raise ValueError(f"window_s must be positive, got {self.window_s}")
+
+
+def default_allowed(total_sms: int, step: int = 8) -> tuple[int, ...]:
+    """Encoder SM counts a Hopper green-context partition offers (multiples of 8)."""
+    return tuple(range(step, total_sms - step + 1, step))

@@ -1,0 +1,361 @@
+"""`ReplicaClient`: the engine client `create_app` serves, over a set of engine replicas.
+
+It has the surface the HTTP layer uses of `AsyncEngine` (``reserve`` -> a handle with ``start``
+/ ``next`` / ``close``; ``alive``, ``mode``, ``mode_note``, ``metrics``, ``gauges``,
+``engine.max_model_len``, ``close``), so the API, errors, /health and /metrics are the single
+server's. A handle prepares the prompt in a worker pool (chat template, image decoding), derives
+its `RouteRequest` (image content hashes, prefix-block hashes), and streams the request from one
+replica through a `ReplicaBackend` (Ray Serve's deployment handle in deploy.py, a fake in tests);
+the backend's router ranks replicas with the `ReplicaTracker` this client reports to (first
+token, end).
+
+Faults: when the replica fails (its process died, its stream broke) before anything was handed
+to the HTTP layer, the request is sent once more, to another replica; otherwise it ends with an
+error output whose status is 503 (a JSON 503 before the first chunk, an SSE error event after).
+A request no replica takes within `route_timeout_s` ends the same way, so nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from spaceserve.runtime.route_keys import route_request
+
+from ..engine_client import QueueFull
+from .metrics import ReplicaSetMetrics
+
+if TYPE_CHECKING:
+    from spaceserve.runtime.request import RequestOutput, SamplingParams
+    from spaceserve.runtime.route_tracker import ReplicaTracker
+
+
+class ReplicaLost(Exception):
+    """A replica's stream ended without the request's final output."""
+
+
+class NoReplica(Exception):
+    """No replica took the request in time."""
+
+
+class ReplicaBackend(Protocol):
+    """Sends one request to one replica (the router picks it) and yields the replica's items:
+    ``("out", replica_label, RequestOutput)`` or ``("error", http_status, message)``."""
+
+    def stream(self, kwargs: dict[str, Any]) -> AsyncIterator[tuple]: ...
+
+    def is_replica_failure(self, exc: BaseException) -> bool: ...
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the HTTP layer reads of the engine (the replicas all run the same one)."""
+
+    max_model_len: int
+
+
+def error_output(request_id: str, status: int, message: str) -> RequestOutput:
+    """A final output ending a request with `message`, answered with HTTP `status`."""
+    from spaceserve.runtime.request import RequestMetrics, RequestOutput
+
+    now = time.monotonic()
+    return RequestOutput(request_id, [], [], [], None, True, "error", message,
+                         RequestMetrics(now, None, (), now), {"status": status})
+
+
+class ReplicaRequestHandle:
+    """One admitted request; see the module docstring."""
+
+    def __init__(self, client: ReplicaClient, request_id: str) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.task: asyncio.Task | None = None
+        self.label: str | None = None  # the replica that answered
+        self.delivered = False
+        self.finished = False  # every one of its n sequences has ended (or it failed)
+        self.closed = False
+        self.n = 1
+        self._left = 1  # sequences whose final output the HTTP layer has not taken
+
+    async def start(self, prepare: Callable[[], Any], params: SamplingParams | Callable[
+            [Any], SamplingParams], *, stream: bool) -> Any:
+        """Prepare the prompt in the pool (client mistakes raise here, as on one server), then
+        send it; returns the prompt."""
+        c = self.client
+
+        def job() -> tuple[Any, Any, Any]:
+            prompt = prepare()
+            sp = params(prompt) if callable(params) else params
+            self.n = self._left = sp.n
+            route = route_request(self.request_id, prompt, image_token_id=c.image_token_id,
+                                  merge_size=c.merge_size, block_tokens=c.block_tokens,
+                                  output_tokens=sp.max_tokens)
+            return prompt, sp, route
+
+        prompt, sp, route = await self.loop.run_in_executor(c.pool, job)
+        if not self.closed:
+            self.task = asyncio.ensure_future(self._pump(prompt, sp, stream, route))
+        return prompt
+
+    async def next(self) -> RequestOutput:
+        out = await self.queue.get()
+        self._left -= out.finished
+        self.finished = self._left <= 0 or "status" in out.extra  # an error ends them all
+        return out
+
+    def close(self) -> None:
+        """Release the admission slot; cancel the request on its replica if unfinished."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        self.client.tracker.on_finished(self.request_id)
+        self.client._release()
+
+    # The request's life on the replicas.
+
+    async def _pump(self, prompt: Any, params: Any, stream: bool, route: Any) -> None:
+        c, rid = self.client, self.request_id
+        kwargs = {"request_id": rid, "prompt": prompt, "params": params, "stream": stream,
+                  "route": route, "exclude": None}
+        for attempt in (1, 2):
+            try:
+                await self._relay(c.backend.stream(kwargs))
+                return
+            except asyncio.CancelledError:
+                raise
+            except NoReplica:
+                self._fail(503, f"no replica took the request within {c.route_timeout_s:g} s; "
+                           "retry later")
+                return
+            except Exception as exc:
+                if not (isinstance(exc, ReplicaLost) or c.backend.is_replica_failure(exc)):
+                    self._fail(500, f"internal error: {type(exc).__name__}")
+                    return
+                failed = c.tracker.assigned(rid)
+                label = self.label or c.label_of(failed) or "unknown"
+                c.metrics.replica_failed(label)
+                c.tracker.on_finished(rid)
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                if not self.delivered and attempt == 1:
+                    c.metrics.request_retried()
+                    kwargs["exclude"] = failed
+                    continue
+                after = "after part of the answer was sent" if self.delivered else \
+                    "and so did the replica it was retried on"
+                self._fail(503, f"replica {label} failed while serving this request {after} "
+                           f"({why.rstrip(': ')}); retry it")
+                return
+
+    async def _relay(self, items: AsyncIterator[tuple]) -> None:
+        """Hand a replica's outputs to the HTTP layer until the final one."""
+        c, rid = self.client, self.request_id
+        it = items.__aiter__()
+        item = await self._first(it)
+        left = self.n  # sequences still running (n > 1: their outputs interleave)
+        while True:
+            if item[0] == "error":
+                _, status, message = item
+                self._put(error_output(rid, int(status), str(message)))
+                return
+            _, label, out = item
+            if self.label is None:
+                key = c.key_of(str(label))
+                if key is not None:
+                    c.tracker.confirm(rid, key)
+            self.label = str(label)
+            if out.finished:
+                left -= 1
+                if not left:
+                    c.tracker.on_finished(rid)
+                c.metrics.observe(out, self.label)
+            else:
+                c.tracker.on_first_token(rid)
+            self.delivered = True
+            self._put(out)
+            if not left:
+                return
+            try:
+                item = await it.__anext__()
+            except StopAsyncIteration:
+                raise ReplicaLost("the replica's stream ended before the request did") from None
+
+    async def _first(self, it: AsyncIterator[tuple]) -> tuple:
+        """The first item; NoReplica when no replica took the request in time (once one has,
+        its queue may take as long as it takes)."""
+        c = self.client
+        first = asyncio.ensure_future(it.__anext__())
+        start = time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=0.5)
+                if done:
+                    break
+                if c.tracker.assigned(self.request_id) is None and \
+                        time.monotonic() - start > c.route_timeout_s:
+                    raise NoReplica()
+        except BaseException:
+            first.cancel()
+            raise
+        try:
+            return first.result()
+        except StopAsyncIteration:
+            raise ReplicaLost("the replica's stream ended before the request did") from None
+
+    def _put(self, out: RequestOutput) -> None:
+        self.queue.put_nowait(out)
+
+    def _fail(self, status: int, message: str) -> None:
+        out = error_output(self.request_id, status, message)
+        self.client.tracker.on_finished(self.request_id)
+        self.client.metrics.observe(out)
+        self._put(out)
+
+
+class ReplicaClient:
+    """See the module docstring. `max_pending` bounds requests admitted and not yet closed."""
+
+    def __init__(self, backend: ReplicaBackend, tracker: ReplicaTracker, *, max_model_len: int,
+                 mode: str, num_replicas: int, image_token_id: int | None,
+                 merge_size: int = 2, max_pending: int = 256, mode_note: str | None = None,
+                 route_timeout_s: float = 60.0, workers: int = 4) -> None:
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending={max_pending!r} must be an int >= 1")
+        self.backend, self.tracker = backend, tracker
+        self.engine = EngineFacts(max_model_len)
+        self._mode, self._note = mode, mode_note
+        self.num_replicas = num_replicas
+        self.image_token_id, self.merge_size = image_token_id, merge_size
+        self.block_tokens = tracker.config.block_tokens
+        self.max_pending = max_pending
+        self.route_timeout_s = route_timeout_s
+        self.metrics = ReplicaSetMetrics(self.replica_gauges, self.replica_info,
+                                         self.replica_counters)
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spaceserve-prep")
+        self._pending = 0
+        self._ids = 0
+        self._closing = False
+
+    # Admission.
+
+    @property
+    def num_pending(self) -> int:
+        return self._pending
+
+    def reserve(self, request_id: str | None = None) -> ReplicaRequestHandle:
+        """Admit one request or raise QueueFull; call inside the event loop."""
+        if self._pending >= self.max_pending:
+            raise QueueFull(f"{self._pending} requests in flight (max_pending="
+                            f"{self.max_pending})")
+        self._pending += 1
+        self._ids += 1
+        return ReplicaRequestHandle(self, request_id or f"srv-{self._ids}")
+
+    def _release(self) -> None:
+        self._pending -= 1
+
+    # State.
+
+    @property
+    def alive(self) -> bool:
+        return not self._closing and bool(self.tracker.keys())
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the replica set is dead (the single server's client says why its engine died)."""
+        if self.alive:
+            return None
+        return "shutting down" if self._closing else f"none of {self.num_replicas} replicas " \
+            "is running"
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def mode_note(self) -> str | None:
+        live = len(self.tracker.keys())
+        parts = [self._note] if self._note else []
+        if live < self.num_replicas:
+            parts.append(f"{live} of {self.num_replicas} replicas running")
+        return "; ".join(parts) or None
+
+    def label_of(self, key: str | None) -> str | None:
+        """A replica's label (its rank) from its latest report."""
+        if key is None:
+            return None
+        rank = self.tracker.info_of(key).get("rank")
+        return None if rank is None else str(rank)
+
+    def key_of(self, label: str) -> str | None:
+        """The replica key (Ray replica id) of a label, from the latest reports."""
+        for key, info in self.tracker.info().items():
+            if str(info.get("rank")) == label:
+                return key
+        return None
+
+    def _reports(self) -> dict[str, dict[str, Any]]:
+        return {str(info["rank"]): info for info in self.tracker.info().values()
+                if "rank" in info}
+
+    def replica_gauges(self) -> dict[str, list[tuple[str, str, float]]]:
+        """Each live replica's gauges as it last reported them, by label."""
+        return {lab: [tuple(g) for g in info.get("gauges", ())]
+                for lab, info in self._reports().items()}
+
+    def replica_counters(self) -> dict[str, list[tuple[str, str, int]]]:
+        """Each live replica's engine counters (caches, encoder jobs, prefill tokens)."""
+        return {lab: [tuple(c) for c in info.get("counters", ())]
+                for lab, info in self._reports().items()}
+
+    def counters(self) -> list[tuple[str, str, int]]:
+        """The engines' counters summed over the live replicas (a replaced replica's count
+        starts again from 0)."""
+        sums: dict[str, int] = {}
+        helps: dict[str, str] = {}
+        for per in self.replica_counters().values():
+            for name, help_text, value in per:
+                sums[name] = sums.get(name, 0) + int(value)
+                helps.setdefault(name, help_text)
+        return [(name, helps[name], value) for name, value in sums.items()]
+
+    def replica_info(self) -> dict[str, dict[str, str]]:
+        keys = {str(info.get("rank")): key for key, info in self.tracker.info().items()}
+        return {lab: {"replica_id": keys.get(lab, ""), "pid": str(info.get("pid", "")),
+                      "node": str(info.get("node", ""))}
+                for lab, info in self._reports().items()}
+
+    def gauges(self) -> list[tuple[str, str, float]]:
+        """The single server's gauges summed over the replicas (the KV usage weighted by
+        blocks, in-flight counted here), plus the number of replicas running."""
+        reports = list(self._reports().values())
+        sums: dict[str, float] = {}
+        helps: dict[str, str] = {}
+        for info in reports:
+            for name, help_text, value in info.get("gauges", ()):
+                sums[name] = sums.get(name, 0.0) + float(value)
+                helps.setdefault(name, help_text)
+        blocks = sum(float(i.get("kv_blocks_total", 0)) for i in reports)
+        used = sum(float(i.get("kv_blocks_total", 0)) - float(i.get("kv_blocks_free", 0))
+                   for i in reports)
+        out = []
+        for name, value in sums.items():
+            if name == "kv_cache_usage_perc":
+                value = used / blocks if blocks else 0.0
+            elif name == "num_requests_in_flight":
+                value = self._pending
+            out.append((name, helps[name], value))
+        out.append(("num_replicas", "Replicas running behind this endpoint.",
+                    len(self.tracker.keys())))
+        return out
+
+    def close(self) -> None:
+        self._closing = True
+        self.pool.shutdown(wait=False, cancel_futures=True)

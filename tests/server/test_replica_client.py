@@ -1,0 +1,259 @@
+"""The replica set's engine client behind the single server's app, with fake replicas (no Ray):
+routing through the tracker, retry once before anything was sent, clear 503s after, no hang
+when no replica takes a request, and /metrics with totals plus per-replica series."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from spaceserve.runtime.request import RequestMetrics, RequestOutput
+from spaceserve.runtime.route_tracker import ReplicaTracker
+from spaceserve.server.replicas.client import ReplicaClient
+from spaceserve.server.replicas.metrics import families, merge, with_label
+
+from .conftest import MODEL, wait_until
+
+openai = pytest.importorskip("openai", reason="the serve extra is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+
+
+class Died(Exception):
+    """A fake replica's process died."""
+
+
+class FakeReplicas:
+    """Replicas "0" and "1" behind the tracker, routed as the Ray router routes. `plans[label]`
+    = outputs a replica sends before it dies (None: never dies); `hang` makes routing never
+    happen; `raise_other` raises an unrelated exception."""
+
+    def __init__(self, tracker: ReplicaTracker) -> None:
+        self.tracker = tracker
+        self.plans: dict[str, int | None] = {}
+        self.hang = False
+        self.raise_other = False
+        self.error_item: tuple | None = None
+        self.served: list[str] = []
+        self.cancelled = 0
+
+    def is_replica_failure(self, exc: BaseException) -> bool:
+        return isinstance(exc, Died)
+
+    async def stream(self, kwargs):
+        if self.hang:
+            await asyncio.sleep(3600)
+        if self.raise_other:
+            raise ValueError("a bug")
+        route, exclude = kwargs["route"], kwargs["exclude"]
+        key = self.tracker.rank(route, self.tracker.keys(),
+                                exclude=() if exclude is None else (exclude,))[0]
+        self.tracker.on_routed(key, route, stream=kwargs["stream"])
+        label = str(self.tracker.info_of(key)["rank"])
+        self.served.append(label)
+        if self.error_item is not None:
+            yield self.error_item
+            return
+        rid, params, stream = kwargs["request_id"], kwargs["params"], kwargs["stream"]
+        prompt = kwargs["prompt"]["prompt_token_ids"]
+        budget = self.plans.get(label)
+        now = time.monotonic()
+        tokens: list[int] = []
+        try:
+            for i in range(params.max_tokens):
+                await asyncio.sleep(0.002)
+                tokens.append(100 + i)
+                last = i == params.max_tokens - 1
+                if not (stream or last):
+                    continue
+                if budget is not None and budget <= 0:
+                    raise Died("The actor died unexpectedly before finishing this task.")
+                budget = None if budget is None else budget - 1
+                for k in range(params.n):  # n > 1: the sequences' outputs interleave
+                    yield ("out", label, RequestOutput(
+                        rid, prompt, [t + k for t in tokens], [tokens[-1] + k],
+                        "xyz"[k % 3] * len(tokens), last, "length" if last else None, None,
+                        RequestMetrics(now, now + 0.001, tuple(now + 0.001 * (j + 1) for j in
+                                                              range(len(tokens))),
+                                       now + 0.01 if last else None), index=k))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+@pytest.fixture
+def fake(preprocessor):
+    """(fake replicas, live server URL, client)."""
+    from spaceserve.server.app import ServerThread, create_app
+
+    tracker = ReplicaTracker(None)
+    tracker.sync({"k0": {"rank": 0, "pid": 10, "gauges": [["num_requests_running", "h", 1],
+                                                     ["kv_cache_usage_perc", "h", 0.5]],
+                         "kv_blocks_total": 10, "kv_blocks_free": 5},
+                  "k1": {"rank": 1, "pid": 11, "gauges": [["num_requests_running", "h", 2],
+                                                     ["kv_cache_usage_perc", "h", 0.0]],
+                         "kv_blocks_total": 10, "kv_blocks_free": 10}})
+    reps = FakeReplicas(tracker)
+    client = ReplicaClient(reps, tracker, max_model_len=256, mode="temporal", num_replicas=2,
+                           image_token_id=preprocessor.image_token_id, max_pending=8,
+                           route_timeout_s=1.0)
+    app = create_app(client, preprocessor, model_name=MODEL)
+    with ServerThread(app) as server:
+        yield reps, server.url, client
+    client.close()
+
+
+def oai(url: str):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def chat(client, stream: bool = False, **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=4,
+        stream=stream, **kw)
+
+
+def test_requests_spread_and_metrics_carry_each_replica(fake) -> None:
+    reps, url, client = fake
+    c = oai(url)
+    for i in range(6):
+        if i % 2:
+            assert "".join(ch.choices[0].delta.content or "" for ch in chat(c, True)
+                           if ch.choices) == "xxxx"
+        else:
+            assert chat(c).choices[0].message.content == "xxxx"
+    assert sorted(set(reps.served)) == ["0", "1"]
+    text = httpx.get(url + "/metrics").text
+    fams = families(text)
+    current = None
+    for line in text.splitlines():  # a family's samples all follow its one TYPE line
+        if line.startswith("# TYPE "):
+            current = line.split()[2]
+            assert text.count(f"# TYPE {current} ") == 1, current
+        elif not line.startswith("#"):
+            assert current and line.startswith(current), (current, line)
+    ok = fams["spaceserve:request_success_total"][1]
+    assert 'spaceserve:request_success_total{finished_reason="length"} 6' in ok
+    per = {lab: sum(int(s.rsplit(" ", 1)[1]) for s in ok if f'replica="{lab}"' in s)
+           for lab in "01"}
+    assert per["0"] + per["1"] == 6 and min(per.values()) > 0
+    running = fams["spaceserve:num_requests_running"][1]
+    assert running[:3] == ["spaceserve:num_requests_running 3.0",
+                           'spaceserve:num_requests_running{replica="0"} 1.0',
+                           'spaceserve:num_requests_running{replica="1"} 2.0']
+    assert "spaceserve:kv_cache_usage_perc 0.25" in text  # 5 of 20 blocks in use
+    assert "spaceserve:num_replicas 2.0" in text
+    assert 'spaceserve:replica_info{replica="1",node="",pid="11",replica_id="k1"} 1' in text
+    assert text.rstrip().endswith('spaceserve:mode_info{mode="temporal"} 1')
+
+
+def test_n_choices_come_back_through_the_replica_client(fake) -> None:
+    reps, url, client = fake
+    c = oai(url)
+    r = chat(c, n=3)
+    assert [(ch.index, ch.message.content) for ch in r.choices] == [
+        (0, "xxxx"), (1, "yyyy"), (2, "zzzz")]
+    assert r.usage.completion_tokens == 12
+    text = ["", "", ""]
+    for ch in chat(c, True, n=3):
+        for choice in ch.choices:
+            text[choice.index] += choice.delta.content or ""
+    assert text == ["xxxx", "yyyy", "zzzz"]
+    wait_until(lambda: client._pending == 0)
+
+
+def test_a_replica_that_dies_before_answering_is_retried_once(fake) -> None:
+    reps, url, client = fake
+    reps.plans = {"0": 0}  # replica 0 dies before its first output
+    c = oai(url)
+    for stream in (False, True):
+        if stream:
+            assert "".join(ch.choices[0].delta.content or "" for ch in chat(c, True)
+                           if ch.choices) == "xxxx"
+        else:
+            assert chat(c).choices[0].message.content == "xxxx"
+    text = httpx.get(url + "/metrics").text
+    retried = client.metrics.retried
+    assert retried >= 1 and f"spaceserve:request_retries_total {retried}" in text
+    assert f'spaceserve:replica_failures_total{{replica="0"}} {retried}' in text
+
+
+def test_failures_end_with_clear_503s(fake) -> None:
+    reps, url, client = fake
+    reps.plans = {"0": 0, "1": 0}  # every replica dies: the retry fails too
+    c = oai(url)
+    with pytest.raises(openai.InternalServerError) as err:
+        chat(c)
+    assert err.value.status_code == 503
+    body = err.value.body
+    assert body["type"] == "server_error" and "replica" in body["message"]
+    assert "retried on" in body["message"]
+    # a stream that already sent tokens is not retried: it ends with an SSE error event
+    reps.plans = {"0": 2, "1": 2}
+    chunks = []
+    with pytest.raises(openai.APIError) as err:
+        for ch in chat(c, True):
+            chunks.append(ch)
+    assert chunks and "after part of the answer was sent" in str(err.value.message)
+    assert client.num_pending == 0 and wait_until(lambda: not client.tracker._flights)
+
+
+def test_no_replica_taking_the_request_does_not_hang(fake) -> None:
+    reps, url, client = fake
+    reps.hang = True
+    start = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as err:
+        chat(oai(url))
+    assert err.value.status_code == 503 and "no replica took" in err.value.body["message"]
+    assert time.monotonic() - start < 10
+    reps.hang = False
+    assert chat(oai(url)).choices[0].message.content == "xxxx"
+
+
+def test_other_errors_and_replica_errors(fake) -> None:
+    reps, url, _ = fake
+    reps.raise_other = True
+    with pytest.raises(openai.InternalServerError) as err:
+        chat(oai(url))
+    assert err.value.status_code == 500 and "internal error: ValueError" in str(err.value)
+    reps.raise_other = False
+    reps.error_item = ("error", 400, "max_tokens is too large")  # a replica refused it
+    with pytest.raises(openai.BadRequestError, match="too large"):
+        chat(oai(url))
+
+
+def test_a_client_that_goes_away_cancels_the_replica_call(fake) -> None:
+    reps, url, client = fake
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                assert json.loads(line[6:])["choices"]
+                break
+    assert wait_until(lambda: reps.cancelled == 1 and client.num_pending == 0)
+    assert wait_until(lambda: not client.tracker._flights)
+
+
+def test_health_follows_the_replicas(fake) -> None:
+    reps, url, client = fake
+    assert httpx.get(url + "/health").json() == {"status": "ok", "mode": "temporal",
+                                                  "note": None}
+    client.tracker.remove("k1")
+    assert httpx.get(url + "/health").json()["note"] == "1 of 2 replicas running"
+    client.tracker.remove("k0")
+    r = httpx.get(url + "/health")
+    assert r.status_code == 503 and r.json()["status"] == "dead"
+
+
+def test_label_merge_helpers() -> None:
+    assert with_label('a{b="c"} 1', "replica", "0") == 'a{replica="0",b="c"} 1'
+    assert with_label("a 1", "replica", "2") == 'a{replica="2"} 1'
+    total = "# HELP x X\n# TYPE x gauge\nx 3\n# TYPE y counter\ny 1\n"
+    out = merge(total, {"0": "# TYPE x gauge\nx 1\n# TYPE z gauge\nz 5\n", "1": "x 2\n"})
+    assert out.splitlines() == ["# HELP x X", "# TYPE x gauge", "x 3", 'x{replica="0"} 1',
+                                'x{replica="1"} 2', "# TYPE y counter", "y 1",
+                                "# TYPE z gauge", 'z{replica="0"} 5']
