@@ -232,20 +232,12 @@ class MultiModalData:
 
     @property
     def content_hashes(self) -> tuple[str, ...]:
-        """One content hash per item, in prompt order."""
+        """One content hash per item, in prompt order: the input module's, else a hash of its
+        patches and grid - the one the replica router keys an image by (`route_keys`)."""
         if self.hashes is None:
-            import hashlib
+            from .route_keys import image_hashes
 
-            out, start = [], 0
-            for row in self.image_grid_thw.tolist():
-                n = row[0] * row[1] * row[2]
-                h = hashlib.sha256(b"ss-patches")  # SHA-NI: several times blake2b's speed
-                h.update(repr((row, str(self.pixel_values.dtype))).encode())
-                h.update(memoryview(self.pixel_values[start:start + n].detach().cpu()
-                                    .contiguous().view(torch.uint8).numpy()))
-                out.append(h.hexdigest()[:32])
-                start += n
-            self.hashes = tuple(out)
+            self.hashes = image_hashes(self.pixel_values, self.image_grid_thw)
         return self.hashes
 
 
