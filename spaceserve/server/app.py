@@ -164,7 +164,9 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
     @app.get("/health")
     async def health() -> Response:
         body = {"status": "ok" if client.alive else "dead", "mode": client.mode,
-                "note": client.mode_note, "device": getattr(client, "device", None)}
+                "note": client.mode_note}
+        if getattr(client, "device", None):
+            body["device"] = client.device
         if not client.alive and client.last_error:
             body["error"] = client.last_error
         return _json(body, 200 if client.alive else 503)
