@@ -67,15 +67,17 @@ class Pool:
             ids = base["prompt_token_ids"] + [rng.randint(4, 96) for _ in range(rng.randint(1, 4))]
             if len(ids) < max_prompt:
                 return dict(base, prompt_token_ids=ids)
-        ids = list(rng.choice(self.systems))
-        pvs, grids = [], []
-        for _ in range(rng.choice([0, 0, 1, 1, 2])):
-            toks, pv, grid = rng.choice(self.images)
-            ids += toks + [rng.randint(4, 96) for _ in range(rng.randint(0, 2))]
-            pvs.append(pv)
-            grids.append(grid)
-        ids += [rng.randint(4, 96) for _ in range(rng.randint(1, 6))]
-        assert len(ids) <= max_prompt
+        while True:  # draw again until it fits (a small KV cache shortens the context)
+            ids = list(rng.choice(self.systems))
+            pvs, grids = [], []
+            for _ in range(rng.choice([0, 0, 1, 1, 2])):
+                toks, pv, grid = rng.choice(self.images)
+                ids += toks + [rng.randint(4, 96) for _ in range(rng.randint(0, 2))]
+                pvs.append(pv)
+                grids.append(grid)
+            ids += [rng.randint(4, 96) for _ in range(rng.randint(1, 6))]
+            if len(ids) <= max_prompt:
+                break
         if not pvs:
             return {"prompt_token_ids": ids}
         return {"prompt_token_ids": ids, "pixel_values": torch.cat(pvs),
@@ -111,11 +113,10 @@ def test_random_lifecycles_with_caching(run: int) -> None:
         if len(submitted) < LIFECYCLES_PER_RUN and rng.random() < 0.5:
             for _ in range(rng.randint(1, 3)):
                 prompt = pool.prompt(engine.max_model_len - 17)
-                params = SamplingParams(max_tokens=rng.randint(1, 12),
+                n = min(rng.choice([1, 1, 1, 1, 1, 1, 2, 3]), config["max_num_seqs"])
+                params = SamplingParams(max_tokens=rng.randint(1, 12 if n == 1 else 6),
                                         temperature=rng.choice([0.0, 0.8]),
-                                        seed=rng.randrange(1 << 30), ignore_eos=True,
-                                        n=min(rng.choice([1, 1, 1, 1, 2, 3]),
-                                              config["max_num_seqs"]))
+                                        seed=rng.randrange(1 << 30), ignore_eos=True, n=n)
                 submitted[engine.add_request(prompt, params)] = (prompt, params)
         if submitted and rng.random() < 0.1:
             rid = rng.choice(list(submitted))

@@ -46,8 +46,8 @@ def check(engine: Engine, prompt: dict, params: SamplingParams) -> list:
     return outs
 
 
-@pytest.mark.parametrize("mode", ["temporal", "spatial"])
-@pytest.mark.parametrize("prompt_len", [9, 12])  # a partial last block (copied), a full one
+@pytest.mark.parametrize("mode, prompt_len", [
+    ("temporal", 9), ("temporal", 12), ("spatial", 9)])  # 9: a partial last block (copied)
 def test_n_sequences_share_one_prefill(mode: str, prompt_len: int) -> None:
     engine = make_engine(mode)
     copies = record_copies(engine)

@@ -124,10 +124,10 @@ def test_tp2_matches_tp1_and_transformers(request, model, mode, extra):
         assert (lm.num_heads, lm.num_kv_heads) == (lm.total_heads // 2, lm.total_kv_heads // 2)
         assert tokens(two.generate(prompts, GREEDY)) == expected
         assert tokens(two.generate(prompts[::-1], GREEDY)) == expected[::-1]
-        # n = 2: each prompt prefilled once and forked; the copy of a shared block on write
-        # reaches every rank's KV shard
-        par = two.generate(prompts, dataclasses.replace(GREEDY, n=2))
-        assert tokens(par) == [e for e in expected for _ in range(2)]
+        if mode == "temporal":  # n = 2: each prompt prefilled once and forked; the copy of a
+            # shared block on write reaches every rank's KV shard
+            par = two.generate(prompts, dataclasses.replace(GREEDY, n=2))
+            assert tokens(par) == [e for e in expected for _ in range(2)]
         if "num_kv_blocks" in extra:
             outs = two.generate(prompts, GREEDY)
             assert sum(o.metrics.num_preemptions for o in outs) > 0, "no preemption happened"
