@@ -1,7 +1,8 @@
 """A local HTTP server on 127.0.0.1 serving media the way real hosts misbehave, for the remote
 media tests: a good image, oversize bodies (declared and not), slow and trickling answers,
 redirects inside and outside the allow-list, a redirect loop, HTML, a 404, and a route that
-counts how many requests are in flight at once."""
+counts how many requests are in flight at once, and media whose Content-Type does not match
+their bytes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 BIG = 300_000
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
 
 
 class MediaServer:
@@ -48,6 +50,12 @@ class MediaServer:
                     self._send(200, owner.image, "image/png")
                 elif path == "/clip.mp4":
                     self._send(200, owner.video, "video/mp4")
+                elif path == "/eps.png":  # PostScript labelled as a PNG
+                    self._send(200, EPS, "image/png")
+                elif path == "/clip.webm":  # an mp4 labelled as webm
+                    self._send(200, owner.video, "video/webm")
+                elif path == "/img.mp4":  # an image labelled as a video
+                    self._send(200, owner.image, "video/mp4")
                 elif path == "/octet":
                     self._send(200, owner.image, "application/octet-stream")
                 elif path == "/big.png":  # declared too large

@@ -1,12 +1,20 @@
-"""The OpenAI-compatible HTTP server (`spaceserve serve`): FastAPI over an `AsyncEngine`.
+"""The OpenAI-compatible HTTP server (`spaceserve serve`): FastAPI over an engine client (an
+`AsyncEngine`, or a `replicas.ReplicaClient` over engine replicas on Ray).
 
 Routes: ``POST /v1/chat/completions`` (non-streaming, or SSE with ``stream``), ``GET
 /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every client mistake is an
-OpenAI-style JSON error with a 4xx status: 400 for a malformed body, field or medium, 404 for an
-unknown model, 413 for an oversized body, 503 when the bounded queue is full. Prompt rendering
-and media decoding run in a worker pool (remote media fetches on the fetcher's own bounded
-pool); the engine steps on its own thread. A client that goes away (non-streaming or
-streaming) aborts its request, which frees its KV blocks.
+OpenAI-style JSON error with a 4xx status: 400 for a malformed body, field or medium, 404 for
+an unknown model, 413 for an oversized body or a request over its pixel budget, 429 when the
+server's pixel budget is taken; 503 when a bound on work in flight is reached (every 503 and
+429 carries Retry-After). Prompt rendering and media decoding run in the preprocessing pool
+(text-only requests and media-header reads in a light lane, decoding in a heavy one, under a
+per-request deadline; remote media download on the fetcher's own bounded pool meanwhile);
+the engine steps on its own thread. A client that goes away
+(non-streaming or streaming) aborts its request, which frees its KV blocks. In front of the
+routes, `guard.AdmissionMiddleware` bounds body buffering, times out stalled bodies, answers
+503 while draining and turns any unexpected exception into a JSON 500 with a request id; the
+connection cap and header timeout sit in the uvicorn protocol (`connections`), the bounded
+graceful shutdown in `shutdown.DrainingServer`.
 
 A stream sends its first chunk only once the first token exists (so a request that fails
 before generating anything still gets a JSON error and a 4xx), then one chunk per new text,
@@ -16,164 +24,104 @@ the finish reason on the last content chunk, a usage chunk with empty ``choices`
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
+import logging
+import os
 import sys
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 # starlette's Request and responses are fastapi's own; FastAPI itself, the engine and torch are
 # imported where they are used, so `spaceserve serve --help` answers at once
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from spaceserve.cli_args import HelpFormatter
-from spaceserve.runtime.inputs import (
-    ChatPreprocessor,
-    ImageLimits,
-    RemoteFetcher,
-    RemotePolicy,
-    VideoLimits,
-    check_dir,
-)
-from spaceserve.runtime.slo import DEFAULT_SLO_TEXT
+from spaceserve.runtime.inputs import ChatPreprocessor, RemoteFetcher, text_byte_limit
 
 from . import protocol as P
-from .engine_client import AsyncEngine, QueueFull, RequestHandle
-from .media_args import add_media_args, media_limits
+from .flags import build_parser
+from .guard import AdmissionMiddleware, GuardLimits, release_body
+from .handles import Cancelled, Handle, QueueFull
+from .preprocess import prepare_chat_request
 from .protocol import APIError
-from .replicas.args import add_data_parallel_args
-from .thread import ServerThread
+from .settings import ServerLimits
+from .streams import (
+    Deltas,
+    error_of,
+    error_response,
+    json_response,
+    next_output,
+    read_body,
+    shutdown_error,
+    until_disconnect,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from spaceserve.runtime.request import RequestOutput
 
-# ServerThread lives in thread.py; tests and benchmarks import it from here too
-__all__ = ["ServerLimits", "ServerThread", "build_parser", "create_app", "main"]
+    from .engine_client import AsyncEngine
+
+__all__ = ["ServerLimits", "build_parser", "create_app", "main"]  # and ServerThread, lazily
+log = logging.getLogger("spaceserve.server")
 
 
-@dataclass(frozen=True)
-class ServerLimits:
-    """Bounds on what one request may carry; `remote` None refuses http(s) media URLs."""
-
-    max_body_bytes: int = 32 * 1024 * 1024
-    images: ImageLimits = ImageLimits()
-    videos: VideoLimits = VideoLimits()
-    remote: RemotePolicy | None = None
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(json.dumps(obj, ensure_ascii=False, separators=(",", ":")),
-                    status_code=status, media_type="application/json")
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}")
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _next(handle: RequestHandle, gone: asyncio.Task) -> RequestOutput | None:
-    """The request's next output, or None once the client has disconnected."""
-    get = asyncio.ensure_future(handle.next())
-    done, _ = await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
-    if get in done:
-        return get.result()
-    get.cancel()
-    return None
-
-
-def _error_of(out: RequestOutput) -> APIError:
-    msg = out.error or "request failed"
-    status = out.extra.get("status") if out.extra else None
-    if isinstance(status, int):  # the engine client's verdict (503: a replica failed)
-        return APIError(status, msg, type="server_error" if status >= 500 else
-                        "invalid_request_error")
-    if msg.startswith("engine step failed"):
-        return APIError(500, msg, type="server_error")
-    return APIError(400, msg)
-
-
-class _Deltas:
-    """Incremental text of a stream; holds back a trailing partial UTF-8 character."""
-
-    def __init__(self) -> None:
-        self.sent = ""
-
-    def take(self, text: str | None, final: bool) -> str:
-        if not text:
-            return ""
-        if not final and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        if len(text) <= len(self.sent):
-            return ""
-        # An earlier character that changed on decoding cannot be taken back; go on from here.
-        delta, self.sent = text[len(self.sent):], text
-        return delta
-
-
-def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_name: str,
-               limits: ServerLimits | None = None, root: str | None = None) -> FastAPI:
-    """The FastAPI application serving `client`'s engine under the name `model_name`."""
+def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, model_name: str,
+               limits: ServerLimits | None = None, root: str | None = None,
+               guard: GuardLimits | None = None) -> FastAPI:
+    """The FastAPI application serving `client`'s engine under the name `model_name`; the
+    client is an `AsyncEngine` or anything with its surface (`handles.Admission` and the
+    engine facts: `engine.max_model_len`, `alive`, `last_error`, `mode`, `metrics`,
+    `gauges`), as `replicas.ReplicaClient` is. http(s) media are fetched under
+    `limits.remote` (``app.state.fetcher``; close it when done)."""
     from fastapi import FastAPI
 
     from spaceserve.runtime.request import SamplingParams
 
     limits = limits or ServerLimits()
+    guard = guard or GuardLimits(max_body_bytes=limits.max_body_bytes,
+                                 body_budget_bytes=max(GuardLimits.body_budget_bytes,
+                                                       limits.max_body_bytes))
     app = FastAPI(title="SpaceServe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.client = client
     # remote media fetches: the server's own bounded pool, off the loop and the step thread
     fetcher = app.state.fetcher = RemoteFetcher(limits.remote) if limits.remote else None
     created = P.now()
     metrics = client.metrics
+    app.add_middleware(AdmissionMiddleware, limits=guard, draining=lambda: client.draining,
+                       on_error=metrics.http_error)
+    ctx = client.engine.max_model_len
+    max_text = text_byte_limit(preprocessor.tokenizer, ctx) \
+        if getattr(preprocessor, "tokenizer", None) is not None else None
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:
         metrics.http_error(exc.status)
-        return _json(exc.body(), exc.status)
+        return error_response(exc, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         metrics.http_error(exc.status_code)
-        return _json(APIError(exc.status_code, str(exc.detail)).body(), exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def on_error(request: Request, exc: Exception) -> Response:
-        metrics.http_error(500)
-        return _json(APIError(500, f"internal error: {type(exc).__name__}",
-                              type="server_error").body(), 500)
+        return error_response(APIError(exc.status_code, str(exc.detail)), request)
 
     @app.get("/health")
     async def health() -> Response:
-        body = {"status": "ok" if client.alive else "dead", "mode": client.mode,
-                "note": client.mode_note}
+        status = "draining" if client.draining else "ok" if client.alive else "dead"
+        body = {"status": status, "mode": client.mode, "note": client.mode_note}
         if getattr(client, "device", None):
             body["device"] = client.device
-        if not client.alive and client.last_error:
+        if status == "dead" and client.last_error:
             body["error"] = client.last_error
-        return _json(body, 200 if client.alive else 503)
+        if status == "ok":
+            return json_response(body)
+        return json_response(body, 503, {"Retry-After": "1"})
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json({"object": "list", "data": [{
+        return json_response({"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "spaceserve",
             "root": root or model_name, "max_model_len": client.engine.max_model_len}]})
 
@@ -202,11 +150,16 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = P.parse_request(await _read_body(request, limits.max_body_bytes))
+        try:
+            body = await read_body(request, limits.max_body_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        req = P.parse_request(body)
+        del body
         if req.model != model_name:
-            raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
+            raise APIError(404, f"The model `{req.model[:128]}` does not exist.", param="model",
                            type="NotFoundError", code="model_not_found")
-        if not client.alive:
+        if not client.alive or client.draining:
             raise APIError(503, "the engine is not running", type="server_error")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
@@ -214,29 +167,37 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
         except QueueFull as exc:
             raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
                            code="queue_full") from None
-        gone = asyncio.ensure_future(_until_disconnect(request))
+        gone = asyncio.ensure_future(until_disconnect(request))
         streaming = False
         try:
-            await handle.start(lambda: P.prepare_chat(preprocessor, req, limits.images,
-                                                      limits.videos, fetcher=fetcher),
-                               lambda prompt: sampling(req, prompt), stream=req.stream)
-            first = await _next(handle, gone)
+            try:
+                await prepare_chat_request(
+                    client, preprocessor, req, handle, limits.images, lambda p: sampling(req, p),
+                    video_limits=limits.videos, fetcher=fetcher,
+                    timeout_s=limits.preprocess_timeout_s, max_text_bytes=max_text,
+                    context_len=ctx, on_body_done=lambda: release_body(request.scope.get(
+                        "state", {})))
+                first = await next_output(handle, gone)
+            except Cancelled as exc:
+                raise shutdown_error(exc) from None
+            handle.release_held()  # an output exists: the images are encoded
             if first is None:
                 return Response(status_code=499)
             if first.finish_reason in ("error", "abort") and not first.token_ids:
-                raise _error_of(first)
+                raise error_of(first)
             created_at = P.now()
             if not req.stream:
                 outs = [first]  # one final output per choice (n > 1: in any order)
                 while not handle.finished:
-                    out = await _next(handle, gone)
+                    out = await next_output(handle, gone)
                     if out is None:
                         return Response(status_code=499)
                     outs.append(out)
                 outs.sort(key=lambda o: o.index)
-                if any(o.finish_reason == "error" for o in outs):
-                    raise _error_of(next(o for o in outs if o.finish_reason == "error"))
-                return _json(P.completion_response(
+                for o in outs:
+                    if o.finish_reason == "error":
+                        raise error_of(o)
+                return json_response(P.completion_response(
                     rid, model_name, created_at, first.text or "", outs[0].finish_reason,
                     first.prompt_token_ids, outs[0].token_ids,
                     return_token_ids=req.return_token_ids,
@@ -250,11 +211,11 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
                 gone.cancel()
                 handle.close()
 
-    async def _stream(req: P.ChatCompletionRequest, handle: RequestHandle, gone: asyncio.Task,
+    async def _stream(req: P.ChatCompletionRequest, handle: Handle, gone: asyncio.Task,
                       first: RequestOutput, created_at: int) -> AsyncIterator[bytes]:
         rid, usage = handle.request_id, bool(req.stream_options and
                                             req.stream_options.include_usage)
-        deltas = [_Deltas() for _ in range(handle.n)]  # per choice (n > 1: interleaved)
+        deltas = [Deltas() for _ in range(handle.n)]  # per choice (n > 1: interleaved)
         out: RequestOutput | None = first
         role = [True] * handle.n
         completion = 0
@@ -265,7 +226,7 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
                 ids = out.new_token_ids if req.return_token_ids else None
                 reason = out.finish_reason if out.finished else None
                 if reason == "error":
-                    yield P.sse(_error_of(out).body())
+                    yield P.sse(error_of(out).body())
                     break
                 if role[i] or text or reason or ids:
                     delta: dict[str, Any] = {"role": "assistant"} if role[i] else {}
@@ -280,85 +241,45 @@ def create_app(client: AsyncEngine, preprocessor: ChatPreprocessor, *, model_nam
                         yield P.sse(P.usage_chunk(rid, model_name, created_at,
                                                   len(out.prompt_token_ids), completion))
                     break
-                out = await _next(handle, gone)
-            if out is not None:
-                yield b"data: [DONE]\n\n"
+                out = await next_output(handle, gone)
+        except Cancelled as exc:  # the server is shutting down: say so, then end the stream
+            metrics.http_error(503)
+            yield P.sse(shutdown_error(exc).body())
+        except Exception as exc:  # an unexpected failure mid-stream: a final error event
+            log.error("stream %s failed", rid, exc_info=exc)
+            metrics.http_error(500)
+            yield P.sse(APIError(500, f"internal server error (request id {rid})",
+                                 type="server_error", code="internal_error").body())
+        else:
+            if out is None:  # the client went away: nobody reads a [DONE]
+                return
         finally:
             gone.cancel()
             handle.close()
+        yield b"data: [DONE]\n\n"
 
     return app
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="spaceserve serve", description=__doc__,
-                                formatter_class=HelpFormatter)
-    p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
-    p.add_argument("--served-model-name", help="name clients use (default: --model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--mode", default="temporal",
-                   help="engine mode: temporal, temporal-chunked, spatial, spatial-static, shared")
-    p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
-    p.add_argument("--attention-backend",
-                   help="triton or torch (default: triton on CUDA, torch on CPU)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks the decoder is split over (one process and GPU each)")
-    p.add_argument("--max-num-seqs", type=int, default=128,
-                   help="requests in the running batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens per engine step at most (chunked prefill)")
-    p.add_argument("--num-kv-blocks", type=int,
-                   help="KV cache blocks (default: sized from free device memory)")
-    p.add_argument("--max-model-len", type=int,
-                   help="context length (default: the model's, capped by the KV cache)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="engine seed for requests that bring none")
-    p.add_argument("--encoder-cache-bytes", type=int,
-                   help="encoder output cache budget in bytes; 0 turns it off (default: 5%% "
-                        "of free GPU memory, at most 8 GiB; 512 MiB on CPU)")
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="turn automatic prefix caching of KV blocks off")
-    p.add_argument("--max-pending", type=int, default=256,
-                   help="requests in flight before answering 503")
-    p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes,
-                   help="request body size limit; larger bodies get 413")
-    p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_image_bytes,
-                   help="encoded size limit of one image")
-    p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_image_pixels,
-                   help="pixel limit of one image (checked before decoding)")
-    p.add_argument("--max-images-per-request", type=int,
-                   default=ImageLimits.max_images_per_request, help="images per request at most")
-    p.add_argument("--allowed-local-media-path",
-                   help="folder file:// image and video URLs may read from (default: none "
-                        "allowed)")
-    add_media_args(p)
-    p.add_argument("--log-level", default="info", help="uvicorn log level")
-    add_data_parallel_args(p)
-    p.add_argument("--slo", default=DEFAULT_SLO_TEXT,
-                   help="latency SLO finished requests are judged by (/metrics "
-                        "request_slo_total), ms: any of ttft, tpot, itl (p99 per request), "
-                        f"e2el (default {DEFAULT_SLO_TEXT})")
-    p.add_argument("--encoder-window-ms", type=float, default=20.0,
-                   help="encoder time window: temporal-chunked's chunk between decode steps, "
-                        "TWSRFT's grant in the spatial modes")
-    return p
+def __getattr__(name: str) -> Any:
+    if name == "ServerThread":  # uvicorn is imported only when a server runs
+        from .thread import ServerThread
+
+        return ServerThread
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``spaceserve serve`` with one engine in this process (serve.py picks this or
+    replicas)."""
     args = build_parser().parse_args(argv)
-    import uvicorn
-
     from spaceserve.runtime.tp.group import TensorParallelError
 
-    from .engine_client import load_engine
+    from .engine_client import AsyncEngine, load_engine
+    from .settings import ServeSettings
 
     try:
-        videos, remote = media_limits(args)
-        limits = ServerLimits(args.max_body_bytes, ImageLimits(
-            args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
-            check_dir(args.allowed_local_media_path)), videos, remote)
+        settings = ServeSettings.from_args(args)
         engine, pre, note = load_engine(
             args.model, mode=args.mode, device=args.device, dtype=args.dtype,
             attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
@@ -377,16 +298,24 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if note:
         print(f"spaceserve serve: {note}", file=sys.stderr)
-    client = AsyncEngine(engine, max_pending=args.max_pending, mode_note=note)
+    client = AsyncEngine(engine, max_pending=settings.max_pending, pool=settings.pool(),
+                         pixels=settings.pixels(), mode_note=note)
     app = create_app(client, pre, model_name=args.served_model_name or args.model,
-                     limits=limits, root=args.model)
+                     limits=settings.limits, root=args.model, guard=settings.guard)
     print(f"spaceserve serve: {args.model} ({client.mode}, SLO {engine.config.slo}) on "
-          f"http://{args.host}:{args.port}", file=sys.stderr)
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    server = settings.server(app, client, host=args.host, port=args.port,
+                             log_level=args.log_level)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
     finally:
         client.close()
         engine.close()  # partitions, and a tensor-parallel group's workers
         if app.state.fetcher is not None:
             app.state.fetcher.close()
-    return 0
+    # Tearing down the interpreter (the model, torch's threads) can take seconds: after a
+    # drain the bound is what was promised, so leave now (logs and streams flushed first).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

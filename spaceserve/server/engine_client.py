@@ -2,35 +2,42 @@
 
 `AsyncEngine` owns one `Engine`. A daemon thread runs ``engine.step()`` whenever requests are
 active and sleeps on a condition otherwise; requests enter through `reserve` (admission against
-a bounded number of in-flight requests: `QueueFull` when full) and `RequestHandle.start`, which
-runs prompt preparation and ``add_request`` in a worker pool. The engine's per-request sink
-hands each output to the request's asyncio queue with ``call_soon_threadsafe``. Closing a handle
-before its final output (a client went away) aborts the request, which frees its KV blocks and
-embeddings at the next step. After every step the thread samples the SM split and the queue
-depths: the gauges of ``/metrics`` and the benchmark's split timeline.
+a bounded number of in-flight requests: `QueueFull` when full; `handles.Admission`, shared with
+the replica client) and `RequestHandle.start`, which runs prompt preparation and
+``add_request`` in a lane of the preprocessing pool (`PreprocessPool`: light and heavy lanes,
+bounded queues, deadlines), with the server's budget of decoded pixels beside it (`pixels`).
+The engine's per-request sink hands each output to the request's asyncio queue with
+``call_soon_threadsafe``. Closing a handle before its final output (a client went away) aborts
+the request, which frees its KV blocks and embeddings at the next step; `abort_all` ends every
+live request with a reason (a shutdown), waking whoever waits on it. A step that leaves the
+engine unable to run (a tensor-parallel group that lost a worker) marks it dead, with the
+reason in `last_error`. After every step the thread samples the SM split and the queue depths:
+the gauges of ``/metrics`` and the benchmark's split timeline.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
 from spaceserve.runtime.slo import DEFAULT_SLO
 
 from .errors import APIError
+from .handles import Admission, Cancelled, Handle, QueueFull
 from .metrics import ServerMetrics
+
+__all__ = ["AsyncEngine", "Cancelled", "QueueFull", "RequestHandle", "SplitSample",
+           "cap_video_tokens", "load_engine", "resolve_mode"]
 
 if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
     from spaceserve.runtime.engine import Engine
     from spaceserve.runtime.request import RequestOutput, SamplingParams
 
-KNOWN_MODES = ("temporal", "temporal-chunked", "spatial", "spatial-static", "shared")
 # Engine.counters() key -> (metric name, help)
 ENGINE_COUNTERS = (
     ("encoder_cache_queries", "encoder_cache_queries_total",
@@ -46,9 +53,7 @@ ENGINE_COUNTERS = (
      "Tokens computed in prefill (every computed token but a decode's newest)."),
 )
 
-
-class QueueFull(Exception):
-    """Too many requests in flight; answered with 503."""
+KNOWN_MODES = ("temporal", "temporal-chunked", "spatial", "spatial-static", "shared")
 
 
 @dataclass(frozen=True)
@@ -63,20 +68,10 @@ class SplitSample:
     encoder_pending: int
 
 
-class RequestHandle:
+class RequestHandle(Handle):
     """One admitted request: start it, iterate its outputs, close it (aborts if unfinished)."""
 
-    def __init__(self, client: AsyncEngine, request_id: str) -> None:
-        self.client = client
-        self.request_id = request_id
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
-        self.added = False
-        self.finished = False  # every one of its n sequences has ended
-        self.n = 1
-        self._left = 1
-        self.closed = False
-        self._lock = threading.Lock()  # orders adding against closing
+    client: AsyncEngine
 
     def _sink(self, out: RequestOutput) -> None:
         if out.finished:
@@ -86,67 +81,46 @@ class RequestHandle:
         except RuntimeError:  # the loop is gone: nobody listens any more
             pass
 
-    async def start(self, prepare: Callable[[], Any], params: SamplingParams | Callable[
-            [Any], SamplingParams], *, stream: bool) -> Any:
-        """Run ``prepare()`` (blocking prompt work) in the pool, then add the request; returns
-        the prepared prompt. `params` may be a function of it (limits known only then)."""
-        def job() -> Any:
-            prompt = prepare()
-            sp = params(prompt) if callable(params) else params
-            self.n = self._left = sp.n
-            with self._lock:
-                if self.closed:
-                    return prompt
-                try:
-                    self.client.engine.add_request(prompt, sp, request_id=self.request_id,
-                                                   sink=self._sink, stream=stream)
-                except ValueError as exc:  # a caller mistake the engine refused
-                    raise APIError(400, str(exc)) from None
-                self.added = True
-            self.client.wake()
-            return prompt
-
-        return await self.loop.run_in_executor(self.client.pool, job)
-
-    async def next(self) -> RequestOutput:
-        out = await self.queue.get()
-        self._left -= out.finished
-        self.finished = self._left <= 0
-        return out
-
-    def close(self) -> None:
-        """Release the admission slot; abort the request when it has not finished."""
+    def add(self, prompt: Any, params: SamplingParams | Callable[[Any], SamplingParams], *,
+            stream: bool) -> None:
+        """Add the prepared `prompt` to the engine now (any thread; blocking: validation),
+        unless the request was closed or cancelled meanwhile."""
+        sp = params(prompt) if callable(params) else params
+        self.expect(sp.n)
         with self._lock:
-            if self.closed:
+            if self.closed or self.cancelled.is_set():
                 return
-            self.closed = True
-            abort = self.added and not self.finished
-        if abort:
-            self.client.engine.abort(self.request_id)
-            self.client.wake()
-        self.client._release()
+            try:
+                self.client.engine.add_request(prompt, sp, request_id=self.request_id,
+                                               sink=self._sink, stream=stream)
+            except ValueError as exc:  # a caller mistake the engine refused
+                raise APIError(400, str(exc)) from None
+            self.added = True
+        self.client.wake()
+
+    def _stop(self) -> None:
+        self.client.engine.abort(self.request_id)
+        self.client.wake()
 
 
-class AsyncEngine:
-    """See the module docstring. `max_pending` bounds requests admitted and not yet closed."""
+class AsyncEngine(Admission):
+    """See the module docstring. `max_pending` bounds requests admitted and not yet closed;
+    `pool` runs their preprocessing and `pixels` bounds the decoded pixels in it."""
 
-    def __init__(self, engine: Engine, *, max_pending: int = 256, workers: int = 4,
+    handle_class = RequestHandle
+
+    def __init__(self, engine: Engine, *, max_pending: int = 256,
+                 pool: PreprocessPool | None = None, pixels: PixelBudget | None = None,
                  mode_note: str | None = None, timeline_len: int = 200_000) -> None:
-        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"max_pending={max_pending!r} must be an int >= 1")
+        super().__init__(max_pending=max_pending, pool=pool, pixels=pixels)
         self.engine = engine
-        self.max_pending = max_pending
         self.mode_note = mode_note
         self.metrics = ServerMetrics(getattr(getattr(engine, "config", None), "slo", DEFAULT_SLO))
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spaceserve-prep")
         self.timeline: deque[SplitSample] = deque(maxlen=timeline_len)
         self.last_error: str | None = None
         self._cond = threading.Condition()
-        self._pending = 0
-        self._plock = threading.Lock()
         self._closing = False
         self._dead = False
-        self._ids = 0
         self._device_sms = _device_sms(engine)
         try:
             self.device = device_label(engine.runner.device)
@@ -154,27 +128,6 @@ class AsyncEngine:
             self.device = None
         self._thread = threading.Thread(target=self._run, name="spaceserve-engine", daemon=True)
         self._thread.start()
-
-    # Admission.
-
-    @property
-    def num_pending(self) -> int:
-        return self._pending
-
-    def reserve(self, request_id: str | None = None) -> RequestHandle:
-        """Admit one request or raise QueueFull; call inside the event loop."""
-        with self._plock:
-            if self._pending >= self.max_pending:
-                raise QueueFull(f"{self._pending} requests in flight (max_pending="
-                                f"{self.max_pending})")
-            self._pending += 1
-            self._ids += 1
-            rid = request_id or f"srv-{self._ids}"
-        return RequestHandle(self, rid)
-
-    def _release(self) -> None:
-        with self._plock:
-            self._pending -= 1
 
     # The engine thread.
 
@@ -250,19 +203,24 @@ class AsyncEngine:
             "encoder_held": int(getattr(enc, "num_held", 0)),
             "active": int(eng.num_active),
             "pending": self._pending,
+            "preprocess_pixels": self.pixels.in_use,
+            **{f"preprocess_{k}": v for k, v in self.pool.depth().items()},
             "kv_blocks_free": int(getattr(bm, "num_free", 0)),
             "kv_blocks_total": int(getattr(eng.memory, "num_blocks", 0)),
         }
 
     def gauges(self) -> list[tuple[str, str, float]]:
         g = self.queue_depths()
-        bm = getattr(self.engine, "block_manager", None)
         enc, dec = self.sm_split()
         total = max(g["kv_blocks_total"], 1)
         return [
             ("num_requests_waiting", "Requests waiting to be scheduled.", g["waiting"]),
             ("num_requests_running", "Requests in the running batch.", g["running"]),
             ("num_requests_in_flight", "Requests admitted by the server.", g["pending"]),
+            ("preprocess_queue_depth", "Requests waiting for preprocessing.",
+             g["preprocess_light_queued"] + g["preprocess_heavy_queued"]),
+            ("preprocess_pixels", "Decoded image pixels held by preprocessing.",
+             g["preprocess_pixels"]),
             ("encoder_queue_depth", "Image requests waiting for the encoder.",
              g["encoder_pending"]),
             ("encoder_embeddings_held", "Encoded images held for prefill.", g["encoder_held"]),
@@ -275,7 +233,7 @@ class AsyncEngine:
             ("encoder_cache_usage_bytes", "Bytes of embeddings the encoder cache keeps.",
              int(getattr(getattr(self.engine, "encoder_cache", None), "bytes_cached", 0))),
             ("prefix_cache_blocks", "KV blocks committed to the prefix cache (in use or free).",
-             int(getattr(bm, "num_cached", 0))),
+             int(getattr(getattr(self.engine, "block_manager", None), "num_cached", 0))),
         ]
 
     def counters(self) -> list[tuple[str, str, int]]:
@@ -289,7 +247,7 @@ class AsyncEngine:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
 
 def _engine_dead(exc: BaseException) -> bool:
@@ -366,7 +324,12 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
         if close is not None:
             close()
         raise
-    if pre.video_sampling is not None:  # a video's total token budget is the context at most
-        pre.video_sampling = replace(pre.video_sampling, max_video_tokens=min(
-            pre.video_sampling.max_video_tokens, engine.max_model_len))
+    cap_video_tokens(pre, engine.max_model_len)
     return engine, pre, note
+
+
+def cap_video_tokens(pre: Any, max_model_len: int) -> None:
+    """A video's total token budget is the context at most (frames get smaller to fit)."""
+    if getattr(pre, "video_sampling", None) is not None:
+        pre.video_sampling = replace(pre.video_sampling, max_video_tokens=min(
+            pre.video_sampling.max_video_tokens, max_model_len))

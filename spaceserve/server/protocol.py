@@ -12,14 +12,25 @@ add latency.
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits, InputError, VideoLimits
+from spaceserve.runtime.inputs import (
+    ChatPlan,
+    ChatPreprocessor,
+    ImageLimits,
+    InputError,
+    VideoLimits,
+)
 
 from .errors import APIError  # noqa: F401  (re-exported)
+
+MAX_JSON_DEPTH = 32  # an OpenAI request nests about 6 deep
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Model(BaseModel):
@@ -105,12 +116,42 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def parse_request(body: bytes) -> ChatCompletionRequest:
+def check_json(data: Any) -> None:
+    """APIError 400 for JSON nested deeper than `MAX_JSON_DEPTH` or holding a lone UTF-16
+    surrogate (``"\\ud800"``: not Unicode text) in any string, key or value, naming where."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        obj, where, depth = stack.pop()
+        if isinstance(obj, str):
+            if not obj.isascii() and (m := _SURROGATE.search(obj)):
+                where = _SURROGATE.sub("?", where)
+                raise APIError(400, f"{where or 'body'}: a lone UTF-16 surrogate "
+                               f"(U+{ord(m.group()):04X}) at character {m.start()} is not "
+                               "valid Unicode text", param=where or None)
+            continue
+        if depth > MAX_JSON_DEPTH and isinstance(obj, (dict, list)):
+            raise APIError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                path = f"{where}.{key}" if where else str(key)
+                stack.append((key, path if len(path) < 200 else "body", depth))
+                stack.append((value, path if len(path) < 200 else "body", depth + 1))
+        elif isinstance(obj, list):
+            for i, value in enumerate(obj):
+                stack.append((value, f"{where}[{i}]" if len(where) < 200 else "body",
+                              depth + 1))
+
+
+def parse_request(body: bytes | bytearray) -> ChatCompletionRequest:
     """Bytes to a validated request; APIError 400 naming the first bad field otherwise."""
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise APIError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels"
+                       ) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    check_json(data)
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:
@@ -143,10 +184,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-# InputError kind -> HTTP status (OpenAI answers every client input error with a 400)
+# InputError kind -> HTTP status (OpenAI answers client input errors with a 400; a request
+# over its pixel budget is 413, one the server is too busy to decode now 429 + Retry-After)
 INPUT_ERROR_STATUS: dict[str, int] = {
     "invalid": 400,
     "too_large": 400,
+    "over_budget": 413,
+    "busy": 429,
     "bad_image": 400,
     "bad_video": 400,
     "not_allowed": 400,
@@ -158,18 +202,58 @@ INPUT_ERROR_STATUS: dict[str, int] = {
 
 def input_error(exc: InputError) -> APIError:
     """The OpenAI-style error answering an input-processing error."""
-    return APIError(INPUT_ERROR_STATUS.get(exc.kind, 400), str(exc), param=exc.param)
+    status = INPUT_ERROR_STATUS.get(exc.kind, 400)
+    return APIError(status, str(exc), param=exc.param,
+                    type="server_error" if status == 429 else "invalid_request_error",
+                    code="server_busy" if status == 429 else None,
+                    retry_after=exc.retry_after)
+
+
+def _answer(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """`fn(*args, **kw)`, its InputError answered as an APIError."""
+    try:
+        return fn(*args, **kw)
+    except InputError as exc:
+        raise input_error(exc) from None
 
 
 def prepare_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest,
                  limits: ImageLimits, video_limits: VideoLimits | None = None, *,
-                 fetcher: Any = None) -> dict[str, Any]:
+                 fetcher: Any = None, **bounds: Any) -> dict[str, Any]:
     """A request's engine prompt (blocking: run it off the event loop; remote media through
-    `fetcher`); APIError on anything the client got wrong."""
-    try:
-        return preprocessor.prepare(chat_messages(req), limits, video_limits, fetcher=fetcher)
-    except InputError as exc:
-        raise input_error(exc) from None
+    `fetcher`); APIError on anything the client got wrong. `bounds`:
+    `ChatPreprocessor.plan`'s text bounds."""
+    return finish_chat(preprocessor, plan_chat(preprocessor, req, limits, video_limits,
+                                               fetcher=fetcher, **bounds))
+
+
+def plan_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest, limits: ImageLimits,
+              video_limits: VideoLimits | None = None, *, fetcher: Any = None,
+              **bounds: Any) -> ChatPlan:
+    """The cheap, checking half of preprocessing (`ChatPreprocessor.plan`, given `bounds`);
+    APIError."""
+    return _answer(preprocessor.plan, chat_messages(req), limits, video_limits,
+                   fetcher=fetcher, **bounds)
+
+
+def start_chat(preprocessor: ChatPreprocessor, req: ChatCompletionRequest, limits: ImageLimits,
+               video_limits: VideoLimits | None = None, *, fetcher: Any = None,
+               **bounds: Any) -> ChatPlan:
+    """`ChatPreprocessor.start_plan` (text bounds, template, counts; remote fetches started);
+    APIError."""
+    return _answer(preprocessor.start_plan, chat_messages(req), limits, video_limits,
+                   fetcher=fetcher, **bounds)
+
+
+def read_chat(preprocessor: ChatPreprocessor, plan: ChatPlan, **kw: Any) -> ChatPlan:
+    """`ChatPreprocessor.read_media` (bytes, headers, the per-request budget); APIError."""
+    return _answer(preprocessor.read_media, plan, **kw)
+
+
+def finish_chat(preprocessor: ChatPreprocessor, plan: ChatPlan,
+                deadline: float | None = None) -> dict[str, Any]:
+    """The decoding half (`ChatPreprocessor.finish`); APIError."""
+    return _answer(preprocessor.finish, plan, deadline=deadline)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .app import build_parser
+from .flags import build_parser
 from .replicas.args import wants_replicas
 
 __all__ = ["build_parser", "main"]

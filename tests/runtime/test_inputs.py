@@ -61,7 +61,9 @@ def test_image_urls_under_limits(tmp_path) -> None:
     fails("not_allowed", load_image_url, "https://example.com/a.png", limits)
     fails("not_allowed", load_image_url, "file:///etc/passwd", limits)
     fails("not_allowed", load_image_url, f"file://{tmp_path}/a.png", ImageLimits())
-    fails("not_found", load_image_url, f"file://{tmp_path}/missing.png", limits)
+    missing = fails("not_allowed", load_image_url, f"file://{tmp_path}/missing.png", limits)
+    outside = fails("not_allowed", load_image_url, "file:///etc/passwd", limits)
+    assert str(missing) == str(outside) == "image_url: image file is not allowed or not found"
     fails("unsupported", load_image_url, "ftp://x/a.png", limits)
     fails("invalid", load_url_bytes, 7, where="x", max_bytes=10, allowed_local_dir=None)
 
@@ -149,5 +151,5 @@ def test_offline_images_and_process_prompt_share_the_module() -> None:
     assert load_image(raw, 0).size == (4, 3)
     assert load_image("data:image/png;base64," + base64.b64encode(raw).decode(), 1).size == (4, 3)
     err = fails("bad_image", load_image, b"junk", 2)
-    assert str(err).startswith("images[2] cannot be decoded")
+    assert str(err) == "images[2] cannot be decoded: not a PNG, JPEG, WebP, GIF or BMP image"
     assert process_prompt.__module__ == "spaceserve.runtime.inputs.prompt"

@@ -219,6 +219,34 @@ def test_chat_video_refusals(tiny_pre) -> None:
     assert err.param == "messages[0].content[0].video_url"
 
 
+def test_video_frames_count_against_pixel_budgets_before_decoding(tiny_pre) -> None:
+    """A video's sampled frames count against the request's pixel budget from its header
+    (each frame as large as its source, 60x90 here, above its resized 56x84), its decoding
+    work counts every frame up to the last one kept, and decoding checks the deadline."""
+    import time
+
+    from spaceserve.runtime.inputs import DeadlineExceeded
+    from spaceserve.runtime.inputs.video import OpenedVideo
+
+    clip = "data:video/mp4;base64," + base64.b64encode(encode_clip(flat_frames(12, 60, 90))
+                                                       ).decode()
+    msgs = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": clip}},
+                                         {"type": "image_url", "image_url": {"url": _png(28,
+                                                                                         28)}}]}]
+    plan = tiny_pre.plan(msgs, ImageLimits(), VideoLimits())
+    assert isinstance(plan.items[0], OpenedVideo)  # the header only: nothing decoded
+    assert plan.pixels == 6 * 60 * 90 + 28 * 28 and plan.work == 12 * 60 * 90 - 60 * 90 + 784
+    err = fails("over_budget", tiny_pre.plan, msgs, ImageLimits(max_request_pixels=plan.pixels
+                                                                - 1), VideoLimits())
+    assert str(err) == (f"messages: the images and video frames decode to {plan.pixels} "
+                        f"pixels; at most {plan.pixels - 1} per request")
+    with pytest.raises(DeadlineExceeded):
+        tiny_pre.finish(plan, deadline=time.monotonic() - 1)
+    prompt = tiny_pre.finish(tiny_pre.plan(msgs, ImageLimits(max_request_pixels=plan.pixels),
+                                           VideoLimits()), deadline=time.monotonic() + 60)
+    assert prompt["video_grid_thw"].tolist() == [[3, 4, 6]]
+
+
 def test_process_prompt_checks_video_fields() -> None:
     import torch
 

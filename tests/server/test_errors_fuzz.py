@@ -1,12 +1,10 @@
-"""Client mistakes get a clear 4xx and leave the server serving; thousands of generated bodies
-(null model, in-process ASGI transport) find no 5xx, and leave no request or KV block held."""
+"""Client mistakes get a clear 4xx and leave the server serving (null model, in-process ASGI
+transport). The fuzz of generated bodies is test_fuzz_hypothesis.py."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import json
-import random
 
 import httpx
 import pytest
@@ -16,7 +14,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 from spaceserve.runtime.inputs import ImageLimits  # noqa: E402
 from spaceserve.server.app import ServerLimits
 
-from .conftest import MODEL, make_app, null_engine, png, wait_until
+from .conftest import MODEL, make_app, null_engine, png
 
 GOOD_PNG = png(56, 56)
 GOOD_URL = "data:image/png;base64," + base64.b64encode(GOOD_PNG).decode()
@@ -86,11 +84,11 @@ CASES = [
      "base64"),
     ("not an image", OK | {"messages": image_msg("data:image/png;base64," +
                                                  base64.b64encode(b"hello").decode())},
-     None, 400, "cannot decode"),
+     None, 400, "not a PNG, JPEG, WebP, GIF or BMP image"),
     ("remote url", OK | {"messages": image_msg("https://example.com/a.png")}, None, 400,
      "remote"),
     ("file outside", OK | {"messages": image_msg("file:///etc/passwd")}, None, 400,
-     "outside"),
+     "not allowed or not found"),
     ("too many pixels", OK | {"messages": image_msg(flat_png_url(400, 400))}, None, 400,
      "pixels"),
     ("too many images", OK | {"messages": [{"role": "user", "content": [
@@ -116,85 +114,3 @@ def test_file_url_inside_allowed_folder(null_app) -> None:
     r = post(app, OK | {"messages": image_msg(f"file://{media}/ok.png")})
     assert r.status_code == 200
     assert r.json()["usage"]["prompt_tokens"] > 4  # the 2x2 merged grid's 4 tokens included
-
-
-def _mutate(rng: random.Random, value, depth: int = 0):
-    """A random corruption of a JSON value."""
-    junk = [None, True, -1, 0, 1, 2 ** 70, 1e308, -0.5, "", "x" * rng.randint(1, 40), [], {},
-            [1, "a"], {"type": "text"}, "\u0000\ud7ff", float("nan")]
-    if isinstance(value, dict) and value and depth < 4 and rng.random() < 0.7:
-        out = dict(value)
-        key = rng.choice(list(out))
-        roll = rng.random()
-        if roll < 0.25:
-            del out[key]
-        elif roll < 0.5:
-            out[key] = rng.choice(junk)
-        elif roll < 0.6:
-            out["extra_" + str(rng.randint(0, 9))] = rng.choice(junk)
-        else:
-            out[key] = _mutate(rng, out[key], depth + 1)
-        return out
-    if isinstance(value, list) and value and depth < 4 and rng.random() < 0.7:
-        out = list(value)
-        i = rng.randrange(len(out))
-        roll = rng.random()
-        if roll < 0.3:
-            out.append(out[i])
-        elif roll < 0.5:
-            out.pop(i)
-        else:
-            out[i] = _mutate(rng, out[i], depth + 1)
-        return out
-    return rng.choice(junk)
-
-
-def _bodies(n: int, seed: int = 0) -> list[bytes]:
-    rng = random.Random(seed)
-    seeds = [
-        OK,
-        OK | {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 3},
-        OK | {"temperature": 0.7, "top_p": 0.5, "seed": 3, "ignore_eos": True},
-        OK | {"messages": image_msg(GOOD_URL), "max_completion_tokens": 2},
-        {"model": MODEL, "messages": [{"role": "system", "content": "be brief"},
-                                      {"role": "assistant", "content": None},
-                                      {"role": "user", "content": [{"type": "text",
-                                                                    "text": "a"}]}]},
-    ]
-    out = []
-    for i in range(n):
-        body = rng.choice(seeds)
-        for _ in range(rng.randint(0, 3)):
-            body = _mutate(rng, body)
-        raw = json.dumps(body, allow_nan=True).encode()
-        if i % 10 == 0:  # byte-level damage too
-            cut = rng.randrange(len(raw) + 1)
-            raw = raw[:cut] + bytes([rng.randrange(256)]) + raw[cut + 1:]
-        out.append(raw)
-    return out
-
-
-def test_fuzz_no_5xx_and_nothing_leaks(null_app) -> None:
-    engine, client, app, _ = null_app
-    bodies = _bodies(2000)
-
-    async def go():
-        statuses = []
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            for i in range(0, len(bodies), 25):
-                rs = await asyncio.gather(*(c.post(
-                    "/v1/chat/completions", content=b,
-                    headers={"content-type": "application/json"}) for b in bodies[i:i + 25]))
-                for r in rs:
-                    assert r.status_code < 500, r.text
-                    if r.status_code != 200:
-                        assert r.json()["error"]["message"]
-                    statuses.append(r.status_code)
-        return statuses
-
-    statuses = asyncio.run(go())
-    assert statuses.count(200) > 200 and statuses.count(400) > 200  # both kinds exercised
-    assert wait_until(lambda: engine.num_active == 0 and client.num_pending == 0)
-    engine.check_idle()
-    assert engine.block_manager.num_free == engine.memory.num_blocks

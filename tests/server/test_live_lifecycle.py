@@ -86,6 +86,7 @@ def test_full_queue_answers_503_and_recovers(slow_server) -> None:
             busy = await http.post("/v1/chat/completions", json=LONG)
             assert busy.status_code == 503
             assert busy.json()["error"]["code"] == "queue_full"
+            assert busy.headers["retry-after"] == "1"
             assert (await http.get("/health")).status_code == 200
             engine.runner.gate.set()
             done = await asyncio.gather(*held)
@@ -101,13 +102,13 @@ def test_preprocessing_runs_off_the_event_loop(slow_server, monkeypatch) -> None
     engine, client, server = slow_server
     import spaceserve.runtime.inputs.chat as chat
 
-    original = chat.ChatPreprocessor.prepare
+    original = chat.ChatPreprocessor.start_plan  # the server's first preprocessing step
 
-    def slow_prepare(self, req, limits, *args, **kw):
+    def slow_plan(self, req, limits, *args, **kw):
         time.sleep(0.8)  # a huge image being decoded
         return original(self, req, limits, *args, **kw)
 
-    monkeypatch.setattr(chat.ChatPreprocessor, "prepare", slow_prepare)
+    monkeypatch.setattr(chat.ChatPreprocessor, "start_plan", slow_plan)
 
     async def go():
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:

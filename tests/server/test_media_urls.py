@@ -141,6 +141,62 @@ def test_remote_urls_through_the_server(remote_server, media) -> None:
         assert err["type"] == "invalid_request_error"
 
 
+def test_remote_media_types_are_checked_against_the_bytes(remote_server, media) -> None:
+    """A remote answer's Content-Type is checked against the bytes as a data URL's type is,
+    and the same format allow-lists apply: PostScript labelled image/png never reaches a
+    PostScript decoder, an mp4 labelled video/webm or an image labelled video/mp4 is refused;
+    each a 400 naming the content part, with no object reprs."""
+    for path, kind, match in [
+        ("/eps.png", "image_url", "looks like PostScript/EPS"),
+        ("/clip.webm", "video_url", "the Content-Type says video/webm"),
+        ("/img.mp4", "video_url", "cannot open video"),
+    ]:
+        status, body = _ask(remote_server, media.url(path), kind)
+        err = body["error"]
+        assert status == 400 and match in err["message"], (path, body)
+        assert err["param"] == f"messages[0].content[0].{kind}" and " at 0x" not in \
+            err["message"]
+
+
+def test_media_are_read_however_the_fetches_race_the_check(preprocessor, monkeypatch) -> None:
+    """Remote fetches still on their way when the server first looks and done when it looks
+    again: the media are still read before decoding (this race once skipped the read and
+    answered 500)."""
+    from concurrent.futures import Future
+
+    from spaceserve.server import protocol as P
+
+    done: Future = Future()
+    done.set_result(None)
+
+    class Racing:  # a request's fetches: pending at the first look, finished after
+        looks = 0
+
+        def pending(self) -> list:
+            self.looks += 1
+            return [done] if self.looks == 1 else []
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+    start = P.start_chat
+
+    def racing_start(*a, **k):
+        plan = start(*a, **k)
+        plan.fetches = Racing()
+        return plan
+
+    monkeypatch.setattr(P, "start_chat", racing_start)
+    client, app = _live(preprocessor, None)
+    try:
+        with ServerThread(app) as server:
+            status, body = _ask(server, "data:image/png;base64," + base64.b64encode(
+                png(40, 50)).decode())
+            assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+    finally:
+        client.close()
+
+
 def test_without_the_opt_in_loopback_names_are_refused(preprocessor, media) -> None:
     client, app = _live(preprocessor, RemotePolicy(("localhost",)))
     try:

@@ -39,6 +39,7 @@ class FakeReplicas:
         self.error_item: tuple | None = None
         self.served: list[str] = []
         self.cancelled = 0
+        self.delay = 0.002  # seconds per token
 
     def is_replica_failure(self, exc: BaseException) -> bool:
         return isinstance(exc, Died)
@@ -64,7 +65,7 @@ class FakeReplicas:
         tokens: list[int] = []
         try:
             for i in range(params.max_tokens):
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(self.delay)
                 tokens.append(100 + i)
                 last = i == params.max_tokens - 1
                 if not (stream or last):
@@ -84,11 +85,7 @@ class FakeReplicas:
             raise
 
 
-@pytest.fixture
-def fake(preprocessor):
-    """(fake replicas, live server URL, client)."""
-    from spaceserve.server.app import ServerThread, create_app
-
+def two_replicas() -> ReplicaTracker:
     tracker = ReplicaTracker(None)
     tracker.sync({"k0": {"rank": 0, "pid": 10, "gauges": [["num_requests_running", "h", 1],
                                                      ["kv_cache_usage_perc", "h", 0.5]],
@@ -96,6 +93,15 @@ def fake(preprocessor):
                   "k1": {"rank": 1, "pid": 11, "gauges": [["num_requests_running", "h", 2],
                                                      ["kv_cache_usage_perc", "h", 0.0]],
                          "kv_blocks_total": 10, "kv_blocks_free": 10}})
+    return tracker
+
+
+@pytest.fixture
+def fake(preprocessor):
+    """(fake replicas, live server URL, client)."""
+    from spaceserve.server.app import ServerThread, create_app
+
+    tracker = two_replicas()
     reps = FakeReplicas(tracker)
     client = ReplicaClient(reps, tracker, max_model_len=256, mode="temporal", num_replicas=2,
                            image_token_id=preprocessor.image_token_id, max_pending=8,
@@ -257,3 +263,65 @@ def test_label_merge_helpers() -> None:
     assert out.splitlines() == ["# HELP x X", "# TYPE x gauge", "x 3", 'x{replica="0"} 1',
                                 'x{replica="1"} 2', "# TYPE y counter", "y 1",
                                 "# TYPE z gauge", 'z{replica="0"} 5']
+
+
+def test_the_replica_set_is_bounded_and_drains_as_one_server(preprocessor) -> None:
+    """The single server's hardening holds over replicas: a request over its pixel budget is
+    a 413 no replica sees, a lone surrogate a 400; a drain answers new work 503 with
+    Retry-After, ends a live stream with a final shutdown error event, cancels the replica's
+    call, and the server exits within its bound."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from spaceserve.runtime.inputs import ImageLimits
+    from spaceserve.server.app import ServerLimits, ServerThread, create_app
+
+    tracker = two_replicas()
+    reps = FakeReplicas(tracker)
+    reps.delay = 0.05  # 200 tokens: 10 s, far past the drain's bound
+    client = ReplicaClient(reps, tracker, max_model_len=256, mode="temporal", num_replicas=2,
+                           image_token_id=preprocessor.image_token_id, max_pending=8)
+    limits = ServerLimits(images=ImageLimits(max_request_pixels=100 * 100))
+    app = create_app(client, preprocessor, model_name=MODEL, limits=limits)
+    buf = io.BytesIO()
+    Image.new("RGB", (120, 100)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    big = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}]}]}
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+            "stream": True}
+    with ServerThread(app, client=client, graceful_timeout_s=0.5) as server:
+        r = httpx.post(server.url + "/v1/chat/completions", json=big, timeout=30)
+        assert r.status_code == 413 and "12000 pixels" in r.json()["error"]["message"]
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                       content=b'{"model":"%s","messages":[{"role":"user","content":"\\ud800"}]}'
+                       % MODEL.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert not reps.served
+
+        async def go():
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+                async with http.stream("POST", "/v1/chat/completions", json=long) as r:
+                    lines = r.aiter_lines()
+                    assert (await anext(lines)).startswith("data: {")
+                    server.server.begin_drain()
+                    health = await http.get("/health")
+                    new = await http.post("/v1/chat/completions", json=long)
+                    rest = [line async for line in lines if line]
+                # the request's end cancelled its replica call (not the server's exit)
+                await asyncio.sleep(0.1)
+                return health, new, rest, reps.cancelled
+
+        t0 = time.monotonic()
+        health, new, rest, cancelled = asyncio.run(go())
+        assert cancelled == 1
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert new.status_code == 503 and new.headers["retry-after"] == "1"
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["error"]["code"] == "shutdown"
+        server.thread.join(timeout=5)
+        assert not server.thread.is_alive() and time.monotonic() - t0 < 6.0
+    assert wait_until(lambda: reps.cancelled == 1 and client.num_pending == 0)
+    client.close()

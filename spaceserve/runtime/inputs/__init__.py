@@ -1,12 +1,18 @@
 """Input processing: what a request carries, turned into the engine's token ids and pixels.
 
 chat.py (`ChatPreprocessor`: chat messages -> templated text, media loading, image- and
-video-token expansion; also the engine's processor call), images.py (decoding under a pixel
-limit), video.py (PyAV decoding under `VideoLimits`, frame sampling and patches as Qwen2-VL's
-processor does), media.py (``data:`` / ``file://`` URLs to bytes under a byte limit; http(s)
-only through a fetcher), remote.py (`RemoteFetcher`: http(s) under an allow-list of domains,
-public addresses only, off by default), limits.py (`ImageLimits`, `VideoLimits`), errors.py
-(`InputError`: a ValueError with a machine-readable `kind` and the `param` at fault),
+video-token expansion, as a cheap `plan` (`start_plan`, `read_media`) and a decoding `finish`),
+prompt_encoder.py (`PromptEncoder`: prompt text and decoded media -> token ids and pixel values;
+the engine's processor call), text.py (client text: special tokens as plain text,
+`encode_plain`; byte bounds from the context length), images.py (format allow-list, header-first
+decoding under pixel limits), video.py (PyAV: container allow-list, header-first decoding under
+`VideoLimits`), sampling.py (`VideoSampling`: frame sampling and patches as Qwen2-VL's
+processor does), media.py (``data:`` / ``file://`` URLs to bytes under a byte limit, local files
+"not allowed or not found"; http(s) only through a fetcher), remote.py (`RemoteFetcher`:
+http(s) under an allow-list of domains, public addresses only, off by default), limits.py
+(`ImageLimits`, `VideoLimits`), budget.py (`PixelBudget`: the server's decoded pixels in
+preprocessing), pool.py (`PreprocessPool`: light and heavy lanes, bounded queues, deadlines),
+errors.py (`InputError`: a ValueError with a machine-readable `kind` and the `param` at fault),
 processor.py (`load_processor`: a checkpoint's tokenizer and processor), prompt.py
 (`process_prompt`: an engine prompt validated against the model and the engine's limits).
 
@@ -19,41 +25,100 @@ from __future__ import annotations
 
 from typing import Any
 
-from .chat import ChatPreprocessor, MediaRef
-from .errors import KINDS, ImageError, InputError
-from .images import decode_image, image_hash, load_image, load_image_url
+from .budget import PixelBudget, PixelLease
+from .chat import ChatPlan, ChatPreprocessor, MediaRef
+from .errors import KINDS, ImageError, InputError, safe_detail
+from .images import (
+    IMAGE_FORMATS,
+    decode_image,
+    image_format_of_mime,
+    image_hash,
+    load_image,
+    load_image_url,
+    open_image,
+)
 from .limits import ImageLimits, VideoLimits
-from .media import LOADERS, check_dir, load_url_bytes, to_data_url
+from .media import (
+    LOADERS,
+    check_dir,
+    data_url_mime,
+    load_url_bytes,
+    load_url_media,
+    resolve_local_file,
+    to_data_url,
+)
+from .pool import DeadlineExceeded, PreprocessPool, QueueFull
 from .processor import load_processor
+from .prompt_encoder import PromptEncoder
 from .remote import RemoteFetcher, RemotePolicy, address_problem
-from .video import DecodedVideo, VideoSampling, decode_video, load_video, load_video_url
+from .sampling import VideoSampling
+from .text import (
+    check_text_size,
+    control_tokens,
+    encode_marked,
+    encode_plain,
+    mark_plain,
+    text_byte_limit,
+)
+from .video import (
+    DecodedVideo,
+    OpenedVideo,
+    decode_video,
+    load_video,
+    load_video_url,
+    open_video,
+    video_format_of_mime,
+)
 
 __all__ = [
+    "IMAGE_FORMATS",
     "KINDS",
     "LOADERS",
+    "ChatPlan",
     "ChatPreprocessor",
+    "DeadlineExceeded",
     "DecodedVideo",
     "ImageError",
     "ImageLimits",
     "InputError",
     "MediaRef",
+    "OpenedVideo",
+    "PixelBudget",
+    "PixelLease",
+    "PreprocessPool",
+    "PromptEncoder",
+    "QueueFull",
     "RemoteFetcher",
     "RemotePolicy",
     "VideoLimits",
     "VideoSampling",
     "address_problem",
     "check_dir",
+    "check_text_size",
+    "control_tokens",
+    "data_url_mime",
     "decode_image",
     "decode_video",
+    "encode_marked",
+    "encode_plain",
+    "image_format_of_mime",
     "image_hash",
     "load_image",
     "load_image_url",
     "load_processor",
     "load_url_bytes",
+    "load_url_media",
     "load_video",
     "load_video_url",
+    "mark_plain",
+    "open_image",
+    "open_video",
     "process_prompt",
+    "resolve_local_file",
+    "safe_detail",
+    "text_byte_limit",
     "to_data_url",
+    "video_format_of_mime",
 ]
 
 

@@ -2,10 +2,15 @@
 
 `load_url_bytes` picks a loader by the URL's prefix from `LOADERS`; every failure is an
 `InputError` whose message starts with `where` (the content part). ``file://`` reads only inside
-an allowed folder (symbolic links resolved first) and is off unless one is given. Remote
-(``http(s)://``) URLs are fetched only through a `fetcher` (`remote.RemoteFetcher`: an allow-list
-of domains, public addresses only, the same byte limit); without one they are refused. The
-media kind ("image", "video") words the messages and checks a ``data:`` URL's media type.
+an allowed folder (symbolic links resolved first) and is off unless one is given; the URL is
+percent-decoded, and a path outside the folder, missing or not a regular file gets one message
+("not allowed or not found"), so answers never tell which files exist (`resolve_local_file`,
+shared by every loader of local files, images and videos alike). Remote (``http(s)://``) URLs
+are fetched only through a `fetcher` (`remote.RemoteFetcher`: an allow-list of domains, public
+addresses only, the same byte limit); without one they are refused. The media kind ("image",
+"video") words the messages and checks a ``data:`` URL's media type. `load_url_media` also
+gives the media type the source declares (a ``data:`` URL's, an http(s) answer's
+Content-Type) to the decoder, which checks it against the bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from .errors import InputError
 
@@ -40,9 +46,9 @@ def _data_bytes(url: str, where: str, media: str, max_bytes: int,
     if not header.endswith(";base64"):
         raise InputError(f"{where}: only base64 data: URLs are accepted", kind="invalid",
                          param=where)
-    mime = header[5:-7]
+    mime = header[5:-7].split(";", 1)[0].strip().lower()
     if mime and not mime.startswith(f"{media}/"):
-        raise InputError(f"{where}: media type {mime!r} is not {_ARTICLE.get(media, 'a')} "
+        raise InputError(f"{where}: media type {mime[:64]!r} is not {_ARTICLE.get(media, 'a')} "
                          f"{media}", kind="unsupported", param=where)
     if len(payload) > 4 * (max_bytes // 3 + 2):
         raise _too_large(where, media, max_bytes)
@@ -56,29 +62,47 @@ def _data_bytes(url: str, where: str, media: str, max_bytes: int,
     return raw
 
 
-def _file_bytes(url: str, where: str, media: str, max_bytes: int,
-                allowed_local_dir: str | None) -> bytes:
+def resolve_local_file(url: str, allowed_local_dir: str | None, where: str,
+                       media: str = "image") -> Path:
+    """The regular file a ``file://`` URL names inside `allowed_local_dir` (percent-decoded,
+    symbolic links resolved); one InputError for "outside the folder", "missing" and "not a
+    regular file", so the answer never tells which files exist."""
     if allowed_local_dir is None:
         raise InputError(f"{where}: file:// URLs are disabled (start the server with "
                          "--allowed-local-media-path)", kind="not_allowed", param=where)
-    path = url[len("file://"):]
-    if not path.startswith("/"):
-        raise InputError(f"{where}: a file:// URL needs an absolute path", kind="invalid",
-                         param=where)
-    root = Path(allowed_local_dir).resolve()
     try:
-        real = Path(path).resolve(strict=True)
-    except (OSError, RuntimeError):
-        raise InputError(f"{where}: no such file", kind="not_found", param=where) from None
-    if real != root and root not in real.parents:
-        raise InputError(f"{where}: path is outside the allowed media folder",
+        parts = urlsplit(url)
+    except ValueError:
+        raise InputError(f"{where}: malformed file:// URL", param=where) from None
+    if parts.netloc not in ("", "localhost"):
+        raise InputError(f"{where}: a file:// URL names no host (file:///path)", param=where)
+    path = unquote(parts.path, errors="strict") if "%" in parts.path else parts.path
+    if not path.startswith("/"):
+        raise InputError(f"{where}: a file:// URL needs an absolute path", param=where)
+    refused = InputError(f"{where}: {media} file is not allowed or not found",
                          kind="not_allowed", param=where)
-    if not real.is_file():
-        raise InputError(f"{where}: not a regular file", kind="not_found", param=where)
-    if real.stat().st_size > max_bytes:
+    try:
+        root = Path(allowed_local_dir).resolve()
+        real = Path(path).resolve(strict=True)
+        if (real != root and root not in real.parents) or not real.is_file():
+            raise refused
+    except (OSError, RuntimeError, ValueError, UnicodeError):  # missing, loop, NUL byte
+        raise refused from None
+    return real
+
+
+def _file_bytes(url: str, where: str, media: str, max_bytes: int,
+                allowed_local_dir: str | None) -> bytes:
+    real = resolve_local_file(url, allowed_local_dir, where, media)
+    try:
+        with open(real, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError:
+        raise InputError(f"{where}: {media} file is not allowed or not found",
+                         kind="not_allowed", param=where) from None
+    if len(raw) > max_bytes:
         raise _too_large(where, media, max_bytes)
-    with open(real, "rb") as f:
-        return f.read(max_bytes + 1)
+    return raw
 
 
 def _remote_refused(url: str, where: str, media: str, max_bytes: int,
@@ -111,6 +135,34 @@ def load_url_bytes(url: Any, *, where: str, max_bytes: int, allowed_local_dir: s
             return loader(url, where, media, max_bytes, allowed_local_dir)
     raise InputError(f"{where}: unsupported URL scheme (use data: or file://)",
                      kind="unsupported", param=where)
+
+
+def load_url_media(url: Any, *, where: str, max_bytes: int, allowed_local_dir: str | None,
+                   media: str = "image", fetcher: Any = None) -> tuple[bytes, str | None]:
+    """(`load_url_bytes`'s bytes, the media type their source declares): a ``data:`` URL's
+    type, or the Content-Type of an http(s) answer (``fetcher.fetch_media``); None when the
+    source declares none or only a generic one, and for local files."""
+    if fetcher is not None and isinstance(url, str) and url.startswith(("http://", "https://")) \
+            and hasattr(fetcher, "fetch_media"):
+        return fetcher.fetch_media(url, where=where, media=media, max_bytes=max_bytes)
+    raw = load_url_bytes(url, where=where, max_bytes=max_bytes,
+                         allowed_local_dir=allowed_local_dir, media=media, fetcher=fetcher)
+    return raw, data_url_mime(url) or None
+
+
+def mime_source(url: Any) -> str:
+    """Who declared a URL's media type, as error messages name it."""
+    return "the data URL" if isinstance(url, str) and url.startswith("data:") else \
+        "the Content-Type"
+
+
+def data_url_mime(url: Any) -> str | None:
+    """The media type a ``data:`` URL declares (lower case; "" when it declares none), None
+    for any other URL."""
+    if not isinstance(url, str) or not url.startswith("data:"):
+        return None
+    header = url[5:url.find(",")] if "," in url[:512] else url[5:512]
+    return header.split(";", 1)[0].strip().lower()
 
 
 def to_data_url(data: Any, fmt: str = "PNG", media: str = "image") -> str:

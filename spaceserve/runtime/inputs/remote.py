@@ -17,6 +17,8 @@ media domains (`RemotePolicy`). Every hop is checked before anything is sent:
 
 The body is streamed under the byte limit of the media kind (a declared Content-Length over it
 is refused before reading), with connect and read timeouts and a deadline for the whole fetch.
+`fetch_media` also gives the answer's Content-Type (None when generic), which the decoders check
+against the bytes as they check a ``data:`` URL's type.
 Fetches run on the fetcher's own threads, `max_concurrent` at a time per server, never on an
 event loop or the engine's step thread; `batch` starts a request's fetches together. Every
 failure is an `InputError`: ``not_allowed`` (policy), ``too_large``, ``unsupported`` (a
@@ -36,7 +38,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InputError
+from .errors import InputError, safe_detail
 
 # Content-Types accepted beside "<media>/*" (servers often label media generically)
 GENERIC_TYPES = frozenset({"", "application/octet-stream", "binary/octet-stream"})
@@ -151,10 +153,22 @@ class RemoteFetcher:
 
     def fetch(self, url: str, *, where: str, media: str, max_bytes: int) -> bytes:
         """The bytes at `url` (at most `max_bytes`); InputError otherwise."""
-        return self.wait(self.start(url, where=where, media=media, max_bytes=max_bytes),
-                         where, media, url)
+        return self.fetch_media(url, where=where, media=media, max_bytes=max_bytes)[0]
+
+    def fetch_media(self, url: str, *, where: str, media: str, max_bytes: int
+                    ) -> tuple[bytes, str | None]:
+        """(the bytes at `url`, the media type its Content-Type declares: None when absent or
+        generic); InputError otherwise."""
+        return self.wait_media(self.start(url, where=where, media=media, max_bytes=max_bytes),
+                               where, media, url)
 
     def wait(self, future: Future, where: str, media: str, url: str) -> bytes:
+        """The bytes of a started fetch (`start`); InputError otherwise."""
+        return self.wait_media(future, where, media, url)[0]
+
+    def wait_media(self, future: Future, where: str, media: str, url: str
+                   ) -> tuple[bytes, str | None]:
+        """(bytes, declared media type) of a started fetch; InputError otherwise."""
         try:
             return future.result(timeout=self.policy.total_timeout + 1.0)
         except FutureTimeout:
@@ -173,7 +187,7 @@ class RemoteFetcher:
         try:
             u = httpx.URL(url)
         except Exception as exc:  # httpx.InvalidURL and IDNA errors
-            raise InputError(f"{where}: invalid URL ({exc})", param=where) from None
+            raise InputError(f"{where}: invalid URL ({safe_detail(exc)})", param=where) from None
         if u.scheme not in ("http", "https") or not u.host:
             raise InputError(f"{where}: only http(s) URLs with a host are fetched",
                              kind="unsupported", param=where)
@@ -192,7 +206,8 @@ class RemoteFetcher:
         try:
             ips = list(resolve(host, port))
         except (OSError, UnicodeError) as exc:
-            raise self._failed(where, media, url, f"cannot resolve {host!r} ({exc})") from None
+            raise self._failed(where, media, url,
+                               f"cannot resolve {host!r} ({safe_detail(exc)})") from None
         if not ips:
             raise self._failed(where, media, url, f"{host!r} resolves to no address")
         for ip in ips:
@@ -208,7 +223,8 @@ class RemoteFetcher:
                           param=where)
 
     # -- the fetch (on a pool thread) ------------------------------------------------------
-    def _fetch(self, url: str, where: str, media: str, max_bytes: int, deadline: float) -> bytes:
+    def _fetch(self, url: str, where: str, media: str, max_bytes: int, deadline: float
+               ) -> tuple[bytes, str | None]:
         import httpx
 
         current = url
@@ -232,10 +248,11 @@ class RemoteFetcher:
                 except httpx.TimeoutException:
                     raise self._failed(where, media, url, "timed out") from None
                 except httpx.HTTPError as exc:
-                    raise self._failed(where, media, url, f"{type(exc).__name__}: {exc}"
-                                       ) from None
+                    raise self._failed(where, media, url,
+                                       f"{type(exc).__name__}: {safe_detail(exc)}") from None
             else:
-                raise self._failed(where, media, url, f"cannot connect to {host!r} ({last})")
+                raise self._failed(where, media, url, f"cannot connect to {host!r} "
+                                   f"({safe_detail(last) if last else 'no address'})")
         raise self._failed(where, media, url,
                            f"more than {self.policy.max_redirects} redirects")
 
@@ -257,7 +274,7 @@ class RemoteFetcher:
                             limits=httpx.Limits(max_keepalive_connections=0))
 
     def _get(self, u: Any, ip: str, where: str, media: str, max_bytes: int,
-             deadline: float) -> bytes:
+             deadline: float) -> tuple[bytes, str | None]:
         host = u.raw_host.decode("ascii")
         headers = {"Host": u.netloc.decode("ascii"), "Accept": f"{media}/*",
                    "User-Agent": "SpaceServe media fetcher"}
@@ -289,7 +306,7 @@ class RemoteFetcher:
                     raise self._failed(where, media, str(u), "took longer than "
                                        f"{self.policy.total_timeout:g} s")
                 parts.append(part)
-            return b"".join(parts)
+            return b"".join(parts), None if ctype in GENERIC_TYPES else ctype
 
 
 class FetchBatch:
@@ -309,12 +326,20 @@ class FetchBatch:
                 self.errors[url, where] = exc
 
     def fetch(self, url: str, *, where: str, media: str, max_bytes: int) -> bytes:
+        return self.fetch_media(url, where=where, media=media, max_bytes=max_bytes)[0]
+
+    def fetch_media(self, url: str, *, where: str, media: str, max_bytes: int
+                    ) -> tuple[bytes, str | None]:
         if (url, where) in self.errors:
             raise self.errors[url, where]
         fut = self.futures.get((url, where))
         if fut is None:
-            return self.fetcher.fetch(url, where=where, media=media, max_bytes=max_bytes)
-        return self.fetcher.wait(fut, where, media, url)
+            return self.fetcher.fetch_media(url, where=where, media=media, max_bytes=max_bytes)
+        return self.fetcher.wait_media(fut, where, media, url)
+
+    def pending(self) -> list[Future]:
+        """The fetches not finished yet (a caller may wait for them off its thread)."""
+        return [f for f in self.futures.values() if not f.done()]
 
     def __enter__(self) -> FetchBatch:
         return self

@@ -1,137 +1,48 @@
-"""Videos: decoded with PyAV under `VideoLimits`, sampled and patched as Qwen2-VL's processor does.
-
-A video becomes frames sampled uniformly at `VideoSampling.fps` (at least ``min_frames``, at
-most ``max_frames``, an even count for temporal patches of 2; transformers'
-``Qwen2VLVideoProcessor.sample_frames``), each resized to a multiple of 28 px between
-``min_pixels`` and ``max_pixels`` with the total capped by ``max_video_tokens`` (its
-``cap_pixels_per_frame``, as qwen-vl-utils does), then normalised and cut into ``[t * h * w,
-3 * 2 * 14 * 14]`` patches (the last frame repeated to fill the last temporal patch). The
-sampled frame rate gives ``second_per_grid_ts`` (Qwen2.5-VL's M-RoPE time spacing).
+"""Videos: decoded with PyAV under `VideoLimits`, sampled and patched as Qwen2-VL's processor
+does (`sampling.VideoSampling`, `sampling.video_patches`).
 
 Decoding is bounded before any frame is decoded: the encoded size (the URL loader), the frame
 size and frame count from the container header (`VideoLimits`). Only the demuxers of common
-video containers may open the bytes, and nested opens (playlists, references to other files
-or URLs) are refused. PyAV is an optional dependency (``pip install 'spaceserve[video]'``);
-without it a video is refused with a clear error. Every failure is an `InputError`.
+video containers may open the bytes, a media type the source declares (a ``data:`` URL's, a
+remote answer's Content-Type) must name the container the bytes are, and nested opens
+(playlists, references to other files or URLs) are refused. As for images, reading the header
+(`open_video`: an `OpenedVideo`, which says what its decoding will hold, `pixels`, and cost,
+`work`) comes apart from decoding (`OpenedVideo.decode`, which checks a deadline between
+frames), so a caller can check budgets in between. PyAV is an optional dependency (``pip
+install 'spaceserve[video]'``); without it a video is refused with a clear error. Every failure
+is an `InputError`; messages never echo library object reprs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 import math
 import os
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import dataclass
 from typing import Any
 
-from .errors import InputError
-from .limits import ImageLimits, VideoLimits, check_positive_ints
-from .media import load_url_bytes
+from .errors import InputError, safe_detail
+from .limits import ImageLimits, VideoLimits
+from .media import load_url_bytes, load_url_media, mime_source
+from .pool import DeadlineExceeded
+from .sampling import CLIP_MEAN, CLIP_STD, VideoSampling, video_patches
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # ffmpeg demuxers a video may be read with (mp4/mov, webm/mkv, avi, mpeg-ts, ogg, flv, gif)
 DEMUXERS = "mov,matroska,avi,mpegts,ogg,flv,gif"
-
-
-@dataclass(frozen=True)
-class VideoSampling:
-    """How a video becomes patches: frame sampling, frame size and the patch geometry.
-
-    Defaults are Qwen2-VL's video processor and qwen-vl-utils (2 frames per second, 4 to 768
-    frames, 128 to 768 merged tokens per frame, at most 128000 tokens per video); a
-    checkpoint's ``video_preprocessor_config.json`` overrides them (`from_pretrained`).
-    """
-
-    fps: float = 2.0
-    min_frames: int = 4
-    max_frames: int = 768
-    min_pixels: int = 128 * 28 * 28
-    max_pixels: int = 768 * 28 * 28
-    max_video_tokens: int = 128000
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    image_mean: tuple[float, ...] = CLIP_MEAN
-    image_std: tuple[float, ...] = CLIP_STD
-    rescale_factor: float = 1 / 255
-
-    def __post_init__(self) -> None:
-        check_positive_ints(self, ("min_frames", "max_frames", "min_pixels", "max_pixels",
-                                   "max_video_tokens", "patch_size", "temporal_patch_size",
-                                   "merge_size"))
-        if not (isinstance(self.fps, (int, float)) and math.isfinite(self.fps) and self.fps > 0):
-            raise ValueError(f"fps={self.fps!r} must be a positive number")
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels={self.min_pixels} exceeds max_pixels={self.max_pixels}")
-        for name in ("image_mean", "image_std"):
-            value = tuple(float(v) for v in getattr(self, name))
-            if len(value) != 3:
-                raise ValueError(f"{name} needs 3 values (RGB), got {value}")
-            object.__setattr__(self, name, value)
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, image_processor: Any = None
-                        ) -> VideoSampling:
-        """The settings of a local checkpoint: ``video_preprocessor_config.json`` when present
-        (transformers' field names), else the image processor's patch geometry and
-        normalisation with the video defaults above."""
-        keys = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std",
-                "rescale_factor")
-        cfg = {k: getattr(image_processor, k) for k in keys
-               if getattr(image_processor, k, None) is not None}
-        file = os.path.join(os.fspath(path), "video_preprocessor_config.json")
-        if os.path.isfile(file):
-            with open(file) as f:
-                raw = json.load(f)
-            size = raw.get("size") or {}
-            raw.setdefault("min_pixels", size.get("shortest_edge"))
-            raw.setdefault("max_pixels", size.get("longest_edge"))
-            cfg.update({k: v for k, v in raw.items() if v is not None and k in
-                        cls.__dataclass_fields__})
-        return cls(**cfg)
-
-    @property
-    def factor(self) -> int:
-        """Frame sides are multiples of this (one merged token's side in pixels)."""
-        return self.patch_size * self.merge_size
-
-    def fingerprint(self) -> bytes:
-        """A stable digest of the settings (part of every video's content hash)."""
-        return hashlib.blake2b(json.dumps(asdict(self), sort_keys=True).encode(),
-                               digest_size=16).digest()
-
-    def sample(self, total_frames: int, video_fps: float) -> list[int]:
-        """Indices of the frames to keep, uniform over the video (transformers'
-        ``sample_frames`` with `fps`); a video shorter than one temporal patch keeps every
-        frame (its last frame is repeated when patched)."""
-        tps = self.temporal_patch_size
-        cap = math.floor(min(self.max_frames, total_frames) / tps) * tps
-        n = total_frames / video_fps * self.fps
-        n = math.floor(min(max(n, self.min_frames), cap, total_frames) / tps) * tps
-        if n < 1:
-            return list(range(total_frames))
-        return [int(i * total_frames / n) for i in range(n)]
-
-    def frame_size(self, height: int, width: int, num_frames: int) -> tuple[int, int]:
-        """(height, width) of the sampled frames: the aspect ratio kept, sides multiples of
-        `factor`, pixels within [min_pixels, per-frame share of the token budget]."""
-        f = self.factor
-        budget = int(self.max_video_tokens * f * f * 0.9)
-        max_px = max(min(self.max_pixels, budget * self.temporal_patch_size // max(num_frames, 1)),
-                     int(self.min_pixels * 1.05))
-        if max(height, width) / min(height, width) > 200:
-            raise ValueError(f"aspect ratio of {width}x{height} exceeds 200")
-        h, w = max(f, round(height / f) * f), max(f, round(width / f) * f)
-        if h * w > max_px:
-            beta = math.sqrt(height * width / max_px)
-            h = max(f, math.floor(height / beta / f) * f)
-            w = max(f, math.floor(width / beta / f) * f)
-        elif h * w < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
-            h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
-        return h, w
+CONTAINER_NAMES = {"mov": "mp4/mov", "matroska": "webm/mkv", "avi": "avi", "mpegts": "mpeg-ts",
+                   "ogg": "ogg", "flv": "flv", "gif": "gif"}
+# a declared media type -> the demuxer its bytes must need
+MIME_DEMUXERS = {
+    "video/mp4": "mov", "video/quicktime": "mov", "video/x-m4v": "mov", "video/3gpp": "mov",
+    "video/3gpp2": "mov", "application/mp4": "mov", "video/webm": "matroska",
+    "video/x-matroska": "matroska", "video/matroska": "matroska",
+    "application/x-matroska": "matroska", "video/x-msvideo": "avi", "video/avi": "avi",
+    "video/msvideo": "avi", "video/mp2t": "mpegts", "video/ogg": "ogg", "application/ogg": "ogg",
+    "video/x-flv": "flv",
+}
+_ACCEPTED = "mp4/mov, webm/mkv, avi, mpeg-ts, ogg, flv or gif"
 
 
 @dataclass(frozen=True)
@@ -159,6 +70,18 @@ def _bad(where: str, msg: str) -> InputError:
     return InputError(f"{where}: {msg}", kind="bad_video", param=where)
 
 
+def video_format_of_mime(mime: str | None, where: str) -> str | None:
+    """The demuxer a declared media type requires (None: no type declared, any accepted
+    container will do); InputError when the type names no accepted container."""
+    if not mime:
+        return None
+    demuxer = MIME_DEMUXERS.get(mime.strip().lower())
+    if demuxer is None:
+        raise InputError(f"{where}: video type {mime[:64]!r} is not accepted; send {_ACCEPTED}",
+                         kind="unsupported", param=where)
+    return demuxer
+
+
 def _refuse_nested_open(url: Any, flags: Any, options: Any) -> Any:
     raise OSError("a video may not open other files or URLs")
 
@@ -175,14 +98,19 @@ def _open(raw: bytes, where: str) -> Any:
                        container_options={"format_whitelist": DEMUXERS},
                        io_open=_refuse_nested_open)
     except Exception as exc:  # PyAV raises many types; all mean "not a video we read"
-        raise _bad(where, f"cannot open video: not an mp4/mov, webm/mkv, avi, mpeg-ts, ogg, "
-                          f"flv or gif file, or corrupt ({type(exc).__name__})") from None
+        raise _bad(where, f"cannot open video: not an {_ACCEPTED} file, or corrupt "
+                          f"({type(exc).__name__})") from None
 
 
-def _header(raw: bytes, limits: VideoLimits, where: str) -> tuple[int, int, float, int]:
-    """(height, width, fps, frames) from the container, checked against `limits`; counts
-    packets when the header holds no frame count."""
+def _header(raw: bytes, limits: VideoLimits, where: str, want: str | None, mime: str | None,
+            declared_by: str) -> tuple[int, int, float, int]:
+    """(height, width, fps, frames) from the container, checked against `limits` and the
+    declared container `want`; counts packets when the header holds no frame count."""
     with _open(raw, where) as container:
+        names = str(container.format.name).split(",")
+        if want is not None and want not in names:
+            seen = next((CONTAINER_NAMES[n] for n in names if n in CONTAINER_NAMES), names[0])
+            raise _bad(where, f"{declared_by} says {mime} but the data is {seen}")
         if not container.streams.video:
             raise _bad(where, "the file holds no video stream")
         stream = container.streams.video[0]
@@ -211,10 +139,10 @@ def _header(raw: bytes, limits: VideoLimits, where: str) -> tuple[int, int, floa
     return h, w, fps, total
 
 
-def _decode_frames(raw: bytes, indices: list[int], size: tuple[int, int], where: str
-                   ) -> tuple[list[Any], int]:
+def _decode_frames(raw: bytes, indices: list[int], size: tuple[int, int], where: str,
+                   deadline: float | None = None) -> tuple[list[Any], int]:
     """The frames at `indices` (sorted), resized to `size` (h, w), and how many frames were
-    decoded; stops after the last index."""
+    decoded; stops after the last index. DeadlineExceeded past `deadline` (monotonic)."""
     import numpy as np
     from PIL import Image
 
@@ -223,6 +151,8 @@ def _decode_frames(raw: bytes, indices: list[int], size: tuple[int, int], where:
     count = 0
     with _open(raw, where) as container:
         for frame in container.decode(container.streams.video[0]):
+            if deadline is not None and count % 8 == 0 and time.monotonic() > deadline:
+                raise DeadlineExceeded("preprocessing did not finish before its deadline")
             if count in wanted:
                 img = frame.to_image()  # RGB
                 if img.size != (size[1], size[0]):
@@ -234,33 +164,91 @@ def _decode_frames(raw: bytes, indices: list[int], size: tuple[int, int], where:
     return out, count
 
 
-def decode_video(raw: bytes, limits: VideoLimits, sampling: VideoSampling,
-                 where: str = "video") -> DecodedVideo:
-    """Encoded video bytes to sampled, resized frames under `limits`; InputError otherwise."""
-    import numpy as np
+@dataclass(frozen=True)
+class OpenedVideo:
+    """A video whose container header is read and checked, nothing decoded yet.
 
+    `indices` are the frames sampling keeps and `size` (h, w) their size once resized.
+    `pixels` is what the video counts against pixel budgets: its sampled frames (padded to
+    whole temporal patches), each as large as the larger of its source and its resized size,
+    which covers the frames its decoding keeps and its preprocessed pixel values. `work` is
+    its decoding cost in pixels: every frame up to the last sampled one is decoded at source
+    size (bounded by `VideoLimits`, not by the pixel budgets).
+    """
+
+    raw: bytes
+    where: str
+    sampling: VideoSampling
+    height: int
+    width: int
+    fps: float
+    total: int
+    indices: tuple[int, ...]
+    size: tuple[int, int]
+    pixels: int
+    work: int
+
+    def __repr__(self) -> str:  # never the bytes
+        return (f"OpenedVideo({self.where!r}, {self.width}x{self.height}, {self.total} frames "
+                f"at {self.fps:g} fps, {len(self.indices)} sampled)")
+
+    def decode(self, deadline: float | None = None) -> DecodedVideo:
+        """The sampled, resized frames; InputError when the data is damaged, DeadlineExceeded
+        past `deadline` (monotonic clock)."""
+        import numpy as np
+
+        where, sampling, total = self.where, self.sampling, self.total
+        indices, size = list(self.indices), self.size
+        try:
+            for _ in range(2):  # a second pass when the header over-counts the frames
+                frames, seen = _decode_frames(self.raw, indices, size, where, deadline)
+                if len(frames) == len(indices):
+                    break
+                if seen < 1:
+                    raise _bad(where, "no frame could be decoded")
+                total = seen
+                indices = sampling.sample(total, self.fps)
+                size = sampling.frame_size(self.height, self.width, len(indices))
+            else:
+                raise _bad(where, "the frames decoded disagree with the container")
+        except (InputError, DeadlineExceeded):
+            raise
+        except Exception as exc:  # PyAV / PIL raise many types; all mean "not a usable video"
+            raise _bad(where, f"cannot decode video ({type(exc).__name__}: "
+                              f"{safe_detail(exc)})") from None
+        stack = np.stack(frames)
+        sampled_fps = len(indices) / total * self.fps
+        seconds = sampling.temporal_patch_size / sampled_fps
+        return DecodedVideo(stack, self.fps, total, tuple(indices), seconds,
+                            video_hash(stack, sampling, seconds))
+
+
+def open_video(raw: bytes, limits: VideoLimits, sampling: VideoSampling, where: str = "video",
+               *, mime: str | None = None, declared_by: str = "the data URL") -> OpenedVideo:
+    """Read `raw`'s container header under `limits` (a declared `mime` must name the container
+    the bytes are) and plan its sampling; nothing is decoded. InputError otherwise."""
+    want = video_format_of_mime(mime, where)
     try:
-        h, w, fps, total = _header(raw, limits, where)
-        for _ in range(2):  # a second pass when the header over-counts the frames
-            indices = sampling.sample(total, fps)
-            size = sampling.frame_size(h, w, len(indices))
-            frames, seen = _decode_frames(raw, indices, size, where)
-            if len(frames) == len(indices):
-                break
-            if seen < 1:
-                raise _bad(where, "no frame could be decoded")
-            total = seen
-        else:
-            raise _bad(where, "the frames decoded disagree with the container")
+        h, w, fps, total = _header(raw, limits, where, want, mime, declared_by)
+        indices = sampling.sample(total, fps)
+        size = sampling.frame_size(h, w, len(indices))
+        largest = sampling.frame_size(h, w, 1)  # fewer frames never get larger ones
     except InputError:
         raise
-    except Exception as exc:  # PyAV / PIL raise many types; all mean "not a usable video"
-        raise _bad(where, f"cannot decode video ({type(exc).__name__}: {exc})") from None
-    stack = np.stack(frames)
-    sampled_fps = len(indices) / total * fps
-    seconds = sampling.temporal_patch_size / sampled_fps
-    return DecodedVideo(stack, fps, total, tuple(indices), seconds,
-                        video_hash(stack, sampling, seconds))
+    except Exception as exc:  # PyAV raises many types; frame_size an odd aspect ratio
+        raise _bad(where, f"cannot read the video ({type(exc).__name__}: "
+                          f"{safe_detail(exc)})") from None
+    tps = sampling.temporal_patch_size
+    frames = -(-len(indices) // tps) * tps
+    pixels = frames * max(h * w, largest[0] * largest[1], size[0] * size[1])
+    return OpenedVideo(raw, where, sampling, h, w, fps, total, tuple(indices), size, pixels,
+                       (indices[-1] + 1) * h * w)
+
+
+def decode_video(raw: bytes, limits: VideoLimits, sampling: VideoSampling,
+                 where: str = "video", *, mime: str | None = None) -> DecodedVideo:
+    """Encoded video bytes to sampled, resized frames under `limits`; InputError otherwise."""
+    return open_video(raw, limits, sampling, where, mime=mime).decode()
 
 
 def video_hash(frames: Any, sampling: VideoSampling, second_per_grid_ts: float) -> str:
@@ -272,15 +260,23 @@ def video_hash(frames: Any, sampling: VideoSampling, second_per_grid_ts: float) 
     return h.hexdigest()
 
 
+def open_video_url(url: str, limits: ImageLimits, video_limits: VideoLimits,
+                   sampling: VideoSampling, where: str = "video_url", *,
+                   fetcher: Any = None) -> OpenedVideo:
+    """Read one video URL (``data:``, ``file://`` under the allowed folder, or http(s) through
+    `fetcher`) and its header under the limits; InputError otherwise."""
+    raw, mime = load_url_media(url, where=where, max_bytes=video_limits.max_video_bytes,
+                               allowed_local_dir=limits.allowed_local_dir, media="video",
+                               fetcher=fetcher)
+    return open_video(raw, video_limits, sampling, where, mime=mime,
+                      declared_by=mime_source(url))
+
+
 def load_video_url(url: str, limits: ImageLimits, video_limits: VideoLimits,
                    sampling: VideoSampling, where: str = "video_url", *,
                    fetcher: Any = None) -> DecodedVideo:
-    """Decode one video URL (``data:``, ``file://`` under the allowed folder, or http(s)
-    through `fetcher`) under the limits; InputError otherwise."""
-    raw = load_url_bytes(url, where=where, max_bytes=video_limits.max_video_bytes,
-                         allowed_local_dir=limits.allowed_local_dir, media="video",
-                         fetcher=fetcher)
-    return decode_video(raw, video_limits, sampling, where)
+    """Decode one video URL (see `open_video_url`) under the limits; InputError otherwise."""
+    return open_video_url(url, limits, video_limits, sampling, where, fetcher=fetcher).decode()
 
 
 def load_video(item: Any, index: int, sampling: VideoSampling) -> DecodedVideo:
@@ -321,24 +317,6 @@ def load_video(item: Any, index: int, sampling: VideoSampling) -> DecodedVideo:
                         video_hash(frames, sampling, seconds))
 
 
-def video_patches(video: DecodedVideo, sampling: VideoSampling) -> tuple[Any, tuple[int, int, int]]:
-    """(pixel_values ``[t * h * w, 3 * T * P * P]`` float32, grid (t, h, w)) of one video, in
-    the patch order of transformers' Qwen2-VL video processor."""
-    import torch
-
-    x = torch.from_numpy(video.frames).float() * sampling.rescale_factor  # [T, H, W, C]
-    mean = torch.tensor(sampling.image_mean)
-    std = torch.tensor(sampling.image_std)
-    x = ((x - mean) / std).permute(0, 3, 1, 2)  # [T, C, H, W]
-    tps, p, m = sampling.temporal_patch_size, sampling.patch_size, sampling.merge_size
-    if pad := -x.shape[0] % tps:
-        x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
-    frames, c, height, width = x.shape
-    gt, gh, gw = frames // tps, height // p, width // p
-    x = x.reshape(gt, tps, c, gh // m, m, p, gw // m, m, p)
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(gt * gh * gw, c * tps * p * p).contiguous(), (gt, gh, gw)
-
-
-__all__ = ["DEMUXERS", "DecodedVideo", "VideoLimits", "VideoSampling", "decode_video",
-           "load_video", "load_video_url", "video_hash", "video_patches"]
+__all__ = ["CLIP_MEAN", "CLIP_STD", "DEMUXERS", "DecodedVideo", "OpenedVideo", "VideoLimits",
+           "VideoSampling", "decode_video", "load_video", "load_video_url", "open_video",
+           "open_video_url", "video_format_of_mime", "video_hash", "video_patches"]

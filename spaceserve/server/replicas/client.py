@@ -1,13 +1,17 @@
 """`ReplicaClient`: the engine client `create_app` serves, over a set of engine replicas.
 
-It has the surface the HTTP layer uses of `AsyncEngine` (``reserve`` -> a handle with ``start``
-/ ``next`` / ``close``; ``alive``, ``mode``, ``mode_note``, ``metrics``, ``gauges``,
-``engine.max_model_len``, ``close``), so the API, errors, /health and /metrics are the single
-server's. A handle prepares the prompt in a worker pool (chat template, image decoding), derives
-its `RouteRequest` (image content hashes, prefix-block hashes), and streams the request from one
-replica through a `ReplicaBackend` (Ray Serve's deployment handle in deploy.py, a fake in tests);
-the backend's router ranks replicas with the `ReplicaTracker` this client reports to (first
-token, end).
+It has the surface the HTTP layer uses of `AsyncEngine`: the same admission, preprocessing pool
+(light and heavy lanes), pixel budget, ``draining`` flag and ``abort_all`` (`handles.Admission`;
+``reserve`` -> a `handles.Handle` with ``start`` / ``wait`` / ``hold`` / ``next`` /
+``cancel`` / ``close``), and ``alive``, ``last_error``, ``mode``, ``mode_note``, ``device``,
+``metrics``, ``gauges``, ``engine.max_model_len``, ``close``; so the API, errors, bounds,
+graceful shutdown, /health and /metrics are the single server's. The ingress preprocesses
+(chat template, media decoding) exactly as one server does; a handle then derives the
+prompt's `RouteRequest` (image content hashes, prefix-block hashes) and streams the request
+from one replica through a `ReplicaBackend` (Ray Serve's deployment handle in deploy.py, a fake
+in tests); the backend's router ranks replicas with the `ReplicaTracker` this client reports
+to (first token, end). The server ending a request (a drain's deadline) cancels the replica's
+call, which aborts it there.
 
 Faults: when the replica fails (its process died, its stream broke) before anything was handed
 to the HTTP layer, the request is sent once more, to another replica; otherwise it ends with an
@@ -20,13 +24,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
 from spaceserve.runtime.route_keys import route_request
 
-from ..engine_client import QueueFull
+from ..handles import Admission, Handle
 from .metrics import ReplicaSetMetrics
 
 if TYPE_CHECKING:
@@ -67,64 +71,53 @@ def error_output(request_id: str, status: int, message: str) -> RequestOutput:
                          RequestMetrics(now, None, (), now), {"status": status})
 
 
-class ReplicaRequestHandle:
+class ReplicaRequestHandle(Handle):
     """One admitted request; see the module docstring."""
 
+    client: ReplicaClient
+
     def __init__(self, client: ReplicaClient, request_id: str) -> None:
-        self.client = client
-        self.request_id = request_id
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
+        super().__init__(client, request_id)
         self.task: asyncio.Task | None = None
         self.label: str | None = None  # the replica that answered
         self.delivered = False
-        self.finished = False  # every one of its n sequences has ended (or it failed)
-        self.closed = False
-        self.n = 1
-        self._left = 1  # sequences whose final output the HTTP layer has not taken
+        self._kwargs: dict[str, Any] = {}
 
-    async def start(self, prepare: Callable[[], Any], params: SamplingParams | Callable[
-            [Any], SamplingParams], *, stream: bool) -> Any:
-        """Prepare the prompt in the pool (client mistakes raise here, as on one server), then
-        send it; returns the prompt."""
+    def add(self, prompt: Any, params: SamplingParams | Callable[[Any], SamplingParams], *,
+            stream: bool) -> None:
+        """Route the prepared `prompt` and send it to a replica (any thread), unless the
+        request was closed or cancelled meanwhile."""
         c = self.client
+        sp = params(prompt) if callable(params) else params
+        self.expect(sp.n)
+        route = route_request(self.request_id, prompt, image_token_id=c.image_token_id,
+                              merge_size=c.merge_size, block_tokens=c.block_tokens,
+                              output_tokens=sp.max_tokens)
+        with self._lock:
+            if self.closed or self.cancelled.is_set():
+                return
+            self.added = True
+        try:
+            self.loop.call_soon_threadsafe(self._launch, prompt, sp, stream, route)
+        except RuntimeError:  # the loop is gone: nobody listens any more
+            pass
 
-        def job() -> tuple[Any, Any, Any]:
-            prompt = prepare()
-            sp = params(prompt) if callable(params) else params
-            self.n = self._left = sp.n
-            route = route_request(self.request_id, prompt, image_token_id=c.image_token_id,
-                                  merge_size=c.merge_size, block_tokens=c.block_tokens,
-                                  output_tokens=sp.max_tokens)
-            return prompt, sp, route
+    def _launch(self, prompt: Any, params: Any, stream: bool, route: Any) -> None:
+        if not (self.closed or self.cancelled.is_set()):
+            self.task = asyncio.ensure_future(self._pump(prompt, params, stream, route))
 
-        prompt, sp, route = await self.loop.run_in_executor(c.pool, job)
-        if not self.closed:
-            self.task = asyncio.ensure_future(self._pump(prompt, sp, stream, route))
-        return prompt
-
-    async def next(self) -> RequestOutput:
-        out = await self.queue.get()
-        self._left -= out.finished
-        self.finished = self._left <= 0 or "status" in out.extra  # an error ends them all
-        return out
-
-    def close(self) -> None:
-        """Release the admission slot; cancel the request on its replica if unfinished."""
-        if self.closed:
-            return
-        self.closed = True
+    def _stop(self) -> None:
+        """Cancel the replica call (the replica aborts the request)."""
         if self.task is not None and not self.task.done():
             self.task.cancel()
-        self.client.tracker.on_finished(self.request_id)
-        self.client._release()
 
     # The request's life on the replicas.
 
     async def _pump(self, prompt: Any, params: Any, stream: bool, route: Any) -> None:
         c, rid = self.client, self.request_id
-        kwargs = {"request_id": rid, "prompt": prompt, "params": params, "stream": stream,
-                  "route": route, "exclude": None}
+        kwargs = self._kwargs = {"request_id": rid, "prompt": prompt, "params": params,
+                                 "stream": stream, "route": route, "exclude": None}
+        del prompt
         for attempt in (1, 2):
             try:
                 await self._relay(c.backend.stream(kwargs))
@@ -155,11 +148,12 @@ class ReplicaRequestHandle:
                 return
 
     async def _relay(self, items: AsyncIterator[tuple]) -> None:
-        """Hand a replica's outputs to the HTTP layer until the final one."""
+        """Hand a replica's outputs to the HTTP layer until the final one (of every one of
+        the request's n sequences, whose outputs interleave)."""
         c, rid = self.client, self.request_id
         it = items.__aiter__()
         item = await self._first(it)
-        left = self.n  # sequences still running (n > 1: their outputs interleave)
+        left = self.n
         while True:
             if item[0] == "error":
                 _, status, message = item
@@ -178,7 +172,9 @@ class ReplicaRequestHandle:
                 c.metrics.observe(out, self.label)
             else:
                 c.tracker.on_first_token(rid)
-            self.delivered = True
+            if not self.delivered:  # no retry from here on: the prompt is not needed again
+                self.delivered = True
+                self._kwargs["prompt"] = None
             self._put(out)
             if not left:
                 return
@@ -219,47 +215,38 @@ class ReplicaRequestHandle:
         self._put(out)
 
 
-class ReplicaClient:
-    """See the module docstring. `max_pending` bounds requests admitted and not yet closed."""
+class ReplicaClient(Admission):
+    """See the module docstring. `max_pending` bounds requests admitted and not yet closed;
+    `pool` runs their preprocessing (default: `workers` threads over its two lanes) and
+    `pixels` bounds the decoded pixels in it."""
+
+    handle_class = ReplicaRequestHandle
 
     def __init__(self, backend: ReplicaBackend, tracker: ReplicaTracker, *, max_model_len: int,
                  mode: str, num_replicas: int, image_token_id: int | None,
                  merge_size: int = 2, max_pending: int = 256, mode_note: str | None = None,
-                 route_timeout_s: float = 60.0, workers: int = 4) -> None:
-        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"max_pending={max_pending!r} must be an int >= 1")
+                 route_timeout_s: float = 60.0, workers: int = 4,
+                 pool: PreprocessPool | None = None, pixels: PixelBudget | None = None,
+                 device: str | None = None) -> None:
+        if pool is None:
+            light = max(1, workers // 2)
+            pool = PreprocessPool(light_workers=light, heavy_workers=max(1, workers - light))
+        super().__init__(max_pending=max_pending, pool=pool, pixels=pixels)
         self.backend, self.tracker = backend, tracker
         self.engine = EngineFacts(max_model_len)
         self._mode, self._note = mode, mode_note
+        self.device = device  # what each replica runs on (/health), as the first one said
         self.num_replicas = num_replicas
         self.image_token_id, self.merge_size = image_token_id, merge_size
         self.block_tokens = tracker.config.block_tokens
-        self.max_pending = max_pending
         self.route_timeout_s = route_timeout_s
         self.metrics = ReplicaSetMetrics(self.replica_gauges, self.replica_info,
                                          self.replica_counters)
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spaceserve-prep")
-        self._pending = 0
-        self._ids = 0
         self._closing = False
 
-    # Admission.
-
-    @property
-    def num_pending(self) -> int:
-        return self._pending
-
-    def reserve(self, request_id: str | None = None) -> ReplicaRequestHandle:
-        """Admit one request or raise QueueFull; call inside the event loop."""
-        if self._pending >= self.max_pending:
-            raise QueueFull(f"{self._pending} requests in flight (max_pending="
-                            f"{self.max_pending})")
-        self._pending += 1
-        self._ids += 1
-        return ReplicaRequestHandle(self, request_id or f"srv-{self._ids}")
-
-    def _release(self) -> None:
-        self._pending -= 1
+    def _release(self, handle: Handle) -> None:
+        super()._release(handle)
+        self.tracker.on_finished(handle.request_id)
 
     # State.
 
@@ -334,8 +321,12 @@ class ReplicaClient:
 
     def gauges(self) -> list[tuple[str, str, float]]:
         """The single server's gauges summed over the replicas (the KV usage weighted by
-        blocks, in-flight counted here), plus the number of replicas running."""
+        blocks; requests in flight and preprocessing counted here), plus the number of
+        replicas running."""
         reports = list(self._reports().values())
+        depth = self.pool.depth()
+        ingress = {"preprocess_queue_depth": depth["light_queued"] + depth["heavy_queued"],
+                   "preprocess_pixels": self.pixels.in_use}
         sums: dict[str, float] = {}
         helps: dict[str, str] = {}
         for info in reports:
@@ -351,6 +342,8 @@ class ReplicaClient:
                 value = used / blocks if blocks else 0.0
             elif name == "num_requests_in_flight":
                 value = self._pending
+            elif name in ingress:  # preprocessing runs here, not on the replicas
+                value = ingress[name]
             out.append((name, helps[name], value))
         out.append(("num_replicas", "Replicas running behind this endpoint.",
                     len(self.tracker.keys())))
@@ -358,4 +351,4 @@ class ReplicaClient:
 
     def close(self) -> None:
         self._closing = True
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()

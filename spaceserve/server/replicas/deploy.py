@@ -7,18 +7,26 @@ per request), and builds the single server's FastAPI app (`create_app`) over a `
 whose requests go to the replicas through a Ray Serve deployment handle. HTTP is served by that
 FastAPI ingress, in this process (uvicorn), not by Ray's HTTP proxy (Serve runs with its proxy
 disabled): the API, errors, /health and /metrics are the single server's, and the router lives
-beside the client that reports first tokens to it.
+beside the client that reports first tokens to it. The ingress preprocesses requests (chat
+template, media fetching and decoding) under the single server's bounds: the same admission
+middleware, preprocessing lanes, pixel budgets and deadlines; replicas get prepared prompts.
 
     with DataParallelServer("tiny", data_parallel_size=2) as dp:   # replicas up, app built
-        uvicorn.run(dp.app, port=8000)                              # or ServerThread(dp.app)
+        dp.serve(port=8000)   # draining on SIGTERM; or ServerThread(dp.app, client=dp.client)
 
-Closing deletes the Serve application, and stops Serve and the Ray cluster when this process
-started them.
+``spaceserve serve --data-parallel-size N`` serves like the single server: the same flags
+(`settings.ServeSettings`), connection cap and read timeouts, and the same graceful shutdown
+(`shutdown.DrainingServer`: the first SIGTERM / SIGINT drains within
+``--graceful-shutdown-timeout``, a second ends the requests at once); then the replicas and
+the cluster stop. Closing deletes the Serve application, and stops Serve and the Ray cluster
+when this process started them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import signal
 import sys
 import time
@@ -31,7 +39,8 @@ from . import state
 if TYPE_CHECKING:
     import argparse
 
-    from ..app import ServerLimits
+    from ..guard import GuardLimits
+    from ..settings import ServerLimits
 
 ROUTER_CLASS = "spaceserve.server.replicas.router.SpaceServeRequestRouter"
 DEPLOYMENT = "SpaceServeReplica"
@@ -104,7 +113,9 @@ class DataParallelServer:
                  ray_temp_dir: str | None = None, app_name: str = "spaceserve",
                  replica_num_cpus: float = 0.5, replica_num_gpus: float | None = None,
                  route_timeout_s: float = 60.0, stats_period_s: float = 1.0,
-                 health_check_period_s: float = 2.0, **engine_kwargs: Any) -> None:
+                 health_check_period_s: float = 2.0, guard: GuardLimits | None = None,
+                 max_preprocess_pixels: int | None = None, preprocess_queue: int = 256,
+                 **engine_kwargs: Any) -> None:
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) \
                 or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1")
@@ -115,6 +126,8 @@ class DataParallelServer:
         self.model, self.size = model, data_parallel_size
         self.model_name = served_model_name or model
         self.limits, self.max_pending, self.router = limits, max_pending, router
+        self.guard, self.max_preprocess_pixels = guard, max_preprocess_pixels
+        self.preprocess_queue = preprocess_queue
         self.router_config = router_config or RouterConfig()
         self.ray_address, self.ray_temp_dir, self.app_name = ray_address, ray_temp_dir, app_name
         self.cpus, self.gpus = replica_num_cpus, replica_num_gpus
@@ -138,7 +151,11 @@ class DataParallelServer:
         ingress's own loading (tokenizer, image processor, cost model) overlaps Ray's start."""
         from concurrent.futures import ThreadPoolExecutor
 
+        from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
+
         from ..app import create_app
+        from ..engine_client import cap_video_tokens
+        from ..handles import DEFAULT_PIXELS
         from ..tiny import resolve_model
         from .client import ReplicaClient
 
@@ -156,14 +173,34 @@ class DataParallelServer:
             except BaseException:
                 self.close()
                 raise
+        cap_video_tokens(pre, info["max_model_len"])  # as each replica's load_engine does
         self.client = ReplicaClient(
             RayBackend(handle), tracker, max_model_len=info["max_model_len"], mode=info["mode"],
-            mode_note=info["mode_note"], num_replicas=self.size,
+            mode_note=info["mode_note"], num_replicas=self.size, device=info.get("device"),
             image_token_id=pre.image_token_id, merge_size=pre.merge,
-            max_pending=self.max_pending * self.size, route_timeout_s=self.route_timeout_s)
+            max_pending=self.max_pending * self.size, route_timeout_s=self.route_timeout_s,
+            pool=PreprocessPool(max_queue=self.preprocess_queue),
+            pixels=PixelBudget(self.max_preprocess_pixels or DEFAULT_PIXELS))
         self.app = create_app(self.client, pre, model_name=self.model_name, limits=self.limits,
-                              root=self.model)
+                              root=self.model, guard=self.guard)
         return self
+
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+              settings: Any = None) -> None:
+        """Serve HTTP here until SIGTERM / SIGINT, then drain as the single server does
+        (`settings`: a `settings.ServeSettings` for the connection limits and the graceful
+        shutdown bound; the defaults otherwise). Call from the main thread of a started
+        server."""
+        from ..settings import ServeSettings
+
+        if settings is None:
+            from ..connections import ConnectionLimits
+            from ..guard import GuardLimits
+
+            settings = ServeSettings(self.limits, self.guard or GuardLimits(),
+                                     ConnectionLimits())
+        settings.server(self.app, self.client, host=host, port=port,
+                        log_level=log_level).run()
 
     def _check_engine_kwargs(self) -> None:
         """Bad engine settings fail here, at once, not in every replica Ray keeps restarting."""
@@ -252,6 +289,9 @@ class DataParallelServer:
         process started it."""
         if self.client is not None:
             self.client.close()
+        fetcher = getattr(getattr(self.app, "state", None), "fetcher", None)
+        if fetcher is not None:
+            fetcher.close()
         try:
             if self.deployed and not self.started_ray:  # a cluster we leave running
                 from ray import serve
@@ -271,39 +311,36 @@ class DataParallelServer:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``spaceserve serve`` with replicas: start them, serve HTTP until SIGINT/SIGTERM, stop."""
-    import uvicorn
-
-    from spaceserve.runtime.inputs import ImageLimits, check_dir
-
-    from ..app import ServerLimits
-    from ..media_args import media_limits
+    """``spaceserve serve`` with replicas: start them, serve HTTP until SIGINT/SIGTERM, drain
+    as the single server does (``--graceful-shutdown-timeout``), stop."""
+    from ..settings import ServeSettings
 
     serving = False
 
     def on_term(signum: int, frame: Any) -> None:
         if not serving:  # starting up: unwind through close()
             raise SystemExit(128 + signum)
-        # serving: uvicorn has shut down gracefully and re-raises the signal it caught
+        # serving: the draining server handles signals; stopping Ray comes after it
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        videos, remote = media_limits(args)
-        limits = ServerLimits(args.max_body_bytes, ImageLimits(
-            args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
-            check_dir(args.allowed_local_media_path)), videos, remote)
+        settings = ServeSettings.from_args(args)
         server = DataParallelServer(
             args.model, data_parallel_size=args.data_parallel_size,
-            served_model_name=args.served_model_name, limits=limits,
-            max_pending=args.max_pending, router=args.router, ray_address=args.ray_address,
+            served_model_name=args.served_model_name, limits=settings.limits,
+            max_pending=settings.max_pending, router=args.router, ray_address=args.ray_address,
             ray_temp_dir=args.ray_temp_dir, app_name=args.ray_app_name,
             replica_num_cpus=args.replica_num_cpus, replica_num_gpus=args.replica_num_gpus,
+            guard=settings.guard, max_preprocess_pixels=settings.max_preprocess_pixels,
+            preprocess_queue=settings.preprocess_queue,
             mode=args.mode, device=args.device, dtype=args.dtype,
             attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, seed=args.seed,
             max_images_per_prompt=args.max_images_per_request, slo=args.slo,
             encoder_window_s=args.encoder_window_ms / 1e3,
+            encoder_cache_bytes=args.encoder_cache_bytes,
+            enable_prefix_caching=args.prefix_caching,
             **({"tensor_parallel_size": args.tensor_parallel_size}
                if getattr(args, "tensor_parallel_size", None) else {}))
     except ValueError as exc:
@@ -323,12 +360,20 @@ def main(args: argparse.Namespace) -> int:
         client = server.client
         print(f"spaceserve serve: {args.data_parallel_size} replicas of {args.model} "
               f"({client.mode}, router {args.router}) on Ray Serve in "
-              f"{time.monotonic() - t0:.0f} s; http://{args.host}:{args.port}", file=sys.stderr)
+              f"{time.monotonic() - t0:.0f} s; http://{args.host}:{args.port}", file=sys.stderr,
+              flush=True)
         if client.mode_note:
             print(f"spaceserve serve: {client.mode_note}", file=sys.stderr)
         serving = True
-        uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        server.serve(args.host, args.port, log_level=args.log_level, settings=settings)
     finally:
+        t1 = time.monotonic()
         server.close()
-    return 0
+        print(f"spaceserve serve: replicas stopped in {time.monotonic() - t1:.1f} s",
+              file=sys.stderr, flush=True)
+    # as the single server: the drain kept its bound, so leave without a slow interpreter
+    # teardown (Ray is stopped already)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

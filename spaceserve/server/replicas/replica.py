@@ -17,6 +17,8 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+from spaceserve.runtime.inputs import QueueFull as PoolFull
+
 from ..engine_client import AsyncEngine, QueueFull, load_engine
 from ..errors import APIError
 
@@ -60,6 +62,9 @@ class EngineReplica:
             except APIError as exc:
                 yield ("error", exc.status, exc.message)
                 return
+            except PoolFull as exc:  # its validation queue is full
+                yield ("error", 503, f"server busy: {exc}; retry later")
+                return
             while True:
                 out = await handle.next()
                 yield ("out", self.label, out)
@@ -72,7 +77,8 @@ class EngineReplica:
         """What the ingress needs to know of the engine."""
         eng = self.client.engine
         return {"max_model_len": int(eng.max_model_len), "mode": self.client.mode,
-                "mode_note": self.client.mode_note, "rank": self.rank}
+                "mode_note": self.client.mode_note, "rank": self.rank,
+                "device": self.client.device}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Who this replica is and its /metrics gauges (Ray polls this periodically)."""

@@ -1,0 +1,113 @@
+"""OpenAI-compatible HTTP server for Qwen2-VL / Qwen2.5-VL on SpaceServe's engine.
+
+One engine in this process, or with --data-parallel-size N (or --ray-address) N engine
+replicas on Ray Serve behind the same endpoint: the same API, errors, bounds, /health,
+/metrics and graceful shutdown either way (README: Serving, Serving under attack, Replicas).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from spaceserve.cli_args import HelpFormatter
+from spaceserve.runtime.inputs import ImageLimits
+from spaceserve.runtime.slo import DEFAULT_SLO_TEXT
+
+from .guard import GuardLimits
+from .media_args import add_media_args
+from .replicas.args import add_data_parallel_args
+from .settings import ServerLimits, ServeSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``spaceserve serve`` (`settings.ServeSettings.from_args` reads them)."""
+    p = argparse.ArgumentParser(prog="spaceserve serve", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    p.add_argument("--served-model-name", help="name clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--mode", default="temporal",
+                   help="engine mode: temporal, temporal-chunked, spatial, spatial-static, "
+                        "shared")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
+    p.add_argument("--attention-backend",
+                   help="triton or torch (default: triton on CUDA, torch on CPU)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the decoder is split over (one process and GPU each)")
+    p.add_argument("--max-num-seqs", type=int, default=128,
+                   help="requests in the running batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per engine step at most (chunked prefill)")
+    p.add_argument("--num-kv-blocks", type=int,
+                   help="KV cache blocks (default: sized from free device memory)")
+    p.add_argument("--max-model-len", type=int,
+                   help="context length (default: the model's, capped by the KV cache)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="engine seed for requests that bring none")
+    p.add_argument("--encoder-cache-bytes", type=int,
+                   help="encoder output cache budget in bytes; 0 turns it off (default: 5%% "
+                        "of free GPU memory, at most 8 GiB; 512 MiB on CPU)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="turn automatic prefix caching of KV blocks off")
+    p.add_argument("--max-pending", type=int, default=ServeSettings.max_pending,
+                   help="requests in flight before answering 503 (per replica with replicas)")
+    p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes,
+                   help="request body size limit; larger bodies get 413")
+    p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_image_bytes,
+                   help="encoded size limit of one image")
+    p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_image_pixels,
+                   help="pixel limit of one image (checked before decoding)")
+    p.add_argument("--max-images-per-request", type=int,
+                   default=ImageLimits.max_images_per_request, help="images per request at most")
+    p.add_argument("--allowed-local-media-path",
+                   help="folder file:// image and video URLs may read from (default: none "
+                        "allowed)")
+    add_media_args(p)
+    p.add_argument("--log-level", default="info", help="uvicorn log level")
+    p.add_argument("--slo", default=DEFAULT_SLO_TEXT,
+                   help="latency SLO finished requests are judged by (/metrics "
+                        "request_slo_total), ms: any of ttft, tpot, itl (p99 per request), "
+                        f"e2el (default {DEFAULT_SLO_TEXT})")
+    p.add_argument("--encoder-window-ms", type=float, default=20.0,
+                   help="encoder time window: temporal-chunked's chunk between decode steps, "
+                        "TWSRFT's grant in the spatial modes")
+    h = p.add_argument_group("hardening (bounds on what clients can make the server hold; "
+                             "see README, Serving under attack)")
+    h.add_argument("--max-request-pixels", type=int, default=ImageLimits.max_request_pixels,
+                   help="decoded pixels of all images and sampled video frames of one request "
+                        "at most (from headers, before decoding); more is 413")
+    h.add_argument("--max-preprocess-pixels", type=int,
+                   default=ServeSettings.max_preprocess_pixels,
+                   help="decoded image and video pixels in preprocessing across the server; a "
+                        "request that would pass it gets 429 with Retry-After")
+    h.add_argument("--preprocess-timeout", type=float, default=ServerLimits.preprocess_timeout_s,
+                   help="seconds a request's preprocessing may take, queueing and remote "
+                        "fetches included (then 503)")
+    h.add_argument("--preprocess-queue", type=int, default=ServeSettings.preprocess_queue,
+                   help="requests waiting per preprocessing lane (light, heavy) before 503")
+    h.add_argument("--max-connections", type=int, default=1000,
+                   help="open connections; a request on one beyond gets 503 with Retry-After")
+    h.add_argument("--max-buffered-body-bytes", type=int, default=GuardLimits.body_budget_bytes,
+                   help="bytes of request bodies over 64 KiB held at once (from the body's "
+                        "first byte to the end of its preprocessing); beyond, 503")
+    h.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's line and headers may take; then the connection "
+                        "closes")
+    h.add_argument("--body-idle-timeout", type=float, default=GuardLimits.body_idle_timeout_s,
+                   help="seconds a request body may pause; then 408 and the connection closes")
+    h.add_argument("--body-timeout", type=float, default=GuardLimits.body_timeout_s,
+                   help="seconds a whole request body may take; then 408")
+    h.add_argument("--keep-alive-timeout", type=float, default=ServeSettings.keep_alive_s,
+                   help="seconds an idle keep-alive connection stays open")
+    h.add_argument("--graceful-shutdown-timeout", type=float,
+                   default=ServeSettings.graceful_shutdown_s,
+                   help="on SIGTERM/SIGINT: seconds in-flight requests may finish (new ones get "
+                        "503 meanwhile) before they are ended and the server exits; a second "
+                        "signal exits at once")
+    add_data_parallel_args(p)
+    return p
+
+
+__all__ = ["build_parser"]

@@ -1,0 +1,95 @@
+"""What ``spaceserve serve``'s flags set beside the engine, shared by both entry points (one
+engine in this process, app.py; replicas on Ray, replicas/deploy.py), so they bound, admit and
+shut down alike.
+
+`ServerLimits` is what one request may carry; `ServeSettings.from_args` builds it with the
+admission middleware's bounds (`guard.GuardLimits`), the connection cap and header deadline
+(`connections.ConnectionLimits`), the preprocessing pool and pixel budget, and the graceful
+shutdown bound; `ServeSettings.server` is the uvicorn server draining a client within that
+bound (`shutdown.DrainingServer`). Nothing heavy is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from spaceserve.runtime.inputs import ImageLimits, RemotePolicy, VideoLimits, check_dir
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds on what one request may carry, and how long its preprocessing may take;
+    `remote` None refuses http(s) media URLs."""
+
+    max_body_bytes: int = 32 * 1024 * 1024
+    images: ImageLimits = ImageLimits()
+    videos: VideoLimits = VideoLimits()
+    remote: RemotePolicy | None = None
+    preprocess_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The server's bounds from the command line (see `build_parser` in flags.py)."""
+
+    limits: ServerLimits
+    guard: Any  # guard.GuardLimits
+    connections: Any  # connections.ConnectionLimits
+    max_pending: int = 256
+    max_preprocess_pixels: int = 4 * 4096 * 4096
+    preprocess_queue: int = 256
+    graceful_shutdown_s: float = 30.0
+    keep_alive_s: float = 5.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeSettings:
+        """Settings from parsed flags; ValueError names a bad value."""
+        from .connections import ConnectionLimits
+        from .guard import GuardLimits
+        from .media_args import media_limits
+
+        videos, remote = media_limits(args)
+        limits = ServerLimits(args.max_body_bytes, ImageLimits(
+            args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
+            check_dir(args.allowed_local_media_path), args.max_request_pixels), videos, remote,
+            args.preprocess_timeout)
+        guard = GuardLimits(max_body_bytes=args.max_body_bytes,
+                            body_budget_bytes=args.max_buffered_body_bytes,
+                            body_idle_timeout_s=args.body_idle_timeout,
+                            body_timeout_s=args.body_timeout)
+        if args.max_preprocess_pixels < args.max_request_pixels:
+            raise ValueError(f"--max-preprocess-pixels {args.max_preprocess_pixels} must be at "
+                             f"least --max-request-pixels {args.max_request_pixels}")
+        if not args.graceful_shutdown_timeout >= 0:
+            raise ValueError(f"--graceful-shutdown-timeout {args.graceful_shutdown_timeout} "
+                             "must be >= 0")
+        return cls(limits, guard, ConnectionLimits(args.max_connections, args.header_timeout),
+                   args.max_pending, args.max_preprocess_pixels, args.preprocess_queue,
+                   args.graceful_shutdown_timeout, args.keep_alive_timeout)
+
+    def pool(self) -> Any:
+        """A preprocessing pool with these queue bounds."""
+        from spaceserve.runtime.inputs import PreprocessPool
+
+        return PreprocessPool(max_queue=self.preprocess_queue)
+
+    def pixels(self) -> Any:
+        """The server's pixel budget."""
+        from spaceserve.runtime.inputs import PixelBudget
+
+        return PixelBudget(self.max_preprocess_pixels)
+
+    def server(self, app: Any, client: Any, *, host: str, port: int, log_level: str) -> Any:
+        """uvicorn serving `app` with the connection limits, draining `client` within the
+        graceful-shutdown bound on SIGTERM / SIGINT (a second signal exits at once)."""
+        from .shutdown import DrainingServer, uvicorn_config
+
+        return DrainingServer(uvicorn_config(app, host=host, port=port, log_level=log_level,
+                                             limits=self.connections,
+                                             keep_alive_s=self.keep_alive_s),
+                              client, graceful_timeout_s=self.graceful_shutdown_s)
+
+
+__all__ = ["ServeSettings", "ServerLimits"]
