@@ -6,7 +6,11 @@ the environment variable ``SPACESERVE_NUM_SMS``. A budget outside ``1..device SM
 `ValueError` before anything is launched.
 
 Every launch is observable through `record_launches()`; when nobody records, recording costs one
-truthiness check of an empty list.
+truthiness check of an empty list. Collectives are launches too (NCCL's channels are thread
+blocks, one SM each): a tensor-parallel communicator records each one it issues as a
+``kind="collective"`` `LaunchRecord` whose grid is its bound on thread blocks (NCCL_MAX_CTAS) and
+whose budget is the SMs of the stage it runs in (`stage_budget_scope`), so a step's record shows
+every SM it may occupy.
 
 Launches run one program per budgeted SM, except inside `programs_per_sm_scope(n)`: a green-context
 partition whose SM count was read back from the driver sets it around its stage's launches, so
@@ -77,7 +81,10 @@ def resolve_num_sms(num_sms: int | None, device: torch.device | str | int | None
 
 @dataclass(frozen=True)
 class LaunchRecord:
-    """One kernel launch: what ran, with how many programs, under which budget."""
+    """One launch: what ran, with how many programs, under which budget. `kind` is "kernel"
+    (a Triton kernel: grid = its programs) or "collective" (a communicator's collective: grid
+    = the most thread blocks it may run, `num_sms` = its stage's budget, `config` = group,
+    backend, bytes and whether it can overlap the stage's kernels)."""
 
     name: str
     grid: tuple[int, ...]
@@ -85,6 +92,7 @@ class LaunchRecord:
     programs_per_sm: int = 1
     num_tiles: int = 0
     config: dict[str, Any] = field(default_factory=dict)
+    kind: str = "kernel"
 
     @property
     def programs(self) -> int:
@@ -126,6 +134,34 @@ def record_launches() -> Iterator[list[LaunchRecord]]:
                 if s is sink:
                     del _recorders[i]
                     break
+
+
+def record_collective(name: str, ctas: int, num_sms: int, **config: Any) -> None:
+    """Record a collective of at most `ctas` thread blocks issued inside a stage budget of
+    `num_sms` SMs (a no-op when nobody records)."""
+    if _recorders:
+        record(LaunchRecord(name, (ctas,), num_sms, config=config, kind="collective"))
+
+
+_STAGE_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "spaceserve_stage_budget", default=None)
+
+
+def current_stage_budget() -> int | None:
+    """The SM budget of the stage whose work is being issued here (None: not set)."""
+    return _STAGE_BUDGET.get()
+
+
+@contextlib.contextmanager
+def stage_budget_scope(num_sms: int | None) -> Iterator[None]:
+    """Name the SM budget of the stage issuing work inside the block (None: the whole device),
+    for the collectives it issues: kernels take their budget as an argument, a communicator
+    reads it here."""
+    token = _STAGE_BUDGET.set(num_sms)
+    try:
+        yield
+    finally:
+        _STAGE_BUDGET.reset(token)
 
 
 _PROGRAMS_PER_SM: contextvars.ContextVar[int] = contextvars.ContextVar(

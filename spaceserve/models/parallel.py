@@ -17,7 +17,8 @@ Megatron-style split of the Qwen2-VL decoder over ``size`` ranks:
 - Norms, biases of row-parallel layers (Qwen2 has none) and the vision tower are replicated.
 
 The collectives go through a `Communicator` (rank, size, in-place `all_reduce`, `all_gather`
-along dim 0); the runtime supplies one over torch.distributed. The models never create
+along dim 0, and `broadcast`, with which the runtime shares a data-parallel encoder's image
+embeddings); the runtime supplies one over torch.distributed. The models never create
 processes or groups. `SingleRank` is the no-op communicator of an unsplit model.
 """
 
@@ -46,6 +47,10 @@ class Communicator(Protocol):
         """``[n, ...]`` on each rank -> ``[size * n, ...]``, rank 0's rows first."""
         ...
 
+    def broadcast(self, x: Tensor, src: int) -> Tensor:
+        """Rank `src`'s `x` into `x` on every rank, in place; returns `x`."""
+        ...
+
 
 class SingleRank:
     """The communicator of a model that is not split: every collective is the identity."""
@@ -59,6 +64,9 @@ class SingleRank:
     def all_gather(self, x: Tensor) -> Tensor:
         return x
 
+    def broadcast(self, x: Tensor, src: int) -> Tensor:
+        return x
+
 
 class Unconnected:
     """The communicator of a shard built without one (to inspect or count its weights): any
@@ -67,11 +75,11 @@ class Unconnected:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
 
-    def _fail(self, x: Tensor) -> Tensor:
+    def _fail(self, x: Tensor, *args: Any) -> Tensor:
         raise RuntimeError(f"rank {self.rank} of a tensor-parallel group of {self.size} was "
                            "built without a communicator: it cannot run a step")
 
-    all_reduce = all_gather = _fail
+    all_reduce = all_gather = broadcast = _fail
 
 
 def _check_rank(rank: int, size: int) -> None:

@@ -139,6 +139,11 @@ class VisionEncoder:
                              f"{pixel_values.shape[0]}")
         return grid, total
 
+    def check(self, pixel_values: Tensor, grid_thw: Tensor | Sequence[Sequence[int]]) -> int:
+        """Validate a batch of images without setting anything up (ValueError naming what is
+        wrong); returns its patch count."""
+        return self._check_batch(pixel_values, grid_thw)[1]
+
     def _patch_input(self, job: EncoderJob) -> Tensor:
         """The patches the embedding GEMM reads, in the order the blocks see them."""
         return job.pixel_values

@@ -25,6 +25,7 @@ compute-bound encoder keeps scaling), not measured latencies.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -113,6 +114,23 @@ def qwen2_vl_7b_config() -> Any:
                 rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                  "mrope_section": [16, 24, 24]})
     vision = dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4,
+                  hidden_act="quick_gelu", patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    return Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
+                         video_token_id=151656, vision_start_token_id=151652,
+                         vision_end_token_id=151653)
+
+
+def qwen2_vl_72b_config() -> Any:
+    """Qwen2-VL-72B's config, built offline: the 7B's vision tower (merged to 8192), an LLM of
+    80 layers, hidden 8192, 64 query / 8 KV heads, intermediate 29568."""
+    from transformers import Qwen2VLConfig
+
+    text = dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                 "mrope_section": [16, 24, 24]})
+    vision = dict(depth=32, embed_dim=1280, hidden_size=8192, num_heads=16, mlp_ratio=4,
                   hidden_act="quick_gelu", patch_size=14, spatial_merge_size=2,
                   temporal_patch_size=2, in_channels=3)
     return Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
@@ -251,8 +269,12 @@ def _table(fn, sms: list[int], axes: list[list[int]]) -> list:
 
 
 def analytic_curves(config: Any = None, device: str | DevicePreset = "H200", *,
-                    name: str | None = None, dtype: str = "bfloat16") -> CurveSet:
-    """Modelled curves for `config` (default Qwen2-VL-7B) on a device preset."""
+                    name: str | None = None, dtype: str = "bfloat16",
+                    roofline: Callable[[ModelShape, DevicePreset, int], Roofline] = Roofline,
+                    meta: dict[str, Any] | None = None) -> CurveSet:
+    """Modelled curves for `config` (default Qwen2-VL-7B) on a device preset; `roofline`
+    builds the cost model (one rank of a tensor-parallel group: `analytic_tp`), `meta` is
+    added to the curve set's model description."""
     if config is None:
         config, name = qwen2_vl_7b_config(), name or "Qwen2-VL-7B"
     if isinstance(device, str):
@@ -263,7 +285,7 @@ def analytic_curves(config: Any = None, device: str | DevicePreset = "H200", *,
     if dtype_bytes is None:
         raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
     shape = ModelShape.from_config(config, name)
-    model = Roofline(shape, device, dtype_bytes)
+    model = roofline(shape, device, dtype_bytes)
     sms = sms_grid(device.num_sms)
     fns = {"encoder": model.encoder_layer, "prefill": model.prefill, "decode": model.decode}
     curves = {}
@@ -276,7 +298,7 @@ def analytic_curves(config: Any = None, device: str | DevicePreset = "H200", *,
         curves[stage] = Curve(STAGE_AXES[stage], {a: list(GRIDS[stage][a])
                                                   for a in STAGE_AXES[stage]}, sms,
                               _table(call, sms, axes))
-    meta = asdict(shape) | {"device_preset": asdict(device)}
+    meta = asdict(shape) | {"device_preset": asdict(device)} | (meta or {})
     contention = Contention.flat(device.contention, source="modelled",
                                  note=f"{device.name} preset: a flat {100 * device.contention:g}% "
                                       "slowdown of both sides while both run (not measured)")

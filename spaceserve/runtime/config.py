@@ -40,7 +40,13 @@ class EngineConfig:
 
     `tensor_parallel_size` N > 1 splits the decoder over N ranks (one process each, rank 0 in
     the engine's; see `runtime/tp`); the runner must be a tensor-parallel one of that size
-    (`Engine.from_pretrained` builds it).
+    (`Engine.from_pretrained` builds it). `mm_encoder_tp_mode` says how its ranks share the
+    vision encoder, with vLLM's name: "data" (each rank encodes a share of the images, which
+    are then broadcast) or "replicate" (every rank encodes every image); vLLM's "weights" (the
+    ViT's layers split over the ranks) is not implemented and refused (the README's simulator
+    comparison says where it would pay).
+    `collective_sms` bounds a collective's thread blocks (NCCL_MAX_CTAS; None: 16, or the
+    smallest partition when smaller).
 
     `encoder_cache_bytes` is the encoder output cache's budget (None: sized from free device
     memory, a fixed default on CPU; see `encoder_cache.default_capacity`; 0 turns it off);
@@ -70,6 +76,8 @@ class EngineConfig:
     green_contexts: bool = True
     programs_per_sm: int = 1
     tensor_parallel_size: int = 1
+    mm_encoder_tp_mode: str = "data"
+    collective_sms: int | None = None
     encoder_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     slo: Slo | str = DEFAULT_SLO
@@ -93,6 +101,17 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.mm_encoder_tp_mode == "weights":
+            raise ValueError("mm_encoder_tp_mode='weights' (the vision encoder's layers split "
+                             "over the ranks) is not implemented; use 'data' (each rank "
+                             "encodes whole images) or 'replicate'")
+        if self.mm_encoder_tp_mode not in ("data", "replicate"):
+            raise ValueError(f"mm_encoder_tp_mode={self.mm_encoder_tp_mode!r} is not one of "
+                             "data, replicate")
+        if self.collective_sms is not None and (isinstance(self.collective_sms, bool) or not
+                                                isinstance(self.collective_sms, int) or
+                                                self.collective_sms < 1):
+            raise ValueError(f"collective_sms={self.collective_sms!r} must be an int >= 1")
         cache = self.encoder_cache_bytes
         if cache is not None and (isinstance(cache, bool) or not isinstance(cache, int)
                                   or cache < 0):

@@ -18,6 +18,13 @@ latency, as TWSRFT sizes its grants - not in wall time: chunks are then a functi
 requests alone, the same on every machine, and the simulator's ``temporal-chunked`` runs the
 same rule. A step runs at least one layer while encoder work waits; the last chunk of a window
 may overshoot it by at most one layer.
+
+With a data-parallel encoder (a tensor-parallel runner whose ``encoder_ranks`` > 1) each job
+(a request's items neither cache holds) is encoded by one rank, chosen when it starts as the
+rank with the least predicted work queued (`encoder_dp.RankedTwsrft`: a TWSRFT queue per rank);
+every step, each rank runs one window of its own queue - the other ranks' chunks are sent first
+and run while rank 0 runs its own - and a finished job's embeddings are broadcast from its rank
+(`share_encoding`) before the encoder cache splits them into one entry per item.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 
 from .curves import CurveSet
 from .encoder_cache import EncoderCache, MediaTracker
+from .encoder_dp import EncodingFailed, RankedTwsrft
 from .encoder_stage import TemporalEncoderStage, release_encoding
 from .request import MultiModalData, Request
 from .twsrft import TwsrftScheduler
@@ -47,7 +55,9 @@ class _Job:
     mm: MultiModalData  # the media of those items (what the runner encodes)
     patches: int
     job: Any = None  # the runner's encoder job once started
+    embeds: Any = None  # a data-parallel job's embeddings on rank 0 until shared
     layers_done: int = 0
+    rank: int = 0  # the rank encoding it (data-parallel)
 
 
 class ChunkedEncoderStage:
@@ -74,9 +84,13 @@ class ChunkedEncoderStage:
         scale = curves.encoder_depth / self.num_layers
         sms = num_sms or curves.num_sms
         self.layer_cost = lambda patches: curves.encoder(patches, scale, sms)
-        self.sched = TwsrftScheduler(
-            self.num_layers, lambda patches, layers: layers * self.layer_cost(patches),
-            window_s=window_s, max_wait_s=max_wait_s, token_budget=1, clock=clock)
+        cost = lambda patches, layers: layers * self.layer_cost(patches)  # noqa: E731
+        kw = dict(window_s=window_s, max_wait_s=max_wait_s, token_budget=1, clock=clock)
+        self.ranks = int(getattr(runner, "encoder_ranks", 1)) if self.preemptible else 1
+        self.ranked = RankedTwsrft(self.ranks, self.num_layers, cost, **kw) \
+            if self.ranks > 1 else None
+        self.sched = TwsrftScheduler(self.num_layers, cost, **kw) if self.ranked is None \
+            else self.ranked.scheds[0]
         self._jobs: dict[int, _Job] = {}  # seq_no -> job, from admission to embeddings
         self._backlog: deque[_Job] = deque()  # waiting for a max_held slot
         self._held: set[int] = set()
@@ -121,8 +135,7 @@ class ChunkedEncoderStage:
         if dropped:
             self._backlog = deque(j for j in self._backlog if j.req is not req)
         for j in dropped:
-            self.media.done(j.mm)
-            release_encoding(self.runner, j.mm)
+            self._end(j)
         self.media.drop(req)
         self._held.discard(req.seq_no)
 
@@ -130,26 +143,48 @@ class ChunkedEncoderStage:
         """Encode for one window (at least one layer while work waits); returns the requests
         whose images failed, with a message."""
         failed = self._admit()
+        if self.ranked is None:
+            failed += self._window(None)
+        else:  # the other ranks' windows are sent first, and run while rank 0 runs its own
+            done: list[_Job] = []
+            for rank in (*range(1, self.ranks), 0):
+                failed += self._window(rank, done)
+            failed += [f for job in done if (f := self._share(job)) is not None]
+        return failed + self._admit()
+
+    def _window(self, rank: int | None, done: list[_Job] | None = None
+                ) -> list[tuple[Request, str]]:
+        """One window of grants (at least one layer while work waits) from the one queue
+        (`rank` None) or from `rank`'s; `done` collects the data-parallel jobs whose layers
+        have all been sent."""
+        if rank is None:
+            sched, report = self.sched, self.sched.report
+        else:
+            sched = self.ranked.scheds[rank]
+
+            def report(job_id: int, layers: int) -> Any:
+                return self.ranked.report(job_id, layers, rank)
+        failed: list[tuple[Request, str]] = []
         spent = 0.0
         ran = False
         while spent < self.window_s or not ran:
-            grant = self.sched.next_grant()
+            grant = sched.next_grant()
             if grant is None:
                 break
             live = [j for k in grant.request_ids if (j := self._jobs.get(k)) is not None]
             if not live:  # only released requests left in it
-                self.sched.report(grant.job_id, grant.layers)
+                report(grant.job_id, grant.layers)
                 continue
             per_layer = self.layer_cost(grant.patches)
             left = self.window_s - spent
             layers = max(1, min(grant.layers, math.ceil(left / per_layer - 1e-9)))
             for job in live:
-                failed += self._advance(job, layers)
-            self.sched.report(grant.job_id, layers)
+                failed += self._advance(job, layers, done)
+            report(grant.job_id, layers)
             spent += layers * per_layer
             ran = True
             self.num_chunks += 1
-        return failed + self._admit()
+        return failed
 
     # -- internals --------------------------------------------------------------------------
     def _admit(self) -> list[tuple[Request, str]]:
@@ -159,18 +194,26 @@ class ChunkedEncoderStage:
         while self._backlog and len(self._held) + len(self._jobs) < self.max_held:
             job = self._backlog.popleft()
             try:
-                job.job = self.runner.start_encode(job.mm) if self.preemptible else None
+                if self.ranked is not None:  # the rank with the least predicted work queued
+                    job.rank = self.ranked.pick()
+                    job.job = self.runner.start_encode(job.mm, rank=job.rank)
+                else:
+                    job.job = self.runner.start_encode(job.mm) if self.preemptible else None
             except Exception as exc:  # reported on the request, the others go on
                 self.media.done(job.mm)
                 failed.append((job.req, f"image encoding failed: {type(exc).__name__}: {exc}"))
                 continue
             self._jobs[job.req.seq_no] = job
-            self.sched.submit(job.req.seq_no, job.patches)
+            if self.ranked is not None:
+                self.ranked.submit(job.req.seq_no, job.patches, rank=job.rank)
+            else:
+                self.sched.submit(job.req.seq_no, job.patches)
         return failed
 
-    def _advance(self, job: _Job, layers: int) -> list[tuple[Request, str]]:
-        """Run `layers` layers of one request's job; attach its embeddings when done."""
-        req = job.req
+    def _advance(self, job: _Job, layers: int, done: list[_Job] | None = None
+                 ) -> list[tuple[Request, str]]:
+        """Run `layers` layers of one request's job; store its embeddings when done (a
+        data-parallel job goes to `done`, to be shared once its rank has run it)."""
         try:
             if self.preemptible:
                 ran = self.runner.advance_encode(job.job, layers)
@@ -179,14 +222,42 @@ class ChunkedEncoderStage:
                 if job.layers_done < self.num_layers:
                     return []
                 emb = self.runner.finish_encode(job.job)
+                if done is not None:
+                    job.embeds = emb  # rank 0's; None for another rank's (shared later)
+                    done.append(job)
+                    return []
             else:
                 emb = self.runner.encode([job.mm])[0]
                 job.layers_done = 1
         except Exception as exc:  # reported on the request, the others go on
-            del self._jobs[req.seq_no]
-            self.media.done(job.mm)
-            release_encoding(self.runner, job.mm)
-            return [(req, f"image encoding failed: {type(exc).__name__}: {exc}")]
+            return [self._fail(job, exc)]
+        return self._store(job, emb)
+
+    def _share(self, job: _Job) -> tuple[Request, str] | None:
+        """Wait for a data-parallel job's rank, then broadcast its embeddings to every rank
+        (they are then split into encoder-cache entries on every rank)."""
+        try:
+            event = self.runner.encoder_event(job.job)
+            if event is not None:
+                event.synchronize()
+            emb = self.runner.share_encoding(job.job, job.embeds)
+        except (EncodingFailed, RuntimeError, ValueError) as exc:
+            return self._fail(job, exc)
+        failed = self._store(job, emb)
+        return failed[0] if failed else None
+
+    def _fail(self, job: _Job, exc: Exception) -> tuple[Request, str]:
+        del self._jobs[job.req.seq_no]
+        self._end(job)
+        return job.req, f"image encoding failed: {type(exc).__name__}: {exc}"
+
+    def _end(self, job: _Job) -> None:
+        """`job` is over without output: no item waits for it, no rank keeps its state."""
+        self.media.done(job.mm)
+        release_encoding(self.runner, job.mm)
+
+    def _store(self, job: _Job, emb: Any) -> list[tuple[Request, str]]:
+        req = job.req
         del self._jobs[req.seq_no]
         msg = self.media.store(req, job.items, job.mm, emb)
         if msg is not None:
@@ -197,14 +268,16 @@ class ChunkedEncoderStage:
 
 
 def temporal_stage(runner: Any, config: Any, *, clock: Callable[[], float] = time.monotonic,
-                   cache: EncoderCache | None = None
+                   cache: EncoderCache | None = None,
+                   cost: Callable[[int], float] | None = None
                    ) -> TemporalEncoderStage | ChunkedEncoderStage:
     """The encoder stage of a time-multiplexed mode (``temporal`` or ``temporal-chunked``)
     from an `EngineConfig`, looking media up in `cache`; the chunked one costs layers on the
-    runner's model curves."""
+    runner's model curves. `cost`: a data-parallel encoder's cost model
+    (`TemporalEncoderStage`)."""
     if config.mode == "temporal":
         return TemporalEncoderStage(runner, max_tokens_per_step=config.max_encoder_tokens_per_step,
-                                    max_held=config.max_held_embeddings, cache=cache)
+                                    max_held=config.max_held_embeddings, cache=cache, cost=cost)
     if config.mode != "temporal-chunked":
         raise ValueError(f"mode={config.mode!r} is not one of {', '.join(TEMPORAL_MODES)}")
     from spaceserve.kernels.budget import device_num_sms

@@ -11,15 +11,23 @@ runs the vision encoder on the whole GPU for the oldest pending requests, and th
 work waits until it is done. Embeddings stay with the request until it finishes or is aborted,
 because a request preempted by recompute needs them again (unless the prefix cache holds its
 tokens by then).
+
+With a data-parallel encoder (a tensor-parallel runner whose ``encoder_ranks`` > 1) each step's
+batch of jobs - each over a request's items that neither cache holds - is divided between the
+ranks by predicted cost (`encoder_dp.assign_ranks`, longest first), every rank encodes its share
+at once and the runner shares the embeddings, which the encoder cache then splits into one entry
+per item; the step's token bound then applies per rank.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from .encoder_cache import EncoderCache, MediaTracker
+from .encoder_dp import assign_ranks
 from .request import MultiModalData, Request
 from .runner import ModelRunner
 
@@ -77,14 +85,17 @@ class _Job:
 class TemporalEncoderStage:
     """Encode synchronously on the whole device, oldest requests first.
 
-    Per step at most `max_tokens_per_step` media tokens are encoded (always at least one
-    request), and no new request is encoded while `max_held` requests hold embeddings they
-    computed, which bounds embedding memory when image requests queue up. Items the encoder
-    cache (`cache`) or the prefix cache already has are never encoded.
+    Per step at most `max_tokens_per_step` media tokens are encoded per encoding rank (always
+    at least one request), and no new request is encoded while `max_held` requests hold
+    embeddings they computed, which bounds embedding memory when image requests queue up. Items
+    the encoder cache (`cache`) or the prefix cache already has are never encoded.
+    `cost(patches)` predicts a job's encoder seconds (TWSRFT's cost model), which a
+    data-parallel encoder balances over its ranks (default: proportional to the patches).
     """
 
     def __init__(self, runner: ModelRunner, *, max_tokens_per_step: int = 16384,
-                 max_held: int = 64, cache: EncoderCache | None = None) -> None:
+                 max_held: int = 64, cache: EncoderCache | None = None,
+                 cost: Callable[[int], float] | None = None) -> None:
         for name, value in (("max_tokens_per_step", max_tokens_per_step),
                             ("max_held", max_held)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -92,6 +103,8 @@ class TemporalEncoderStage:
         self.runner = runner
         self.max_tokens_per_step = max_tokens_per_step
         self.max_held = max_held
+        self.ranks = int(getattr(runner, "encoder_ranks", 1))
+        self.cost = cost if cost is not None else float
         self.media = MediaTracker(cache if cache is not None else EncoderCache(0), runner)
         self._pending: deque[_Job] = deque()
         self._jobs: dict[int, _Job] = {}  # request seq_no -> its queued job
@@ -133,12 +146,16 @@ class TemporalEncoderStage:
             if self._jobs.get(job.req.seq_no) is not job:  # released while queued
                 self._pending.popleft()
                 continue
-            if batch and tokens + job.mm.num_tokens > self.max_tokens_per_step:
+            if batch and tokens + job.mm.num_tokens > self.max_tokens_per_step * self.ranks:
                 break
             batch.append(self._pending.popleft())
             tokens += job.mm.num_tokens
         if not batch:
             return []
+        if self.ranks > 1:  # failures come back in their job's place
+            costs = [self.cost(int(j.mm.pixel_values.shape[0])) for j in batch]
+            ranks = assign_ranks(costs, self.ranks)
+            return self._store(batch, self.runner.encode([j.mm for j in batch], ranks=ranks))
         try:
             return self._store(batch, self.runner.encode([j.mm for j in batch]))
         except Exception:  # isolate the failing request(s): retry one by one
@@ -161,6 +178,11 @@ class TemporalEncoderStage:
         for job, emb in zip(batch, embeds, strict=True):
             req = job.req
             self._jobs.pop(req.seq_no, None)
+            if isinstance(emb, Exception):  # a data-parallel owner's failure, in its place
+                self.media.done(job.mm)
+                release_encoding(self.runner, job.mm)
+                failed.append((req, f"image encoding failed: {type(emb).__name__}: {emb}"))
+                continue
             msg = self.media.store(req, job.items, job.mm, emb)
             if msg is not None:
                 release_encoding(self.runner, job.mm)

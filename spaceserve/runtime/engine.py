@@ -42,6 +42,18 @@ __all__ = ["ATTENTION_BACKENDS", "DEFAULT_GRAPH_SIZES", "MODES", "Engine", "Engi
            "load_processor"]
 
 
+def _encoder_cost(runner: Any, config: EngineConfig) -> Callable[[int], float] | None:
+    """A data-parallel encoder's cost model (TWSRFT's: the curves' encoder time of a whole
+    pass on the device); None for a runner that encodes on one rank."""
+    if getattr(runner, "encoder_ranks", 1) <= 1:
+        return None
+    from .epd import load_curves
+
+    curves = load_curves(config.curves, runner)
+    depth, sms = curves.encoder_depth, curves.num_sms
+    return lambda patches: curves.encoder(patches, depth, sms)
+
+
 class Engine(EngineFrontends):
     """Serves one model runner; see the module docstring."""
 
@@ -89,7 +101,8 @@ class Engine(EngineFrontends):
         if config.mode in TEMPORAL_MODES:
             self.graph_batch_sizes = runner.capture_decode_graphs(sizes)
             self.encoder = temporal_stage(runner, config, clock=clock or time.monotonic,
-                                          cache=self.encoder_cache)
+                                          cache=self.encoder_cache,
+                                          cost=_encoder_cost(runner, config))
         else:
             from .epd import build_spatial
 

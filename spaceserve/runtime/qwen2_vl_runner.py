@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from spaceserve.kernels.budget import stage_budget_scope
+
 from .memory import kv_block_bytes
 from .request import MultiModalData, Request
 from .runner import ModelInfo, StepLimits, StepPlanner
@@ -191,6 +193,11 @@ class Qwen2VLRunner:
         pv = pv.to(device=self.device, dtype=self.model.dtype, non_blocking=True)
         return self.model.vision.start(pv, mm.image_grid_thw)
 
+    def check_encode(self, mm: MultiModalData) -> None:
+        """What `start_encode` refuses (ValueError), without setting anything up: the check a
+        tensor-parallel rank 0 runs on images another rank encodes."""
+        self.model.vision.check(mm.pixel_values, mm.image_grid_thw)
+
     def advance_encode(self, job: Any, layers: int, *, num_sms: int | None = None) -> int:
         return self.model.vision.advance(job, layers, num_sms=self.model._budget(num_sms))
 
@@ -281,8 +288,9 @@ class Qwen2VLRunner:
                                    f"{step.budget}")
             return graph.replay(ctx.input_ids, ctx)
         embeds = self.image_rows(step.pieces, embeds_of)
-        return self.model.forward(ctx.input_ids, ctx, self.kv, image_embeds=embeds,
-                                  num_sms=step.budget, comm=comm)
+        with stage_budget_scope(step.budget):  # the budget the step's collectives run in
+            return self.model.forward(ctx.input_ids, ctx, self.kv, image_embeds=embeds,
+                                      num_sms=step.budget, comm=comm)
 
     def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
         """One step under the decoder's budget, or under the encoder's with

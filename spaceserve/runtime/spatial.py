@@ -13,6 +13,13 @@ every decoder stream; they stay with the request (recompute needs them) until `r
 Media items the encoder cache already has, or whose tokens all lie in the prefix cache, never
 become a job: TWSRFT sees only the items that need the encoder (`encoder_cache.MediaTracker`).
 
+Data-parallel encoder (a tensor-parallel runner with ``encoder_ranks`` > 1): each job (a
+request's items neither cache holds) is assigned at admission to the rank whose TWSRFT queue has
+the least predicted work left, which encodes it; when its last flight completes, the hand-off
+first has every rank take the embeddings from that rank (`share_encoding`, a broadcast on the
+decoder stream), then stores them as above: the encoder cache splits them into one entry per
+item, on every rank.
+
 The launches themselves (TWSRFT grants, one event each, under the ``cooperative`` or the
 ``thread`` driver, and why cooperative is the default) are `spatial_launch.py`.
 """
@@ -28,13 +35,13 @@ from typing import Any
 
 from .curves import CurveSet
 from .encoder_cache import EncoderCache, MediaTracker
+from .encoder_dp import EncodingFailed, RankedTwsrft
 from .encoder_stage import release_encoding
 from .partition import PartitionSet
 from .request import Request
 from .runner import ModelRunner
 from .sis import PendingEncode
-from .spatial_launch import DRIVERS, EncoderLaunches, Encoding, event_complete
-from .twsrft import TwsrftScheduler
+from .spatial_launch import DRIVERS, EncoderLaunches, Encoding, Flight, event_complete
 
 __all__ = ["DRIVERS", "SpatialEncoderStage"]
 
@@ -78,9 +85,10 @@ class SpatialEncoderStage(EncoderLaunches):
                 max(p.encoder_sms for p in partitions.partitions())
             return curves.encoder(patches, layers * scale, sms, True)
 
-        self.sched = TwsrftScheduler(self.num_layers, cost, policy=policy, window_s=window_s,
-                                     max_wait_s=max_wait_s, token_budget=1,
-                                     clock=clock)
+        self.ranks = int(getattr(runner, "encoder_ranks", 1)) if self.preemptible else 1
+        self.sched = RankedTwsrft(self.ranks, self.num_layers, cost, policy=policy,
+                                  window_s=window_s, max_wait_s=max_wait_s, token_budget=1,
+                                  clock=clock)
         self._encodings: dict[int, Encoding] = {}  # job key -> encoding, until release
         self._by_req: dict[int, int] = {}  # request seq_no -> key of its latest encoding
         self._keys = itertools.count()
@@ -162,16 +170,49 @@ class SpatialEncoderStage(EncoderLaunches):
         ready = 0
         while True:
             with self._lock:
-                if not self._flights or not event_complete(self._flights[0].event):
+                flight = self._next_complete()
+                if flight is None:
                     return ready
-                flight = self._flights.popleft()
                 for enc, msg in flight.failed:
                     if enc.state == "active":
                         self._fail(enc, msg)
-                for enc in flight.done:
-                    if enc.state == "active" and self._attach(enc):
+                done = [e for e in flight.done if e.state == "active"]
+            for enc in done:
+                msg = self._share(enc) if self.ranks > 1 else None
+                with self._lock:
+                    if enc.state != "active":
+                        continue
+                    if msg is not None:
+                        self._fail(enc, msg)
+                    elif self._attach(enc):
                         ready += 1
+            with self._lock:
                 self._cond.notify_all()
+
+    def _next_complete(self) -> Flight | None:
+        """The oldest completed flight of a rank with no older incomplete one, taken off the
+        queue (lock held; a rank's flights complete in order, different ranks' in any)."""
+        blocked: set[int] = set()
+        for i, flight in enumerate(self._flights):
+            if flight.rank in blocked:
+                continue
+            if event_complete(flight.event):
+                del self._flights[i]
+                return flight
+            blocked.add(flight.rank)
+        return None
+
+    def _share(self, enc: Encoding) -> str | None:
+        """Data-parallel hand-off: every rank takes `enc`'s embeddings from its owner (on the
+        decoder stream, outside the lock: a collective); returns an error message, or None."""
+        job, enc.job = enc.job, None
+        try:
+            with self.partitions.current.decoder_scope():
+                enc.embeds = self.runner.share_encoding(job, enc.embeds)
+        except EncodingFailed as exc:
+            enc.embeds = None
+            return str(exc)
+        return None
 
     def _fail(self, enc: Encoding, msg: str) -> None:
         self._active -= 1
@@ -206,8 +247,9 @@ class SpatialEncoderStage(EncoderLaunches):
                 enc = self._backlog.popleft()
                 enc.state = "active"
                 self._active += 1
+                rank = self.sched.pick()
             try:
-                job = self._start(enc) if self.preemptible else None
+                job = self._start(enc, rank) if self.preemptible else None
             except Exception as exc:
                 with self._lock:
                     if enc.state == "active":
@@ -216,14 +258,17 @@ class SpatialEncoderStage(EncoderLaunches):
             with self._lock:
                 if enc.state == "active":
                     enc.job = job
-                    self.sched.submit(enc.key, max(1, enc.patches))
+                    self.sched.submit(enc.key, max(1, enc.patches), rank)
                 self._cond.notify_all()
 
-    def _start(self, enc: Encoding) -> Any:
-        """Set up a job; on CUDA on the upload stream (`PartitionSet.staged`): the pixels are
-        pinned and copied non-blocking, and the job's small blocking uploads (rotary tables,
-        attention plan) synchronise only that idle stream, never the encoder's queue."""
+    def _start(self, enc: Encoding, rank: int = 0) -> Any:
+        """Set up a job (on `rank`, data-parallel); on CUDA on the upload stream
+        (`PartitionSet.staged`): the pixels are pinned and copied non-blocking, and the job's
+        small blocking uploads (rotary tables, attention plan) synchronise only that idle
+        stream, never the encoder's queue. Another rank's job uploads nothing here."""
         mm, pset = enc.mm, self.partitions
+        if self.ranks > 1 and rank != 0:
+            return self.runner.start_encode(mm, rank=rank)
         if not pset.cuda:
             return self.runner.start_encode(mm)
         with pset.staged() as done:

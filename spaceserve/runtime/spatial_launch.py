@@ -23,6 +23,13 @@ every 60 ms): p50 / p99 8.7 / 8.8-9.0 without images, 8.7 / 9.1-9.3 cooperative,
 1536 layers and the cooperative driver, held to 3 ms per step, about 1025. Hence cooperative by
 default (decode launches on time); thread, or a larger budget, when encoder throughput matters
 more than decode jitter. On CPU proper launches are synchronous: both drivers just interleave.
+
+Data-parallel encoder (a tensor-parallel runner with ``encoder_ranks`` > 1): each rank has its
+own TWSRFT queue (`encoder_dp.RankedTwsrft`) and its own open grant, at most `max_inflight`
+launches incomplete per rank. A grant of another rank is sent whole (a few pipe writes, so
+those ranks are served first each round); its flight's event is the runner's
+`encoder_event` (the worker's progress counter), and flights of different ranks complete in any
+order.
 """
 
 from __future__ import annotations
@@ -37,9 +44,9 @@ from typing import Any
 
 import torch
 
+from .encoder_dp import RankedTwsrft
 from .partition import PartitionSet
 from .request import Request
-from .twsrft import TwsrftScheduler
 
 DRIVERS = ("cooperative", "thread")
 
@@ -65,20 +72,24 @@ class Encoding:
 
 @dataclass
 class Flight:
-    """One launched grant: its completion event, the jobs it finished and those that failed."""
+    """One launched grant: its completion event, the jobs it finished and those that failed,
+    and the rank it ran on."""
 
     event: Any
     done: list[Encoding] = field(default_factory=list)
     failed: list[tuple[Encoding, str]] = field(default_factory=list)
+    rank: int = 0
 
 
 @dataclass
 class Grant:
-    """A TWSRFT grant being launched: its live requests and how many layers were issued."""
+    """A TWSRFT grant being launched: its live requests, how many layers were issued, and the
+    rank whose queue it came from."""
 
     grant: Any
     live: list[Encoding]
     done: int = 0
+    rank: int = 0
 
 
 def event_complete(event: Any) -> bool:
@@ -95,7 +106,8 @@ class EncoderLaunches:
 
     runner: Any
     partitions: PartitionSet
-    sched: TwsrftScheduler
+    sched: RankedTwsrft
+    ranks: int
     preemptible: bool
     num_layers: int
     _encodings: dict[int, Encoding]
@@ -109,7 +121,7 @@ class EncoderLaunches:
         self.launch_budget_s = launch_budget_s
         self.event_factory = event_factory
         self._flights: deque[Flight] = deque()
-        self._open: Grant | None = None  # the grant whose layers are being launched
+        self._open: dict[int, Grant] = {}  # per rank, the grant whose layers are being launched
         self._paused = False
         self._launching = False
         self._stop = False
@@ -131,80 +143,94 @@ class EncoderLaunches:
             return 0
         deadline = time.perf_counter() + self.launch_budget_s
         n = 0
+        for rank in range(1, self.ranks):  # another rank's grant goes out whole, at once
+            while self._can_launch(rank) and self._launch_layers(deadline, rank):
+                n += 1
         while self._can_launch() and self._launch_layers(deadline):
             n += 1
             if time.perf_counter() >= deadline:
                 break
         return n
 
-    def _can_launch(self) -> bool:
+    def _can_launch(self, rank: int = 0) -> bool:
         part = self.partitions.current
         on_compute = bool(part.requested) or self.partitions.shared
-        return on_compute and not self._paused and self.incomplete() < self.max_inflight
+        return on_compute and not self._paused and self.incomplete(rank) < self.max_inflight
 
-    def incomplete(self) -> int:
-        """Launches whose work has not finished on the device."""
+    def incomplete(self, rank: int | None = None) -> int:
+        """Launches (of `rank`, or of every rank) whose work has not finished."""
         with self._lock:
-            return sum(1 for f in self._flights if not event_complete(f.event))
+            return sum(1 for f in self._flights if (rank is None or f.rank == rank)
+                       and not event_complete(f.event))
 
-    def _open_grant(self) -> Grant | None:
-        """The grant being launched, or TWSRFT's next one with a live request (lock held)."""
-        while self._open is None:
-            grant = self.sched.next_grant()
+    def _open_grant(self, rank: int) -> Grant | None:
+        """`rank`'s grant being launched, or its TWSRFT queue's next one with a live request
+        (lock held)."""
+        while rank not in self._open:
+            grant = self.sched.next_grant(rank)
             if grant is None:
                 return None
             live = [e for k in grant.request_ids
                     if (e := self._encodings.get(k)) is not None and e.state == "active"]
             if live:
-                self._open = Grant(grant, live)
-            else:
-                self.sched.report(grant.job_id, grant.layers)  # only aborted requests left
-        return self._open
+                self._open[rank] = Grant(grant, live, rank=rank)
+            else:  # only aborted requests left
+                self.sched.report(grant.job_id, grant.layers, rank)
+        return self._open[rank]
 
-    def _launch_layers(self, deadline: float) -> bool:
-        """Launch layers of the open grant, one at a time, until it ends or `deadline` passes
-        (at least one); record one event after them. False when there is nothing to launch."""
+    def _launch_layers(self, deadline: float, rank: int = 0) -> bool:
+        """Launch layers of `rank`'s open grant - here one at a time until it ends or
+        `deadline` passes (at least one), on another rank all at once - and record one event
+        after them. False when there is nothing to launch."""
         with self._lock:
-            g = self._open_grant()
+            g = self._open_grant(rank)
             if g is None:
                 return False
             part = self.partitions.current
             self._launching = True
-        flight = Flight(None)
+        flight = Flight(None, rank=rank)
+        last = None  # another rank's: the job whose command was sent last
         try:
             with part.encoder_scope():
                 while True:
                     g.live = [e for e in g.live if e.state == "active"]
+                    step = 1 if rank == 0 else g.grant.layers - g.done
                     for enc in list(g.live):
-                        self._run_layer(enc, part.encoder_sms, flight, g)
-                    g.done += 1
+                        last = enc.job if enc.job is not None else last
+                        self._run_layer(enc, part.encoder_sms, flight, g, step)
+                    g.done += step
                     if g.done >= g.grant.layers or not g.live or \
                             time.perf_counter() >= deadline:
                         break
                     if self._thread is not None:
                         time.sleep(0)  # let the engine thread take the GIL between layers
-                flight.event = self.record_event()
+                if rank == 0:
+                    flight.event = self.record_event()
+                elif last is not None:  # its owner's commands run in the order sent
+                    flight.event = self.runner.encoder_event(last)
         finally:
             with self._lock:
                 self._flights.append(flight)
                 self._launching = False
                 if g.done >= g.grant.layers or not g.live:
-                    self.sched.report(g.grant.job_id, g.grant.layers)
-                    self._open = None
+                    self.sched.report(g.grant.job_id, g.grant.layers, rank)
+                    del self._open[rank]
                     self.num_grants += 1
                 self._cond.notify_all()
         return True
 
-    def _run_layer(self, enc: Encoding, budget: int, flight: Flight, g: Grant) -> None:
-        """One layer of one request's job (and its merger after the last layer)."""
+    def _run_layer(self, enc: Encoding, budget: int, flight: Flight, g: Grant,
+                   layers: int = 1) -> None:
+        """`layers` layers of one request's job (and its merger after the last layer)."""
         try:
             if self.preemptible:
-                ran = self.runner.advance_encode(enc.job, 1, num_sms=budget)
+                ran = self.runner.advance_encode(enc.job, layers, num_sms=budget)
                 enc.layers_done += ran
                 self.num_layers_run += ran
                 if enc.layers_done >= self.num_layers:
                     enc.embeds = self.runner.finish_encode(enc.job, num_sms=budget)
-                    enc.job = None
+                    if self.ranks == 1:  # data-parallel: the job is shared at hand-off
+                        enc.job = None
                     flight.done.append(enc)
                     g.live.remove(enc)
             else:
@@ -262,8 +288,13 @@ class EncoderLaunches:
         self.drain()
 
     # -- the thread driver --------------------------------------------------------------
-    def _has_work(self) -> bool:
-        return len(self.sched) > 0 and not self.sched.busy
+    def _has_work(self, rank: int) -> bool:
+        return rank in self._open or self.sched.ready(rank)
+
+    def _launchable(self) -> list[int]:
+        """Ranks with work and room to launch it, others before this one."""
+        return [r for r in (*range(1, self.ranks), 0)
+                if self._has_work(r) and self._can_launch(r)]
 
     def _worker(self) -> None:
         """Thread driver: launch grants while there is work and room, then wait on events."""
@@ -271,13 +302,14 @@ class EncoderLaunches:
             torch.cuda.set_device(self.partitions.device)
         while True:
             with self._cond:
-                while not self._stop and not (self._has_work() and self._can_launch()):
+                while not self._stop and not self._launchable():
                     self._cond.wait(0.002)
                 if self._stop:
                     return
-            if not self._launch_layers(math.inf):
-                continue
+            for rank in self._launchable():
+                self._launch_layers(math.inf, rank)
             with self._lock:
-                pending = [f.event for f in self._flights if not event_complete(f.event)]
+                pending = [f.event for f in self._flights
+                           if f.rank == 0 and not event_complete(f.event)]
             if len(pending) >= self.max_inflight and hasattr(pending[0], "synchronize"):
                 pending[0].synchronize()

@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len, seed=args.seed,
             max_images_per_prompt=args.max_images_per_request,
-            tensor_parallel_size=args.tensor_parallel_size, slo=args.slo,
+            tensor_parallel_size=args.tensor_parallel_size,
+            mm_encoder_tp_mode=args.mm_encoder_tp_mode, slo=args.slo,
             encoder_window_s=args.encoder_window_ms / 1e3,
             encoder_cache_bytes=args.encoder_cache_bytes,
             enable_prefix_caching=args.prefix_caching)

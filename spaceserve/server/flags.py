@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="triton or torch (default: triton on CUDA, torch on CPU)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks the decoder is split over (one process and GPU each)")
+    p.add_argument("--mm-encoder-tp-mode", default="data", choices=("data", "replicate"),
+                   help="with -tp > 1: each rank encodes a share of the images (data) or every "
+                        "rank encodes every image (replicate)")
     p.add_argument("--max-num-seqs", type=int, default=128,
                    help="requests in the running batch at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,

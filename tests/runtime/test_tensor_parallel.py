@@ -1,8 +1,14 @@
 """Tensor parallelism through the engine: real worker processes, gloo on CPU, the torch attention
 backend. At TP 2 the `--model tiny` checkpoint and a 6-query / 2-KV-head Qwen2-VL give, for text,
-image and video prompts through `Engine.generate`, the greedy tokens of TP 1 and of transformers, in
-the temporal and co-located modes; TP 4 replicates the tiny model's 2 KV heads; a worker killed
-mid-generate ends `generate` with an error naming it within 30 s; no worker outlives its engine.
+image and video prompts through `Engine.generate`, the greedy tokens of TP 1 and of transformers,
+in the temporal, temporal-chunked and co-located modes, with the images encoded on different
+ranks (data-parallel encoder) or on every rank (replicated), the workers holding the encoder
+cache's entries so that cached images reach no rank and no step ships embeddings; n = 2 copies
+a shared block on every rank; TP 4 replicates the tiny model's
+2 KV heads; a worker killed mid-generate ends `generate` with an error naming it within 30 s;
+no worker outlives its engine. Every rank's launch record shows its collectives, bounded by
+NCCL_MAX_CTAS, inside the budget of the stage that issues them, beside that stage's Triton
+kernels.
 """
 
 from __future__ import annotations
@@ -18,7 +24,11 @@ import pytest
 import torch
 
 from spaceserve import Engine, SamplingParams
-from spaceserve.runtime.tp import TensorParallelError
+from spaceserve.kernels import record_launches
+from spaceserve.kernels.testing import assert_within_budget
+from spaceserve.runtime.config import EngineConfig
+from spaceserve.runtime.tp import PartitionSpec, TensorParallelError
+from spaceserve.runtime.tp.runner import collective_sms_for
 
 IDS = (120, 121, 122, 123, 2, 1)  # image, video, vision start, vision end, eos, bos (six)
 STEPS = 5
@@ -113,7 +123,12 @@ def six(tmp_path_factory, qwen2_vl_image_prompt, hf_greedy):
     ("tiny", "temporal", {}),
     ("tiny", "spatial", dict(max_num_batched_tokens=8)),  # chunked prefill, SIS placing it
     ("six", "temporal", dict(num_kv_blocks=9, max_num_batched_tokens=8)),  # + preemption
-    ("six", "spatial-static", dict(prefill_on="compute", encoder_driver="thread")),
+    # the prefix cache off: the later generates take every image from the encoder cache
+    ("six", "spatial-static", dict(prefill_on="compute", encoder_driver="thread",
+                                   enable_prefix_caching=False)),
+    # every rank encodes every image, in layer chunks (the data-parallel chunked stage runs
+    # on the null model in test_encoder_dp.py)
+    ("tiny", "temporal-chunked", dict(mm_encoder_tp_mode="replicate")),
 ])
 def test_tp2_matches_tp1_and_transformers(request, model, mode, extra):
     path, prompts, expected = request.getfixturevalue(model)
@@ -144,6 +159,16 @@ def test_tp2_matches_tp1_and_transformers(request, model, mode, extra):
         two.encoder_cache.clear()  # ... and drop them with it
         stats = two.runner.worker_stats()
         assert (stats[0]["embeds"], stats[0]["jobs"]) == (0, 0), "a worker kept image state"
+        # requests with media: one encoder job each, all in the first generate
+        if extra.get("mm_encoder_tp_mode") == "replicate":
+            assert stats[0]["encoded"] == media, "rank 1 skipped images"
+        else:  # data-parallel: each job on one rank, both ranks used, cached items on none
+            assert two.runner.assigned[0] > 0 and two.runner.assigned[1] > 0
+            assert sum(two.runner.assigned) == media
+            assert stats[0]["encoded"] == two.runner.assigned[1]
+        # every step found its media rows on the workers (the owner's broadcast, split into
+        # the cache's entries): none went through the pipe
+        assert two.runner.num_shipped == 0
 
 
 def test_tp4_replicates_kv_heads_and_a_killed_worker_ends_generate(tiny):
@@ -216,3 +241,49 @@ def test_splits_that_cannot_work_are_refused_before_any_process_starts(six):
         Engine.from_pretrained(str(path), tensor_parallel_size=4, **FAST)
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be an int >= 1"):
         Engine.from_pretrained(str(path), tensor_parallel_size=0, **FAST)
+
+
+def test_collectives_are_recorded_inside_each_stage_budget(tiny):
+    """A 64 / 68-SM split at TP 2 with the Triton kernels: on each rank every collective is in
+    the launch record with NCCL_MAX_CTAS thread blocks (16, read from the environment the
+    group gave that process) inside the budget of the stage issuing it - the decode step's and
+    the embeddings' broadcast in the decoder's 68 SMs, the compute-partition prefill's in the
+    encoder's 64 - stream-ordered with that stage's kernels, which run under the same budgets.
+    """
+    path, prompts, expected = tiny
+    two_tokens = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with engine(path, 2, mode="spatial-static", encoder_sms=64, prefill_on="compute",
+                attention_backend="triton") as eng:
+        assert eng.runner.collective_sms == 16
+        eng.runner.worker_stats(record=True)
+        with record_launches() as mine:
+            outs = eng.generate(prompts[1:2], two_tokens)  # one image prompt
+        theirs = eng.runner.worker_stats(record=False)[0]["launches"]
+    assert tokens(outs) == [expected[1][:2]]
+    for recs in (mine, theirs):
+        coll = [r for r in recs if r.kind == "collective"]
+        kernels = [r for r in recs if r.kind == "kernel"]
+        assert {(r.config["group"], r.num_sms) for r in coll} == {("decoder", 68),
+                                                                  ("encoder", 64)}
+        assert {r.name for r in coll if r.config["group"] == "decoder"} == \
+            {"all_reduce", "all_gather", "broadcast"}
+        assert all(r.grid == (16,) and r.config["backend"] == "gloo" and
+                   r.config["overlap"] is False and r.config["bytes"] > 0 for r in coll)
+        assert kernels and {r.num_sms for r in kernels} == {64, 68}
+        assert_within_budget(recs)
+
+
+def test_collective_bounds_and_encoder_modes_are_checked():
+    cpu = torch.device("cpu")
+    spatial = PartitionSpec("spatial", None, (8, 96), False, 1)
+    assert collective_sms_for(cpu, None, None) == 16
+    assert collective_sms_for(cpu, spatial, None) == 8  # the 8-SM encoder side
+    with pytest.raises(ValueError, match="collective_sms=20 exceeds the smallest partition a "
+                                         "collective runs in \\(8 SMs\\)"):
+        collective_sms_for(cpu, spatial, 20)
+    with pytest.raises(ValueError, match="collective_sms=0 must be an int >= 1"):
+        EngineConfig(collective_sms=0)
+    with pytest.raises(ValueError, match="mm_encoder_tp_mode='weights'.*use 'data'"):
+        EngineConfig(mm_encoder_tp_mode="weights")
+    with pytest.raises(ValueError, match="mm_encoder_tp_mode='tensor' is not one of"):
+        EngineConfig(mm_encoder_tp_mode="tensor")

@@ -5,7 +5,10 @@ decoding requests, all five modes, image rates from 0 to 85% of the GPU's encode
 capacity. Every point reports goodput under --slo (default ttft:2000,tpot:50): image requests
 per second of the arrival window that met it, and the fraction that did; a request still
 unfinished --drain seconds after arrivals stop counts as a miss. Writes curves, results.json,
-requests.json, tpot_vs_rate.png and goodput_vs_rate.png under --out.
+requests.json, tpot_vs_rate.png and goodput_vs_rate.png under --out. ``--model qwen2-vl-72b
+--tp 8`` simulates one rank of a tensor-parallel group (per-rank curves with the collectives'
+costs over the preset's NVLink figures; the vision encoder data-parallel or, with
+``--mm-encoder-tp-mode weights``, sharded).
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ from pathlib import Path
 
 from spaceserve.cli_args import HelpFormatter
 
-from ..analytic import PRESETS, analytic_curves
+from ..analytic import (
+    PRESETS,
+    analytic_curves,
+    qwen2_5_vl_7b_config,
+    qwen2_vl_7b_config,
+    qwen2_vl_72b_config,
+)
 from ..contention import Contention
 from ..curves import CurveSet
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler
@@ -29,6 +38,10 @@ from .engine import MODES, PLACEMENTS, SimConfig, default_allowed
 from .plots import plot, plot_goodput
 from .sweep import capacity_rate, default_rates, headline, run_sweep, table, write_outputs
 from .workload import DEFAULT_MIX, Workload
+
+MODELS = {"qwen2-vl-7b": ("Qwen2-VL-7B", qwen2_vl_7b_config),
+          "qwen2.5-vl-7b": ("Qwen2.5-VL-7B", qwen2_5_vl_7b_config),
+          "qwen2-vl-72b": ("Qwen2-VL-72B", qwen2_vl_72b_config)}
 
 
 def _mix(text: str) -> dict[str, float]:
@@ -67,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device preset for analytic curves")
     p.add_argument("--curves", type=Path,
                    help="a curves JSON file (measured) instead (default: analytic curves)")
+    p.add_argument("--model", default="qwen2-vl-7b", choices=sorted(MODELS),
+                   help="model shapes of the analytic curves")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: curves of one rank of the group (analytic)")
+    p.add_argument("--mm-encoder-tp-mode", default="data", choices=("data", "weights"),
+                   help="with --tp > 1: the vision encoder data-parallel (each rank encodes "
+                        "whole images) or sharded like the decoder (vLLM's names)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
     p.add_argument("--rates", help="comma-separated image rates/s (default: auto)")
     p.add_argument("--points", type=int, default=9, help="auto rates: how many")
@@ -123,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)}")
+    if args.tp < 1:
+        raise SystemExit(f"--tp {args.tp}: must be >= 1")
     for name in ("encoder_window_ms", "drain"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"--{name.replace('_', '-')}: must be positive")
@@ -134,7 +156,18 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             raise SystemExit(f"--curves {args.curves}: {exc}") from None
     else:
-        curves = analytic_curves(device=args.device)
+        name, config = MODELS[args.model]
+        if args.tp > 1:
+            from ..analytic_tp import tensor_parallel_curves
+
+            try:
+                curves = tensor_parallel_curves(config(), args.device, tp=args.tp,
+                                                mm_encoder_tp_mode=args.mm_encoder_tp_mode,
+                                                name=name)
+            except ValueError as exc:
+                raise SystemExit(f"--tp {args.tp}: {exc}") from None
+        else:
+            curves = analytic_curves(config(), args.device, name=name)
     if args.contention is not None:
         try:
             curves = curves.with_contention(Contention.flat(args.contention))
@@ -170,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     contention = ("co-running grids (version-1 curves)" if table_ is None else
                   f"{table_.source} contention: {table_.note or 'per SM pair'}")
     meta = {"device": curves.device, "source": curves.source, "model": curves.model.get("name"),
+            "tp": curves.model.get("tp", 1),
+            "mm_encoder_tp_mode": curves.model.get("mm_encoder_tp_mode"),
             "capacity_rate": cap, "sis_encoder_sms": sis_sms, "sis_capacity_rate": sis_cap,
             "workload": dataclasses.asdict(workload),
             "config": dataclasses.asdict(base), "gpus": args.gpus, "router": args.router,
@@ -182,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plot:
         figs = {"figure": plot(sweep, head, runs, args.out / "tpot_vs_rate.png", title),
                 "goodput figure": plot_goodput(sweep, args.out / "goodput_vs_rate.png", title)}
-    print(f"{curves.device} ({curves.source} curves), {curves.model.get('name')}, "
+    tp = curves.model.get("tp", 1)
+    group = f", TP {tp} (one rank; encoder {curves.model.get('mm_encoder_tp_mode')})" \
+        if tp > 1 else ""
+    print(f"{curves.device} ({curves.source} curves), {curves.model.get('name')}{group}, "
           f"batch {args.batch}, {args.gpus} GPU(s); {contention}\nencode+prefill capacity: "
           f"{cap:.2f} images/s on whole GPUs, {sis_cap:.2f} images/s on SIS's {sis_sms}-SM "
           f"encoder partition (co-running, at this decode load)")

@@ -20,6 +20,10 @@ Modes:
   ``shared_decode_share`` of the SMs' throughput (default half: the block scheduler interleaves
   them fairly, an optimistic view) with co-running contention.
 
+Curves of one rank of a tensor-parallel group (`analytic_tp`) whose model description has
+``encoder_ranks`` > 1 (a data-parallel vision encoder) run that many encoder queues in rounds on
+the one encoder lane (`encoder_dp.RoundTwsrft`); the decoder lane is every rank's, in lockstep.
+
 A launch keeps its SMs until it ends. After a split change the encoder side waits for the running
 decode step (a few ms) to hand its SMs back; the decode side starts at once with
 ``min(target, SMs not held by the encoder's running launch)``. While both lanes run, each op
@@ -37,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..curves import CurveSet
+from ..encoder_dp import RoundTwsrft
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
 from ..twsrft import Grant, TwsrftScheduler, curve_cost
 from .config import MODES, PLACEMENTS, TEMPORAL_MODES, SimConfig, default_allowed
@@ -88,9 +93,11 @@ class Simulator:
         self.window_s = window
         clock: Callable[[], float] = lambda: self.now
         cost = curve_cost(self.curves, self._encoder_target, corun=not temporal)
-        self.sched = TwsrftScheduler(self.curves.encoder_depth, cost, policy=policy,
-                                     window_s=window, max_wait_s=c.max_wait_s,
-                                     token_budget=c.token_budget, clock=clock)
+        kw = dict(policy=policy, window_s=window, max_wait_s=c.max_wait_s,
+                  token_budget=c.token_budget, clock=clock)
+        ranks = int(self.curves.model.get("encoder_ranks", 1))  # a data-parallel encoder
+        self.sched = TwsrftScheduler(self.curves.encoder_depth, cost, **kw) if ranks == 1 \
+            else RoundTwsrft(ranks, self.curves.encoder_depth, cost, **kw)
         self.sis = None
         if c.mode == "spatial":
             self.sis = SpaceInferenceScheduler(

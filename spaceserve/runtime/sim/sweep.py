@@ -31,14 +31,16 @@ THROUGHPUTS = ("duration_s", "request_throughput", "output_throughput",
 
 def capacity_rate(curves: CurveSet, workload: Workload, num_gpus: int = 1,
                   sms: int | None = None, corun: bool = False) -> float:
-    """Image requests/s that keep encoder + prefill busy on `sms` SMs (default: the GPU)."""
+    """Image requests/s that keep encoder + prefill busy on `sms` SMs (default: the GPU); a
+    data-parallel encoder (``encoder_ranks`` in the curves' model) encodes that many at once."""
     mix = workload.image_mix
     total = sum(mix.values())
     n = sms or curves.num_sms
     per_image = 0.0
+    ranks = int(curves.model.get("encoder_ranks", 1))
     for res, weight in mix.items():
         tokens = RESOLUTIONS[res]
-        t = curves.encoder(4 * tokens, curves.encoder_depth, n, corun)
+        t = curves.encoder(4 * tokens, curves.encoder_depth, n, corun) / ranks
         t += curves.prefill(tokens + workload.text_tokens, 0, n, corun)
         per_image += weight / total * t
     return num_gpus / per_image

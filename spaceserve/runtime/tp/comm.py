@@ -7,12 +7,24 @@ that issues collectives ("decoder"; "encoder" in the co-located modes, where pre
 run on the compute partition beside the decoder's steps): two streams never share a
 communicator, whose operations must be issued in the same order on every rank.
 
-`GroupComm` is the models' `Communicator`: in-place all-reduce and all-gather along dim 0,
-issued synchronously (``asyncOp = False``). With NCCL (torch >= 2.8) a synchronous collective
-runs on the *current* stream, so it lands on the stage's partition stream and is captured into
-the decode CUDA graphs like any kernel; the communicator is connected eagerly at start-up
-(`connect` runs one all-reduce per group), never lazily inside a capture. The NCCL path is
-written for the GPU image (torch 2.11) and cannot run on this project's CPU-only CI.
+`GroupComm` is the models' `Communicator`: in-place all-reduce, all-gather along dim 0 and
+broadcast (a data-parallel encoder's embeddings), issued synchronously (``asyncOp = False``).
+With NCCL (torch >= 2.8) a synchronous collective runs on the *current* stream, so it lands on
+the stage's partition stream and is captured into the decode CUDA graphs like any kernel; the
+communicator is connected eagerly at start-up (`connect` runs one all-reduce per group), never
+lazily inside a capture. The NCCL path is written for the GPU image (torch 2.11) and cannot run
+on this project's CPU-only CI.
+
+SM accounting. NCCL runs a collective as one kernel of one thread block (CTA) per channel, each
+on an SM. The group bounds that count with NCCL's environment knob ``NCCL_MAX_CTAS`` (read by the
+NCCL torch 2.11 ships, 2.28.9, at communicator creation; it overrides the per-communicator
+``maxCTAs`` config and also caps NVLink-SHARP channels; ``NCCL_MAX_NCHANNELS``, its older
+name, is still honoured and only lowers the count further), set in every rank's environment
+before its groups exist. Each collective is recorded in the launch record (`record_collective`:
+grid = that bound, budget = the stage's SMs from `stage_budget_scope`). Because every
+collective runs on its stage's stream, in order with the stage's kernels, it never runs beside
+them: the stage's kernels keep its whole budget, and the bound only has to fit the smallest
+partition a collective runs in (`runner.collective_sms` checks that).
 
 Every operation has the group's timeout (gloo's default is 30 minutes); the process layer
 (`group.py`) watches the workers and turns a dead peer into an error long before that. NCCL
@@ -28,7 +40,15 @@ from typing import Any
 
 import torch
 
+from spaceserve.kernels.budget import (
+    current_stage_budget,
+    device_num_sms,
+    is_recording,
+    record_collective,
+)
+
 Tensor = torch.Tensor
+CTAS_ENV = "NCCL_MAX_CTAS"  # NCCL >= 2.17; NCCL_MAX_NCHANNELS is the older spelling
 
 
 def _c10d() -> Any:
@@ -47,23 +67,61 @@ def _options(kind: str) -> Any:
     return opts
 
 
-class GroupComm:
-    """One process group as the models' `Communicator` (rank, size, all_reduce, all_gather)."""
+def env_ctas() -> int | None:
+    """The thread-block bound in this process's environment (``NCCL_MAX_CTAS``), or None."""
+    raw = os.environ.get(CTAS_ENV)
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        return None
 
-    def __init__(self, pg: Any, rank: int, size: int, name: str) -> None:
+
+class GroupComm:
+    """One process group as the models' `Communicator` (rank, size, all_reduce, all_gather,
+    broadcast); `ctas` is the bound on a collective's thread blocks that it records (None: the
+    ``NCCL_MAX_CTAS`` of the environment; without one the record can only say "the whole
+    stage budget")."""
+
+    def __init__(self, pg: Any, rank: int, size: int, name: str, *, backend: str = "gloo",
+                 ctas: int | None = None) -> None:
         self.pg, self.rank, self.size, self.name = pg, rank, size, name
+        self.backend = backend
+        self.ctas = ctas if ctas is not None else env_ctas()
         self._reduce = _options("Allreduce")
         self._gather = _options("Allgather")
 
+    def _record(self, name: str, x: Tensor) -> None:
+        """One launch-record entry: at most `ctas` thread blocks (the whole stage budget when
+        unbounded) inside the current stage's budget, stream-ordered with its kernels."""
+        if not is_recording():
+            return
+        budget = current_stage_budget()
+        if budget is None:
+            budget = device_num_sms(x.device)
+        ctas = self.ctas if self.ctas is not None else budget
+        record_collective(name, ctas, budget, group=self.name, backend=self.backend,
+                          bytes=int(x.numel() * x.element_size()), overlap=False)
+
     def all_reduce(self, x: Tensor) -> Tensor:
+        self._record("all_reduce", x)
         self.pg.allreduce([x], self._reduce).wait()
         return x
 
     def all_gather(self, x: Tensor) -> Tensor:
         x = x.contiguous()
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        self._record("all_gather", out)
         self.pg._allgather_base(out, x, self._gather).wait()
         return out
+
+    def broadcast(self, x: Tensor, src: int) -> Tensor:
+        """Rank `src`'s `x` into every rank's `x` (contiguous), in place."""
+        self._record("broadcast", x)
+        opts = _options("Broadcast")
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.pg.broadcast([x], opts).wait()
+        return x
 
     def abort(self) -> None:
         """Abort the group's pending operations (NCCL: unblocks a collective whose peer died)."""
@@ -116,7 +174,7 @@ def connect(rank: int, size: int, rendezvous: str, device: torch.device, stages:
     for stage in stages:
         pg = _process_group(backend, dist.PrefixStore(f"spaceserve/{stage}", store), rank, size,
                             timeout_s)
-        comm = GroupComm(pg, rank, size, stage)
+        comm = GroupComm(pg, rank, size, stage, backend=backend)
         probe = torch.ones(1, device=device)
         comm.all_reduce(probe)
         if int(probe.item()) != size:

@@ -9,6 +9,10 @@ traceback it sent), NCCL groups are aborted so a collective blocked on the dead 
 raises `TensorParallelError`. Death is noticed in well under a second; the collectives'
 timeout only bounds a peer that hangs alive.
 
+Besides the pipes, the group shares with its workers a progress counter per rank (the last
+data-parallel encoder command each finished: `RemoteEvent` reads it) and a queue on which a
+worker reports an encoding that failed on it (`encoder_failures`).
+
 `close` sends `Stop`, waits briefly, then terminates and kills what is left, and removes the
 rendezvous directory; it runs at garbage collection and interpreter exit too.
 """
@@ -37,6 +41,25 @@ DEATH_GRACE_S = 5.0  # how long a failed collective waits for the monitor to nam
 class TensorParallelError(RuntimeError):
     """The tensor-parallel group cannot go on (a worker died or a collective failed): the
     engine must be closed and rebuilt."""
+
+
+class RemoteEvent:
+    """Like a CUDA event, for encoder work sent to a worker: complete once that worker's
+    progress counter has reached `seq` (after the command ran; on a GPU after the device ran
+    it). `synchronize` raises `TensorParallelError` if the group fails meanwhile."""
+
+    def __init__(self, group: WorkerGroup, rank: int, seq: int) -> None:
+        self.group, self.rank, self.seq = group, rank, seq
+
+    def query(self) -> bool:
+        return self.group.progress[self.rank] >= self.seq
+
+    def synchronize(self) -> None:
+        while not self.query():
+            self.group.check()
+            if not self.group.procs[self.rank - 1].is_alive():
+                self.group.raise_failure()
+            time.sleep(0.0005)
 
 
 def _describe_exit(proc: Any) -> str:
@@ -91,9 +114,13 @@ class WorkerGroup:
             target = worker_main
         self.size = size
         self.dir = tempfile.mkdtemp(prefix="spaceserve-tp-")
-        self.spec = P.GroupSpec(size, os.path.join(self.dir, "rendezvous"), timeout_s, stages,
-                                partitions, num_threads, dict(env or {}))
         ctx = mp.get_context("spawn")
+        self.progress = ctx.Array("q", size, lock=False)
+        self.notices = ctx.SimpleQueue()
+        self._failed: dict[int, str] = {}
+        self.spec = P.GroupSpec(size, os.path.join(self.dir, "rendezvous"), timeout_s, stages,
+                                partitions, num_threads, dict(env or {}), self.progress,
+                                self.notices)
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.pids: list[int] = []
@@ -182,6 +209,25 @@ class WorkerGroup:
                     conn.send_bytes(payload)
             except (OSError, ValueError) as exc:
                 self.raise_failure(exc)
+
+    def send_to(self, rank: int, cmd: Any) -> None:
+        """Send `cmd` to the worker of `rank` alone (a data-parallel owner's encoder work)."""
+        self.check()
+        payload = P.dumps(cmd)
+        with self._send_lock:
+            try:
+                self.conns[rank - 1].send_bytes(payload)
+            except (OSError, ValueError) as exc:
+                self.raise_failure(exc)
+
+    def encoder_failures(self) -> dict[int, str]:
+        """Keys whose encoding failed on their owner (reported before its progress counter
+        moved past the command), with the owner's message; read from the notice queue."""
+        with contextlib.suppress(OSError, EOFError):
+            while not self.notices.empty():
+                rank, key, text = self.notices.get()
+                self._failed[key] = f"rank {rank}: {text}"
+        return self._failed
 
     def replies(self) -> list[Any]:
         """The reply of every worker to the last command that has one."""

@@ -13,15 +13,21 @@ image pieces as (embeddings key, first row, end row). A decode step of B sequenc
 arrays of B integers plus the new block ids: kilobytes. Rank 0 samples from the gathered
 logits alone, so nothing about sampling crosses the pipe, and no reply is awaited.
 
-The vision tower is replicated: every rank runs every encoder command on the same pixels
-(which cross the pipe once per request) and keeps the embeddings under the key rank 0 gave
-them, until a `Release`. Encoder commands carry no collectives, so their order relative to
-steps matters only in that a step comes after the `FinishEncode` of the embeddings it uses -
-which the pipe's order guarantees. (A data-parallel encoder - each rank encoding a share and
-all-gathering the embeddings - adds an owner rank per job and a gather after `FinishEncode`.)
-A finished job's output is split into one set of rows per media item (`Split`), kept under the
-key of rank 0's encoder-cache entry for that item until a `Release` of it: a cache hit on rank 0
-is a hit on every rank.
+The vision tower runs data-parallel (``mm_encoder_tp_mode="data"``, the default): rank 0
+assigns each encoder job (a request's media items its encoder cache lacks) to one rank, the
+*owner*, and sends that rank alone its pixels and its encoder commands, each numbered (`seq`). A
+worker writes the number of the last one it finished (on a GPU: once the device has) into a
+shared progress counter, so rank 0 knows without a message when an owner is done
+(`group.RemoteEvent`); a worker whose encoding fails first puts ``(key, message)`` on the
+group's notice queue. Rank 0 then sends `Share`: every rank takes part in a broadcast from the
+owner, on its decoder stream, and keeps the embeddings under the key rank 0 gave the job. With
+``mm_encoder_tp_mode="replicate"`` every rank runs every encoder command on the same pixels
+instead (no `seq`, no `Share`). Encoder commands carry no collectives, so their order relative
+to steps matters only in that a step comes after the `Share` (or, replicated, the
+`FinishEncode`) of the embeddings it uses - which the pipe's order guarantees.
+Either way a finished job's output is then split into one set of rows per media item (`Split`),
+kept under the key of rank 0's encoder-cache entry for that item until a `Release` of it: a
+cache hit on rank 0 is a hit on every rank, and needs no encoder command anywhere.
 
 Every command that launches work carries `budgets`: rank 0's runner's (encoder, decoder) SM
 budgets when it was sent. A worker runs the command under the same budget and, in the
@@ -80,6 +86,8 @@ class GroupSpec:
     partitions: PartitionSpec | None = None
     num_threads: int | None = None
     env: dict[str, str] = field(default_factory=dict)
+    progress: Any = None  # shared int64 per rank: the last encoder command seq it finished
+    notices: Any = None  # queue of (rank, key, message): encodings that failed on their owner
 
 
 # -- commands (rank 0 -> workers) -------------------------------------------------------------
@@ -108,11 +116,13 @@ class Capture:
 
 @dataclass
 class Encode:
-    """Encode requests' images whole (`ModelRunner.encode`), one key per request."""
+    """Encode requests' images whole (`ModelRunner.encode`), one key per request. `seq` is set
+    on a data-parallel owner's command (module docstring), None when replicated."""
 
     keys: list[int]
     images: list[tuple[Any, Any]]  # (pixel_values, image_grid_thw) per key
     budgets: Budgets
+    seq: int | None = None
 
 
 @dataclass
@@ -120,6 +130,7 @@ class StartEncode:
     key: int
     pixel_values: Any
     image_grid_thw: Any
+    seq: int | None = None
 
 
 @dataclass
@@ -128,12 +139,23 @@ class AdvanceEncode:
     layers: int
     num_sms: int | None
     budgets: Budgets
+    seq: int | None = None
 
 
 @dataclass
 class FinishEncode:
     key: int
     num_sms: int | None
+    budgets: Budgets
+    seq: int | None = None
+
+
+@dataclass
+class Share:
+    """Broadcast finished embeddings from their owners, in order, on the decoder stream: every
+    rank takes part in each; `items` are (key, owner rank, image tokens)."""
+
+    items: list[tuple[int, int, int]]
     budgets: Budgets
 
 
@@ -173,9 +195,10 @@ class Step:
 
 @dataclass
 class Stats:
-    """Diagnostics; replies {"steps", "embeds", "jobs", "launches"}: steps run, embeddings and
-    encoder jobs held, and the kernel launches (`LaunchRecord`s) recorded since the last
-    `Stats`. `record` True starts recording launches, False stops, None leaves it as is."""
+    """Diagnostics; replies {"steps", "embeds", "jobs", "encoded", "launches"}: steps run,
+    embeddings and encoder jobs held, images this rank encoded, and the launches
+    (`LaunchRecord`s, collectives included) recorded since the last `Stats`. `record` True
+    starts recording launches, False stops, None leaves it as is."""
 
     record: bool | None = None
 
@@ -186,7 +209,7 @@ class Stop:
 
 
 COMMANDS = (Profile, Allocate, Capture, Encode, StartEncode, AdvanceEncode, FinishEncode,
-            Embeds, Release, Split, Step, Stats, Stop)
+            Share, Embeds, Release, Split, Step, Stats, Stop)
 REPLIES = (Profile, Capture, Stats)  # the commands a worker answers
 
 

@@ -5,9 +5,9 @@ It holds rank 0's shard in an ordinary `Qwen2VLRunner` (`local`) and the other r
 - calls whose device work contains collectives (a step, profiling, graph capture) are sent
   first and then run locally, so all ranks enter the collectives together; a step's host half
   (`Qwen2VLRunner.prepare_step`, which may refuse a batch) runs before anything is sent;
-- encoder calls (no collectives: the vision tower is whole on every rank) run locally first
-  where they validate input (`start_encode`), so a bad image never reaches the workers, and are
-  sent first where they launch work (`encode`, `advance_encode`, `finish_encode`);
+- encoder calls (`encoder.py`): the vision tower is whole on every rank; by default each image
+  is encoded by one rank and then broadcast to all (data-parallel), or every rank encodes every
+  image (replicated); either way input is validated on rank 0 before any worker sees it;
 - host-only calls (`prepare_request`, `kv_block_bytes`) stay on rank 0.
 Encoder jobs are known to the workers by a key per job (`MultiModalData`). When a job is done,
 rank 0's encoder cache splits its output into one entry per media item and `split_encoding`
@@ -15,6 +15,11 @@ has every worker do the same (`Split`), so each item's embeddings live on every 
 of their own, as long as rank 0's entry lives: `release_encoding` drops a job or an entry
 (the encoder cache calls it when an entry is evicted or its last request ends). A step's image
 pieces name entries by those keys; one no worker has (never encoded there) is sent once.
+
+SM budgets: every command carries rank 0's stage budgets, so each rank's kernels run under the
+same ones, and the collectives' thread blocks are bounded by `collective_sms` (NCCL_MAX_CTAS in
+every rank's environment; see `comm.py`), which must fit the smallest partition a collective
+runs in.
 
 A worker's death, a failed send or a failed collective turns into `TensorParallelError` naming
 the worker (`group.py`); from then on every call raises it, and `close` stops what is left.
@@ -25,18 +30,23 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..request import MultiModalData, Request
+from ..encoder_chunked import TEMPORAL_MODES
+from ..request import Request
 from ..scheduler import ScheduledBatch
 from ..step_plan import StepLimits
 from . import protocol as P
+from .comm import CTAS_ENV
+from .encoder import MM_ENCODER_TP_MODES, EncoderMethods
 from .group import TensorParallelError, WorkerGroup
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective's limit; a dead worker is noticed long before
+# Thread blocks a collective may take by default: enough channels for NVLink bandwidth on
+# prefill-sized all-reduces, and half of the smallest default partition (132 SMs: 32 / 36).
+DEFAULT_COLLECTIVE_SMS = 16
 
 
 def collective_timeout_s() -> float:
@@ -51,22 +61,17 @@ def collective_timeout_s() -> float:
     return value
 
 
-@dataclass
-class _Job:
-    """An encoder job on rank 0 and the key the workers know it by."""
-
-    key: int
-    local: Any
-
-
-class TensorParallelRunner:
+class TensorParallelRunner(EncoderMethods):
     """Rank 0 of a tensor-parallel group of `size` ranks (module docstring). `partitions` is
     set for the co-located modes (every rank builds the same partition set); `env` is set in
-    every rank's environment before its group is created (NCCL's knobs, for instance)."""
+    every rank's environment before its group is created (NCCL's knobs, for instance);
+    `mm_encoder_tp_mode` "data" or "replicate" (`encoder.py`); `collective_sms` bounds a
+    collective's thread blocks (None: `collective_sms_for`'s default)."""
 
     def __init__(self, source: P.ModelSource, size: int, *,
                  partitions: P.PartitionSpec | None = None, timeout_s: float | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, mm_encoder_tp_mode: str = "data",
+                 collective_sms: int | None = None) -> None:
         from .comm import connect
         from .worker import build_runner, rank_device
 
@@ -77,9 +82,21 @@ class TensorParallelRunner:
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; "
                              f"{torch.cuda.device_count()} visible")
+        if mm_encoder_tp_mode not in MM_ENCODER_TP_MODES:
+            raise ValueError(f"mm_encoder_tp_mode={mm_encoder_tp_mode!r} is not one of "
+                             f"{', '.join(MM_ENCODER_TP_MODES)}")
         self.size = size
         self.tp_size = size
         self.source = source
+        self.mm_encoder_tp_mode = mm_encoder_tp_mode
+        self.collective_sms = collective_sms_for(device, partitions, collective_sms)
+        env = {**(env or {}), CTAS_ENV: str(self.collective_sms)}
+        self._seq = [0] * size
+        self._owner_lock = threading.Lock()
+        self.assigned = [0] * size
+        self._ready: dict[int, Any] = {}
+        self._shared: set[int] = set()
+        self.num_shipped = 0  # embeddings sent through the pipe by a step (none held there)
         stages = ("decoder",) if partitions is None else ("decoder", "encoder")
         self.group = WorkerGroup(size, source, timeout_s=timeout_s or collective_timeout_s(),
                                  stages=stages, partitions=partitions,
@@ -129,10 +146,12 @@ class TensorParallelRunner:
                                device=dev.type)
         check_splits(source, config.tensor_parallel_size)
         partitions = None
-        if config.mode != "temporal":
+        if config.mode not in TEMPORAL_MODES:  # the co-located modes' partitions
             partitions = P.PartitionSpec(config.mode, config.encoder_sms, config.encoder_splits,
                                          config.green_contexts, config.programs_per_sm)
-        return cls(source, config.tensor_parallel_size, partitions=partitions)
+        return cls(source, config.tensor_parallel_size, partitions=partitions,
+                   mm_encoder_tp_mode=config.mm_encoder_tp_mode,
+                   collective_sms=config.collective_sms)
 
     # -- budgets (set by the co-located modes' partitions) ----------------------------------
     @property
@@ -183,6 +202,15 @@ class TensorParallelRunner:
         except BaseException:  # interrupted: the workers may be inside a collective now
             if fatal:
                 self._dead = True
+            raise
+
+    def _send_to(self, rank: int, cmd: Any) -> None:
+        if self._dead:
+            self.group.raise_failure()
+        try:
+            self.group.send_to(rank, cmd)
+        except TensorParallelError:
+            self._dead = True
             raise
 
     def _replies(self) -> list[Any]:
@@ -243,63 +271,6 @@ class TensorParallelRunner:
     def prepare_request(self, req: Request) -> None:
         self.local.prepare_request(req)
 
-    def encode(self, mms: Sequence[MultiModalData]) -> list[torch.Tensor]:
-        keys = [self._key(mm) for mm in mms]
-        self._send(P.Encode(keys, [(mm.pixel_values, mm.image_grid_thw) for mm in mms],
-                            self._budgets()))
-        return self._run(self.local.encode, mms, fatal=False)
-
-    @property
-    def encoder_layers(self) -> int:
-        return self.local.encoder_layers
-
-    def start_encode(self, mm: MultiModalData, pixel_values: torch.Tensor | None = None) -> _Job:
-        job = self._run(self.local.start_encode, mm, pixel_values, fatal=False)
-        key = self._key(mm)
-        self._send(P.StartEncode(key, mm.pixel_values, mm.image_grid_thw))
-        return _Job(key, job)
-
-    def advance_encode(self, job: _Job, layers: int, *, num_sms: int | None = None) -> int:
-        self._send(P.AdvanceEncode(job.key, layers, num_sms, self._budgets()))
-        return self._run(self.local.advance_encode, job.local, layers, num_sms=num_sms,
-                         fatal=False)
-
-    def finish_encode(self, job: _Job, *, num_sms: int | None = None) -> torch.Tensor:
-        self._send(P.FinishEncode(job.key, num_sms, self._budgets()))
-        return self._run(self.local.finish_encode, job.local, num_sms=num_sms, fatal=False)
-
-    def split_encoding(self, job: MultiModalData, parts: Sequence[tuple[Any, int, int]]) -> None:
-        """Rows ``lo..hi-1`` of `job`'s embeddings become those of each part's encoder-cache
-        entry, on every rank (`Split`); the job's own key is dropped."""
-        key = self._forget(job)
-        if key is None or self._dead:
-            return
-        try:
-            self._send(P.Split(key, [(self._key(e), lo, hi) for e, lo, hi in parts]))
-        except TensorParallelError:
-            pass  # reported by the next call that needs the workers
-
-    def release_encoding(self, obj: Any) -> None:
-        """Forget the embeddings of a job (`MultiModalData`) or an encoder-cache entry on every
-        rank (the job failed or was dropped; the entry is gone)."""
-        if obj is None or self._dead:
-            return
-        key = self._forget(obj)
-        if key is None:
-            return
-        try:
-            self._send(P.Release([key]))
-        except TensorParallelError:
-            pass  # reported by the next call that needs the workers
-
-    def _forget(self, obj: Any) -> int | None:
-        with self._lock:
-            entry = self._keys.get(id(obj))
-            if entry is None or entry[1] is not obj:
-                return None
-            del self._keys[id(obj)]
-            return entry[0]
-
     def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
         """One step on every rank: rank 0 prepares it, sends it, and runs its own shard;
         returns the full logits (gathered inside the model)."""
@@ -309,9 +280,16 @@ class TensorParallelRunner:
             key = None
             if src is not None:
                 key = self._key(src, create=False)
-                if key is None:  # embeddings rank 0 never encoded: ship them once
+                if key is None or (self.encoder_ranks > 1 and key not in self._shared):
+                    # embeddings the workers do not hold (given with the request, or encoded
+                    # by a stage unaware of ranks): ship them once
                     key = self._key(src)
                     self._send(P.Embeds(key, src.tensor.detach().cpu()))
+                    self.num_shipped += 1
+                    if self.encoder_ranks > 1:
+                        self._shared.add(key)
+                elif src.tensor is not None and src.tensor.is_cuda:
+                    self.wait_shared(key, src.tensor)
             pieces.append((key, lo, hi))
         self._send(P.Step(step.stage, step.budget, step.graph, step.inputs.wire(), pieces,
                           self._budgets()))
@@ -337,6 +315,40 @@ class TensorParallelRunner:
         for comm in getattr(self, "comms", {}).values():
             comm.shutdown()
         self.comms = {}
+
+
+def smallest_partition(device: torch.device, partitions: P.PartitionSpec | None) -> int:
+    """The fewest SMs any stage that issues collectives gets: the whole device in temporal and
+    shared modes, else the smaller side of the most lopsided split (requested counts)."""
+    from spaceserve.kernels.budget import device_num_sms
+
+    from ..partition import default_splits
+
+    total = device_num_sms(device)
+    if partitions is None or partitions.mode == "shared":
+        return total
+    if partitions.mode == "spatial-static":
+        splits = [partitions.encoder_sms or default_splits(total)[len(default_splits(total))
+                                                                 // 2]]
+    else:
+        splits = list(partitions.encoder_splits or default_splits(total))
+    return min(min(e, total - e) for e in splits if 0 < e < total) if splits else total
+
+
+def collective_sms_for(device: torch.device, partitions: P.PartitionSpec | None,
+                       requested: int | None) -> int:
+    """The bound on a collective's thread blocks: `requested`, or `DEFAULT_COLLECTIVE_SMS`
+    capped at the smallest partition; ValueError when a requested bound does not fit it (a
+    collective could not run inside that partition's SMs)."""
+    smallest = smallest_partition(device, partitions)
+    if requested is None:
+        return max(1, min(DEFAULT_COLLECTIVE_SMS, smallest))
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"collective_sms={requested!r} must be an int >= 1")
+    if requested > smallest:
+        raise ValueError(f"collective_sms={requested} exceeds the smallest partition a "
+                         f"collective runs in ({smallest} SMs)")
+    return requested
 
 
 def check_splits(source: P.ModelSource, size: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import threading
 import time
 import traceback
@@ -51,18 +52,23 @@ def build_runner(source: P.ModelSource, rank: int, size: int, comm: Any,
 class WorkerState:
     """Runs rank 0's commands on this rank's runner (see `protocol.py` for what each means).
     `comms` are the stage communicators; `partitions` the co-located modes' partition set
-    (None in temporal mode)."""
+    (None in temporal mode); `progress` and `notices` the group's shared progress counters and
+    failure queue (data-parallel encoding), `rank` this worker's rank."""
 
-    def __init__(self, runner: Any, comms: dict[str, Any], partitions: Any = None) -> None:
+    def __init__(self, runner: Any, comms: dict[str, Any], partitions: Any = None, *,
+                 rank: int = 1, progress: Any = None, notices: Any = None) -> None:
         self.runner, self.comms, self.pset = runner, comms, partitions
+        self.rank, self.progress, self.notices = rank, progress, notices
         self.jobs: dict[int, Any] = {}
         self.embeds: dict[int, torch.Tensor] = {}
         self.ready: dict[int, Any] = {}  # CUDA event after which embeds[key] may be read
         self.by_budgets = {} if partitions is None else {
             (p.encoder_sms, p.decoder_sms): p for p in partitions.partitions()}
         self.num_steps = 0
+        self.num_encoded = 0  # images this rank encoded (data-parallel: its share)
         self._recorder: Any = None  # record_launches() context while recording
         self._launches: list[Any] = []
+        self._finished: queue.Queue | None = None  # (CUDA event, seq) for the progress thread
 
     # -- partitions and budgets ----------------------------------------------------------
     def _scope(self, budgets: P.Budgets, kind: str) -> contextlib.AbstractContextManager:
@@ -99,6 +105,45 @@ class WorkerState:
             emb.record_stream(torch.cuda.current_stream())
         return emb
 
+    def _progress(self, seq: int | None) -> None:
+        """Publish that the data-parallel command `seq` is done: at once on a CPU, once the
+        device has run it on a GPU (a thread waits on an event recorded here)."""
+        if seq is None or self.progress is None:
+            return
+        if not self.runner.device.type == "cuda":
+            self.progress[self.rank] = seq
+            return
+        if self._finished is None:
+            self._finished = queue.Queue()
+            threading.Thread(target=self._publish, name="spaceserve-tp-progress",
+                             daemon=True).start()
+        event = torch.cuda.Event()
+        event.record()
+        self._finished.put((event, seq))
+
+    def _publish(self) -> None:
+        torch.cuda.set_device(self.runner.device)
+        while True:
+            event, seq = self._finished.get()
+            event.synchronize()
+            self.progress[self.rank] = seq
+
+    def _share(self, cmd: Any) -> None:
+        """Take part in the owners' broadcasts of finished embeddings (decoder stream)."""
+        from spaceserve.kernels.budget import stage_budget_scope
+
+        model = self.runner.model
+        comm = self.comms["decoder"]
+        with self._scope(cmd.budgets, "decoder"), stage_budget_scope(cmd.budgets[1]):
+            for key, src, tokens in cmd.items:
+                if src == self.rank:
+                    buf = self.embeds_of(key).contiguous()
+                else:
+                    buf = torch.empty((tokens, model.language.hidden), dtype=model.dtype,
+                                      device=self.runner.device)
+                comm.broadcast(buf, src)
+                self._done_encoding(key, buf)
+
     # -- commands ------------------------------------------------------------------------
     def handle(self, cmd: Any) -> Any:
         """Run one command; returns its reply, or `NO_REPLY`."""
@@ -114,6 +159,9 @@ class WorkerState:
             return NO_REPLY
         if isinstance(cmd, (P.StartEncode, P.AdvanceEncode, P.FinishEncode, P.Encode)):
             self._encoder(cmd)
+            return NO_REPLY
+        if isinstance(cmd, P.Share):
+            self._share(cmd)
             return NO_REPLY
         if isinstance(cmd, P.Embeds):
             self.embeds[cmd.key] = cmd.embeds.to(r.device)
@@ -148,39 +196,53 @@ class WorkerState:
         raise RuntimeError(f"unknown tensor-parallel command {type(cmd).__name__}")
 
     def _encoder(self, cmd: Any) -> None:
-        """Encoder commands. Their failures are rank 0's too (same inputs, same code): it
-        reports them on the request; here the key is just dropped."""
-        r = self.runner
+        """Encoder commands. Replicated, their failures are rank 0's too (same inputs, same
+        code): it reports them on the request; here the key is just dropped. A data-parallel
+        owner's failure (rank 0 validated the input, so a device error or out of memory) is
+        reported on the notice queue, before the progress counter moves."""
         try:
-            if isinstance(cmd, P.StartEncode):
-                from ..request import MultiModalData
-
-                mm = MultiModalData(cmd.pixel_values, cmd.image_grid_thw, np.zeros(0, np.int64))
-                if self.pset is not None and self.pset.cuda:
-                    with self.pset.staged() as done:
-                        pv = cmd.pixel_values.pin_memory().to(r.device, non_blocking=True)
-                        self.jobs[cmd.key] = done(r.start_encode(mm, pixel_values=pv))
-                else:
-                    self.jobs[cmd.key] = r.start_encode(mm)
-            elif isinstance(cmd, P.AdvanceEncode):
-                with self._scope(cmd.budgets, "encoder"):
-                    r.advance_encode(self.jobs[cmd.key], cmd.layers, num_sms=cmd.num_sms)
-            elif isinstance(cmd, P.FinishEncode):
-                with self._scope(cmd.budgets, "encoder"):
-                    job = self.jobs.pop(cmd.key)
-                    self._done_encoding(cmd.key, r.finish_encode(job, num_sms=cmd.num_sms))
-            else:
-                from ..request import MultiModalData
-
-                mms = [MultiModalData(pv, grid, np.zeros(0, np.int64)) for pv, grid in cmd.images]
-                with self._scope(cmd.budgets, "encoder"):
-                    for key, emb in zip(cmd.keys, r.encode(mms), strict=True):
-                        self._done_encoding(key, emb)
-        except (ValueError, KeyError, RuntimeError):
+            self._run_encoder(cmd)
+        except (ValueError, KeyError, RuntimeError) as exc:
             key = getattr(cmd, "key", None)
-            for k in ([key] if key is not None else getattr(cmd, "keys", [])):
+            keys = [key] if key is not None else list(getattr(cmd, "keys", []))
+            for k in keys:
                 self.jobs.pop(k, None)
                 self.embeds.pop(k, None)
+            if cmd.seq is not None and self.notices is not None:
+                traceback.print_exc()
+                for k in keys:
+                    self.notices.put((self.rank, k, f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._progress(cmd.seq)
+
+    def _run_encoder(self, cmd: Any) -> None:
+        r = self.runner
+        if isinstance(cmd, P.StartEncode):
+            from ..request import MultiModalData
+
+            mm = MultiModalData(cmd.pixel_values, cmd.image_grid_thw, np.zeros(0, np.int64))
+            if self.pset is not None and self.pset.cuda:
+                with self.pset.staged() as done:
+                    pv = cmd.pixel_values.pin_memory().to(r.device, non_blocking=True)
+                    self.jobs[cmd.key] = done(r.start_encode(mm, pixel_values=pv))
+            else:
+                self.jobs[cmd.key] = r.start_encode(mm)
+        elif isinstance(cmd, P.AdvanceEncode):
+            with self._scope(cmd.budgets, "encoder"):
+                r.advance_encode(self.jobs[cmd.key], cmd.layers, num_sms=cmd.num_sms)
+        elif isinstance(cmd, P.FinishEncode):
+            with self._scope(cmd.budgets, "encoder"):
+                job = self.jobs.pop(cmd.key)
+                self._done_encoding(cmd.key, r.finish_encode(job, num_sms=cmd.num_sms))
+                self.num_encoded += 1
+        else:
+            from ..request import MultiModalData
+
+            mms = [MultiModalData(pv, grid, np.zeros(0, np.int64)) for pv, grid in cmd.images]
+            with self._scope(cmd.budgets, "encoder"):
+                for key, emb in zip(cmd.keys, r.encode(mms), strict=True):
+                    self._done_encoding(key, emb)
+                    self.num_encoded += 1
 
     def _stats(self, record: bool | None) -> dict[str, Any]:
         from spaceserve.kernels import record_launches
@@ -195,7 +257,7 @@ class WorkerState:
                 self._recorder.__exit__(None, None, None)
                 self._recorder, self._launches = None, []
         return {"steps": self.num_steps, "embeds": len(self.embeds), "jobs": len(self.jobs),
-                "launches": launches}
+                "encoded": self.num_encoded, "launches": launches}
 
     def close(self) -> None:
         if self.pset is not None:
@@ -237,7 +299,8 @@ def worker_main(rank: int, spec: P.GroupSpec, source: P.ModelSource, conn: Any,
             from ..epd import make_partitions
 
             pset, _ = make_partitions(spec.partitions, device)
-        state = WorkerState(runner, comms, pset)
+        state = WorkerState(runner, comms, pset, rank=rank, progress=spec.progress,
+                            notices=spec.notices)
         conn.send(("ready", rank))
         while True:
             try:

@@ -342,7 +342,9 @@ def main(args: argparse.Namespace) -> int:
             encoder_cache_bytes=args.encoder_cache_bytes,
             enable_prefix_caching=args.prefix_caching,
             **({"tensor_parallel_size": args.tensor_parallel_size}
-               if getattr(args, "tensor_parallel_size", None) else {}))
+               if getattr(args, "tensor_parallel_size", None) else {}),
+            **({"mm_encoder_tp_mode": args.mm_encoder_tp_mode}
+               if getattr(args, "mm_encoder_tp_mode", None) else {}))
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2
