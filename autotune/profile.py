@@ -7,7 +7,9 @@ one unit of work alone and while the other stage runs at the complementary budge
 
 - ``<out>/curves.json``: a `CurveSet` in the scheduling core's format (source "measured"): the
   isolated grids, and a contention table with one (encoder SMs, decoder SMs) pair per co-running
-  measurement (`contention_table`);
+  measurement (`contention_table`); where the timer knows each point's host time
+  (`CudaTimer.host_bound`), every stage lists its host-bound points, isolated and co-running
+  (eager host time >= device time), in ``host_bound``;
 - ``<out>/curves.png``: latency against SMs per stage (isolated solid, co-running dashed);
 - ``<out>/curves.checkpoint.json``: every finished point, written after each one. A run that
   was interrupted (or ran out of its time budget) resumes from it, and the final files depend
@@ -142,6 +144,8 @@ class Profiler:
         self.json_path = self.out_dir / f"{name}.json"
         self.png_path = self.out_dir / f"{name}.png"
         self.checkpoint_path = self.out_dir / f"{name}.checkpoint.json"
+        # keys of host-bound points; None while no timer that knows host time has run
+        self.host_bound: set[str] | None = None
 
     def other_sms(self, sms: int) -> int:
         """The co-running stage's budget: the rest of the device, at least `min_other_sms`."""
@@ -190,13 +194,21 @@ class Profiler:
         points = data.get("points")
         if not isinstance(points, dict):
             raise ValueError(f"{self.checkpoint_path}: 'points' must be an object")
+        host = data.get("host_bound")
+        if host is not None:
+            if not isinstance(host, list) or not set(map(str, host)) <= set(points):
+                raise ValueError(f"{self.checkpoint_path}: 'host_bound' must list measured "
+                                 "points")
+            self.host_bound = set(map(str, host))
         return {str(k): float(v) for k, v in points.items()}
 
     def _save_checkpoint(self, plan: dict[str, Any], measured: dict[str, float]) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.checkpoint_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"format": CHECKPOINT_FORMAT, "plan": plan,
-                                   "points": measured}, indent=1))
+        data: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "plan": plan, "points": measured}
+        if self.host_bound is not None:
+            data["host_bound"] = sorted(self.host_bound)
+        tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, self.checkpoint_path)
 
     def run(self, time_budget_s: float | None = None) -> ProfileResult:
@@ -252,11 +264,39 @@ class Profiler:
                     if not (value > 0 and value < float("inf")):
                         raise ValueError(f"{p.key}: timer returned {seconds!r} seconds")
                     measured[p.key] = value
+                    self._mark_host_bound(p.key)
                     self._save_checkpoint(plan, measured)
                     bar.set_postfix_str(p.key, refresh=False)
                     bar.update(1)
             finally:
                 prepared.close()
+
+    def _mark_host_bound(self, key: str) -> None:
+        """Record whether the point just timed is host-bound, when the timer can tell."""
+        check = getattr(self.timer, "host_bound", None)
+        if not callable(check):
+            return
+        if self.host_bound is None:
+            self.host_bound = set()
+        if check(key):
+            self.host_bound.add(key)
+        else:
+            self.host_bound.discard(key)
+
+    def _host_bound_points(self, stage: str) -> list[dict[str, Any]] | None:
+        """The stage's host-bound points as the curve file lists them (grid order)."""
+        if self.host_bound is None:
+            return None
+        names = STAGE_AXES[stage]
+        out = []
+        for sms in self.grid.sms:
+            for work in self._works(stage):
+                for corun in (False, True):
+                    p = Point(stage, work, sms, corun, self.other_sms(sms) if corun else 0)
+                    if p.key in self.host_bound:
+                        out.append({"sms": sms, **dict(zip(names, work, strict=True)),
+                                    "corun": corun})
+        return out
 
     def curves(self, measured: dict[str, float]) -> CurveSet:
         """The `CurveSet` of a complete set of measurements (validated like a loaded file)."""
@@ -270,7 +310,8 @@ class Profiler:
             built[stage] = Curve(STAGE_AXES[stage],
                                  {a: list(v) for a, v in zip(STAGE_AXES[stage], axes,
                                                              strict=True)},
-                                 list(self.grid.sms), _nested(value, self.grid.sms, axes))
+                                 list(self.grid.sms), _nested(value, self.grid.sms, axes),
+                                 host_bound=self._host_bound_points(stage))
         cs = CurveSet(w.device_name, w.num_sms, w.model_meta(), w.dtype, "measured",
                       built["encoder"], built["prefill"], built["decode"],
                       self.contention_table(measured))

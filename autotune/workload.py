@@ -7,9 +7,11 @@ a stage (one encoder pass over a batch of ``patches`` ViT tokens, one prefill ch
 measurements: decode steps beside the encoder, encoder passes beside prefill and decode.
 
 `FunctionWorkload` wraps three plain callables (tests, other models); `Qwen2VLWorkload` runs a
-`spaceserve.models.Qwen2VL`: encoder jobs set up once and rerun, prefill chunks through
-`forward`, decode steps replayed from a CUDA graph per budget (on CUDA), as the runtime runs
-them. `load_model` builds the models the CLI names.
+`spaceserve.models.Qwen2VL`: encoder jobs set up once and rerun, prefill chunks and decode steps
+through `forward` on a step planned once. Every run launches device work only (no host
+planning, no sync), so the timer can capture it in a CUDA graph and replay it on the stream of
+the partition it measures (`timers.CudaTimer`), as the runtime replays its decode steps.
+`load_model` builds the models the CLI names.
 """
 
 from __future__ import annotations
@@ -108,12 +110,13 @@ def image_grid(patches: int, merge: int = 2) -> tuple[int, int, int]:
 class Qwen2VLWorkload:
     """Qwen2-VL stages on SpaceServe (`spaceserve.models.Qwen2VL`) with random inputs.
 
-    Decode steps replay a CUDA graph per budget when `graphs` (default: on CUDA), so the
-    measured step is the GPU's, not Python's launch loop.
+    Runs are plain device work (module docstring): the timer decides whether they replay from
+    a graph. A decode step's block tables are as wide as its context needs, as the runtime's
+    graph buckets make them.
     """
 
     def __init__(self, model: Any, *, name: str = "qwen2-vl", block_size: int = 16,
-                 graphs: bool | None = None, seed: int = 0,
+                 seed: int = 0,
                  background_patches: int = BACKGROUND_PATCHES,
                  background_decode: tuple[int, int] = BACKGROUND_DECODE) -> None:
         from spaceserve.kernels.budget import device_num_sms
@@ -122,7 +125,6 @@ class Qwen2VLWorkload:
         self.name = name
         self.block_size = block_size
         self.device = torch.device(model.device)
-        self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.seed = seed
         self.background_patches = background_patches
         self.background_decode = tuple(background_decode)
@@ -132,8 +134,6 @@ class Qwen2VLWorkload:
         self.dtype = str(model.dtype).removeprefix("torch.")
         self._bg: dict[tuple[str, int], Callable[[], Any]] = {}
         self._bg_runs: dict[str, StageRun] = {}
-        self._bg_graphs: list[Any] = []
-        self._bg_cache: Any = None
 
     def model_meta(self) -> dict[str, Any]:
         from spaceserve.runtime.analytic import ModelShape
@@ -142,8 +142,7 @@ class Qwen2VLWorkload:
 
     def background_meta(self) -> dict[str, Any]:
         return {"encoder_patches": self.background_patches,
-                "decode": list(self.background_decode), "graphs": self.graphs,
-                "block_size": self.block_size}
+                "decode": list(self.background_decode), "block_size": self.block_size}
 
     def _gen(self, salt: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.seed * 1000 + salt)
@@ -199,68 +198,36 @@ class Qwen2VLWorkload:
         tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
         ids = self._ids(batch, batch + 5 * context)
         state: dict[str, Any] = {"cache": cache}
-        if not self.graphs:
-            ctx = self.model.plan_step([context] * batch, [1] * batch, tables,
-                                       block_size=self.block_size)
+        ctx = self.model.plan_step([context] * batch, [1] * batch, tables,
+                                   block_size=self.block_size)
 
-            def eager(num_sms: int) -> Any:
-                return self.model.forward(ids, ctx, state["cache"], num_sms=num_sms)
+        def run(num_sms: int) -> Any:
+            return self.model.forward(ids, ctx, state["cache"], num_sms=num_sms)
 
-            return StageRun(eager, 1.0, state.clear)
-
-        from spaceserve.models import DecodeGraph
-
-        def replay(num_sms: int) -> Any:
-            if state.get("sms") != num_sms:  # one graph per budget, captured on first use
-                state.pop("graph", None)
-                graph = DecodeGraph(self.model, state["cache"], batch, per_seq, num_sms=num_sms)
-                graph.replay(ids, graph.plan([context] * batch, tables))
-                state.update(graph=graph, sms=num_sms)
-            state["graph"].graph.replay()
-
-        return StageRun(replay, 1.0, state.clear)
+        return StageRun(run, 1.0, state.clear)
 
     def background(self, stage: str, num_sms: int) -> Callable[[], Any]:
-        """The other stage at `num_sms`, set up (job planned, graph captured) and run once
-        before it is returned, so nothing is captured while a measurement runs."""
+        """The other stage at `num_sms` (an encoder pass of `background_patches` beside
+        prefill and decode, a decode step of `background_decode` beside the encoder), set up
+        and run once before it is returned, so nothing is planned while a measurement runs."""
         other = "decode" if stage == "encoder" else "encoder"
         key = (other, num_sms)
         if key not in self._bg:
-            if other == "decode" and self.graphs:
-                self._bg[key] = self._background_graph(num_sms)
-            else:
-                if other not in self._bg_runs:
-                    work = (self.background_decode if other == "decode"
-                            else (self.background_patches,))
-                    self._bg_runs[other] = self.prepare(other, tuple(work))
-                runner = self._bg_runs[other]
-                self._bg[key] = lambda: runner.run(num_sms)
+            if other not in self._bg_runs:
+                work = (self.background_decode if other == "decode"
+                        else (self.background_patches,))
+                self._bg_runs[other] = self.prepare(other, tuple(work))
+            runner = self._bg_runs[other]
+            self._bg[key] = lambda: runner.run(num_sms)
             self._bg[key]()
         return self._bg[key]
 
-    def _background_graph(self, num_sms: int) -> Callable[[], Any]:
-        """A decode step of `background_decode` replayed from a graph captured at `num_sms`
-        (one KV cache shared by every budget's graph)."""
-        from spaceserve.models import DecodeGraph
-
-        batch, context = self.background_decode
-        per_seq = -(-(context + 1) // self.block_size)
-        if self._bg_cache is None:
-            self._bg_cache = self.model.allocate_kv_cache(batch * per_seq, self.block_size)
-        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-        graph = DecodeGraph(self.model, self._bg_cache, batch, per_seq, num_sms=num_sms)
-        graph.replay(self._ids(batch, 99), graph.plan([context] * batch, tables))
-        self._bg_graphs.append(graph)
-        return graph.graph.replay
-
     def close(self) -> None:
-        """Free the background work's jobs, graphs and caches."""
+        """Free the background work's jobs and caches."""
         for run in self._bg_runs.values():
             run.close()
         self._bg.clear()
         self._bg_runs.clear()
-        self._bg_graphs.clear()
-        self._bg_cache = None
 
 
 def tiny_config() -> Any:

@@ -51,6 +51,8 @@ def _profile(config: Any, name: str, device: torch.device, dtype: torch.dtype, o
     profiler = Profiler(workload, grid or Grid.quick(workload.num_sms), out, timer=timer,
                         progress=False)
     result = profiler.run(max(0.0, budget_s - build_s))
+    if hasattr(timer, "close"):
+        timer.close()  # its graphs and green partitions go before the workload's memory
     workload.close()
     row = {"section": SECTION, "stage": "profile", "model": name, "build_s": build_s,
            "points": len(result.measured), "of": result.total, "seconds": result.seconds,
@@ -59,6 +61,11 @@ def _profile(config: Any, name: str, device: torch.device, dtype: torch.dtype, o
     uncovered = getattr(timer, "uncovered", [])
     if uncovered:
         row["background_stopped_early"] = uncovered
+    for attr, key in (("eager", "not_graph_timed"), ("green", "green_corun_points")):
+        if getattr(timer, attr, None):
+            row[key] = len(getattr(timer, attr))
+    if hasattr(timer, "host_bound_points"):
+        row["host_bound_points"] = timer.host_bound_points()
     row["headline"] = (f"profile {name}: {len(result.measured)}/{result.total} points in "
                        f"{result.seconds:.0f} s" + ("" if result.complete else
                                                     " (incomplete: rerun to resume)"))

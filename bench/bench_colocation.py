@@ -29,7 +29,13 @@ from typing import Any
 import torch
 
 from bench.colocation_load import BACKGROUND, BG_OUTPUT, BG_PROMPT, drive
-from bench.common import format_table, section_rows, write_json
+from bench.common import (
+    BENCH_GRAPH_RESERVE_BYTES,
+    format_table,
+    model_len_for,
+    section_rows,
+    write_json,
+)
 from spaceserve.bench.prompts import Prompts
 
 SECTION = "colocation"
@@ -79,7 +85,7 @@ def probe_partitions(engine: Any) -> dict[str, Any]:
         outs["decoder"] = probe_sms(part.decoder_sms, spin=1 << 16, device=pset.device)
     torch.cuda.synchronize()
     rep = probe_report(outs, {"encoder": part.encoder_sms, "decoder": part.decoder_sms})
-    return {"probe": rep.summary(), "probe_disjoint": rep.disjoint, "green": pset.green}
+    return {"probe": rep.summary(), "probe_disjoint": rep.disjoint, "green": part.green}
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
@@ -146,12 +152,14 @@ def run_modes(make_engine: Any, prompts_for: Any, workload: Any, curves: Any, *,
         share = now + (deadline - now) / (len(modes) - i)
         try:
             engine = make_engine(mode)
-            if engine.spatial is not None:
-                part = engine.spatial.partitions.current
+            if engine.spatial is not None:  # budgets: the SM counts granted, not requested
+                pset = engine.spatial.partitions
+                part = pset.current
                 row |= {"encoder_sms": part.encoder_sms, "decoder_sms": part.decoder_sms,
-                        "green": engine.spatial.partitions.green}
+                        "green": part.green, "partitions": pset.describe()["splits"]}
                 if mode == "spatial":
-                    row["splits"] = sorted(engine.spatial.partitions.splits)
+                    row["splits"] = sorted(p.encoder_sms for p in pset.splits.values())
+                    row["splits_requested"] = sorted(pset.splits)
                 if mode == "spatial-static":
                     row |= probe_partitions(engine)
             row |= drive(engine, arrivals, prompts_for(engine), alone_s=alone_s,
@@ -213,15 +221,25 @@ def setup(llm_layers: int = LLM_LAYERS, vision_depth: int | None = None) -> Setu
                         text_tokens=16, output_tokens=16, seed=0)
     curves = load_curves(None, Qwen2VLRunner(models["triton"], eos_token_ids=()))
     prompts_for = lambda eng: Prompts(eng.runner.info, grids)  # noqa: E731
+    max_len = workload_len(grids, workload)
 
     def make_engine(mode: str) -> Any:
         model = models["torch" if mode == "shared" else "triton"]
         cfg = EngineConfig(mode=mode, num_kv_blocks=4096, block_size=16, max_num_seqs=48,
                            max_num_batched_tokens=4096, max_encoder_tokens_per_step=2816,
-                           graph_batch_sizes=(32, 40, 48))
+                           graph_batch_sizes=(32, 40, 48), max_model_len=max_len,
+                           graph_reserve_bytes=BENCH_GRAPH_RESERVE_BYTES)
         return Engine(Qwen2VLRunner(model, eos_token_ids=()), cfg)
 
     return Setup(make_engine, prompts_for, workload, curves)
+
+
+def workload_len(grids: dict[str, tuple[int, int, int]], workload: Any, merge: int = 2) -> int:
+    """max_model_len for this section's requests: the largest image prompt (image tokens, text
+    tokens, output) or a background request, whichever is longer (`model_len_for`)."""
+    image = max(t * h * w // merge ** 2 for t, h, w in grids.values())
+    return model_len_for(image + workload.text_tokens + workload.output_tokens,
+                         BG_PROMPT + BG_OUTPUT)
 
 
 def warm(engine: Any, s: Setup) -> None:

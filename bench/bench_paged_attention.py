@@ -9,8 +9,12 @@ read + q + out) against the device-to-device copy bandwidth measured in the same
 - a planned decode step replayed from a CUDA graph against the same step launched eagerly;
 - causal prefill of a 4096-token prompt against torch SDPA (flash backend).
 
-Every kernel output is checked against a torch reference before it is timed. Medians come from
-triton.testing.do_bench. Work is skipped, and marked so, once the time budget is spent.
+Every kernel output is checked against a torch reference before it is timed. A decode call is
+two launches (split-KV decode, then the merge), so decode rows are timed from a CUDA graph
+(``graph`` true: triton.testing.do_bench_cudagraph, no launch gap between the two; replays back
+to back, L2 not flushed between them) and carry the host time of one eager call (``host_us``);
+prefill rows come from triton.testing.do_bench. Work is skipped, and marked so, once the time
+budget is spent.
 """
 
 from __future__ import annotations
@@ -22,7 +26,17 @@ from typing import Any
 
 import torch
 
-from bench.common import bench_ms, copy_bandwidth_gbs, gbps, plot_lines, section_rows, tflops
+from bench.common import (
+    bench_ms,
+    copy_bandwidth_gbs,
+    gbps,
+    graph_timed,
+    launch_count,
+    plot_lines,
+    section_rows,
+    tflops,
+    time_call,
+)
 
 HQ, HKV, DIM, PAGE = 28, 4, 128, 16
 BATCHES = (1, 8, 32, 128)
@@ -106,10 +120,20 @@ def _ref_decode(w: Workload, b: dict[str, Any]) -> torch.Tensor:
     return out
 
 
-def _decode_row(batch: int, ctx: int, sms: int, ms: float, copy_gbs: float) -> dict[str, Any]:
-    moved = decode_bytes([ctx] * batch)
+def _decode_row(batch: int, ctx: int, sms: int, t: dict[str, Any], copy_gbs: float
+                ) -> dict[str, Any]:
+    moved, ms = decode_bytes([ctx] * batch), t["ms"]
     return {"kernel": "paged_decode", "batch": batch, "context": ctx, "num_sms": sms, "ms": ms,
-            "gbs": gbps(moved, ms), "frac_of_copy": gbps(moved, ms) / copy_gbs, "status": "ok"}
+            "gbs": gbps(moved, ms), "frac_of_copy": gbps(moved, ms) / copy_gbs, "status": "ok",
+            **{k: t[k] for k in ("graph", "timing", "launches", "host_us", "graph_error")
+               if k in t}}
+
+
+def _time_decode(run, batch: int) -> dict[str, Any]:
+    """A decode call timed from a CUDA graph (decode + merge are two launches)."""
+    launches = launch_count(run)
+    return {**time_call(run, graph=graph_timed(batch, launches), warmup_ms=10, rep_ms=25),
+            "launches": launches}
 
 
 def decode_table(w: Workload, rows: list, budget: Budget, copy_gbs: float, full: int) -> None:
@@ -128,10 +152,10 @@ def decode_table(w: Workload, rows: list, budget: Budget, copy_gbs: float, full:
             err = check_decode(w, b, plan) if batch * ctx <= (1 << 18) else None
             out = torch.empty_like(b["q"])
             for sms in (full, min(HALF, full)):
-                ms = bench_ms(lambda sms=sms, b=b, plan=plan, out=out: plan.run(
+                t = _time_decode(lambda sms=sms, b=b, plan=plan, out=out: plan.run(
                     b["q"], w.k_cache, w.v_cache, b["block_tables"], b["seq_lens"], out=out,
-                    num_sms=sms), warmup_ms=10, rep_ms=25)
-                row = _decode_row(batch, ctx, sms, ms, copy_gbs)
+                    num_sms=sms), batch)
+                row = _decode_row(batch, ctx, sms, t, copy_gbs)
                 if err is not None:
                     row.update(rel_err=err, status="ok" if err <= BF16_RTOL else "WRONG")
                 rows.append(row)
@@ -143,7 +167,7 @@ def decode_sweep(w: Workload, rows: list, budget: Budget, copy_gbs: float, full:
     b = w.batch([4096] * 32)
     plan = _decode_plan(w, b)
     out = torch.empty_like(b["q"])
-    times: dict[int, float] = {}
+    timed: dict[int, dict[str, Any]] = {}
     for sms in sorted(SWEEP, reverse=True):
         if sms > full:
             continue
@@ -151,14 +175,15 @@ def decode_sweep(w: Workload, rows: list, budget: Budget, copy_gbs: float, full:
             rows.append({"kernel": "paged_decode_sweep", "num_sms": sms,
                          "status": "skipped (time)"})
             continue
-        times[sms] = bench_ms(lambda sms=sms: plan.run(
+        timed[sms] = _time_decode(lambda sms=sms: plan.run(
             b["q"], w.k_cache, w.v_cache, b["block_tables"], b["seq_lens"], out=out,
-            num_sms=sms), warmup_ms=10, rep_ms=25)
-    if not times:
+            num_sms=sms), 32)
+    if not timed:
         return
+    times = {sms: t["ms"] for sms, t in timed.items()}
     top = max(times)
     for sms in sorted(times):
-        row = _decode_row(32, 4096, sms, times[sms], copy_gbs)
+        row = _decode_row(32, 4096, sms, timed[sms], copy_gbs)
         row.update(kernel="paged_decode_sweep", scaling_eff=times[top] * top / (sms * times[sms]))
         rows.append(row)
     moved = decode_bytes([4096] * 32)
@@ -194,11 +219,15 @@ def graph_vs_eager(w: Workload, rows: list, budget: Budget, full: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         err = _rel(out, _ref_decode(w, b)) if batch * ctx <= (1 << 18) else None
-        eager = bench_ms(lambda plan=plan, args=args, out=out: plan.run(
-            *args, out=out, num_sms=full), warmup_ms=10, rep_ms=25)
+        te = time_call(lambda plan=plan, args=args, out=out: plan.run(
+            *args, out=out, num_sms=full), graph=False, warmup_ms=10, rep_ms=25)
+        eager = te["ms"]
         replay = bench_ms(graph.replay, warmup_ms=10, rep_ms=25)
+        # "ms"/"graph": the replay of the graph captured here; host_us: one eager call's issue
         row = {"kernel": "paged_decode_graph", "batch": batch, "context": ctx, "num_sms": full,
-               "eager_ms": eager, "graph_ms": replay, "speedup": eager / replay, "status": "ok"}
+               "ms": replay, "graph": True, "timing": "graph replay (do_bench)",
+               "host_us": te["host_us"], "eager_ms": eager, "graph_ms": replay,
+               "speedup": eager / replay, "status": "ok"}
         if err is not None:
             row.update(rel_err=err, status="ok" if err <= BF16_RTOL else "WRONG")
         rows.append(row)
@@ -237,8 +266,11 @@ def prefill_vs_sdpa(w: Workload, rows: list, budget: Budget, full: int) -> None:
     flops = 2.0 * t * t * HQ * DIM  # causal: half of 4 * T^2 * H * D
     torch_ms = bench_ms(sdpa, warmup_ms=10, rep_ms=40)
     for sms in (full, min(HALF, full)):
-        ms = bench_ms(lambda sms=sms: ours(sms), warmup_ms=10, rep_ms=40)
+        # one long launch, planned on the host per call: timed eagerly (do_bench)
+        tc = time_call(lambda sms=sms: ours(sms), graph=False, warmup_ms=10, rep_ms=40)
+        ms = tc["ms"]
         rows.append({"kernel": "paged_prefill", "tokens": t, "num_sms": sms, "ms": ms,
+                     "graph": tc["graph"], "timing": tc["timing"], "host_us": tc["host_us"],
                      "tflops": tflops(flops, ms), "sdpa_ms": torch_ms,
                      "sdpa_tflops": tflops(flops, torch_ms), "vs_sdpa": torch_ms / ms,
                      "rel_err_vs_sdpa": err, "status": "ok" if err <= BF16_RTOL else "WRONG"})

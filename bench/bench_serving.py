@@ -25,14 +25,17 @@ from typing import Any
 
 import torch
 
-from bench.common import format_table, section_rows, write_json
+from bench.common import BENCH_GRAPH_RESERVE_BYTES, format_table, section_rows, write_json
 
 SECTION = "serving"
 LLM_LAYERS = 8  # of Qwen2-VL-7B's 28, as the colocation section: the numbers compare
 RATES = (2.0, 6.0)  # image requests per second
 IMAGE_MIX = {"448x448": 0.3, "1024x1024": 0.4, "1920x1080": 0.3}
+# max_model_len: the longest request is a 1920x1080 image (2691 tokens) + a few words + 32
+# output tokens (tests/test_bench_figures.py checks it covers the plan's requests).
 ENGINE = dict(num_kv_blocks=8192, block_size=16, max_num_seqs=64, max_num_batched_tokens=4096,
-              max_encoder_tokens_per_step=2816, graph_batch_sizes=(8, 32))
+              max_encoder_tokens_per_step=2816, graph_batch_sizes=(8, 32), max_model_len=4096,
+              graph_reserve_bytes=BENCH_GRAPH_RESERVE_BYTES)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,12 @@
 """Timing and reporting helpers shared by the benchmark modules and the GPU harness.
 
 Times are medians in milliseconds. On CUDA they come from `triton.testing.do_bench` (which
-flushes L2 between calls and syncs the device); on CPU from wall-clock repeats. Nothing here
-imports a kernel module, so the demo can set TRITON_INTERPRET before kernels are imported.
+flushes L2 between calls and syncs the device), or, for decode-shape and multi-launch calls
+(`graph_timed`), from `triton.testing.do_bench_cudagraph` (the call replayed from a CUDA graph:
+no launch gaps between its kernels, no host time; replays back to back, so L2 is not flushed
+between them); on CPU from wall-clock repeats. `time_call` also reports the host time of one
+eager call (the launcher's own cost) as ``host_us``. Nothing here imports a kernel module at
+import time, so the demo can set TRITON_INTERPRET before kernels are imported.
 `bench_ms`, `sync` and `format_table` live in the package (`spaceserve.bench.measure`, used by
 the kernel demo) and `pyplot` in `spaceserve.plotting`; they are re-exported here.
 """
@@ -23,8 +27,15 @@ import torch
 from spaceserve.bench.measure import bench_ms, format_table, sync
 from spaceserve.plotting import pyplot
 
-__all__ = ["bench_ms", "copy_bandwidth_gbs", "format_table", "gbps", "matmul_tflops",
-           "plot_lines", "pyplot", "sync", "tflops", "write_json"]
+__all__ = ["BENCH_GRAPH_RESERVE_BYTES", "GRAPH_MAX_M", "bench_ms", "copy_bandwidth_gbs",
+           "format_table", "gbps", "graph_timed", "launch_count", "matmul_tflops",
+           "model_len_for", "plot_lines", "pyplot", "sync", "tflops", "time_call", "write_json"]
+
+GRAPH_MAX_M = 64  # rows (tokens, sequences) up to which a call is a decode shape: graph-timed
+# Decode-graph memory bound of the benchmark engines (EngineConfig.graph_reserve_bytes): the torch
+# backend's graphs (the shared baseline) gather and upcast their block tables' pages, ~1.2 GiB
+# at batch 48 x 4096 tokens; 4 GiB of an H200's 141 leaves room for every split's graphs.
+BENCH_GRAPH_RESERVE_BYTES = 4 << 30
 
 
 def gbps(nbytes: float, ms: float) -> float:
@@ -35,6 +46,75 @@ def gbps(nbytes: float, ms: float) -> float:
 def tflops(flops: float, ms: float) -> float:
     """TFLOP/s for `flops` in `ms` milliseconds."""
     return flops / (ms * 1e-3) / 1e12 if ms > 0 else math.nan
+
+
+def model_len_for(*lengths: int, floor: int = 256) -> int:
+    """`max_model_len` for a benchmark whose longest request holds `max(lengths)` tokens
+    (prompt + output): the next power of two. Decode graphs and block tables are sized from it,
+    so an engine sized to its workload, not to the model's 32k context, pays for what it runs."""
+    need = max(floor, *lengths)
+    return 1 << (need - 1).bit_length()
+
+
+def launch_count(fn: Callable[[], Any]) -> int:
+    """How many SpaceServe kernel launches one call of `fn` makes (its launch records)."""
+    from spaceserve.kernels import record_launches
+
+    with record_launches() as recs:
+        fn()
+    return len(recs)
+
+
+def graph_timed(m: int | None, launches: int = 1) -> bool:
+    """Whether a call is timed from a CUDA graph: a decode shape (at most `GRAPH_MAX_M` rows),
+    whose kernels are short enough for launch gaps to show, or a multi-launch op (split-K +
+    reduce, gated MLP, decode + merge), whose kernels would otherwise wait on each other's
+    launches."""
+    return (m is not None and m <= GRAPH_MAX_M) or launches > 1
+
+
+def time_call(fn: Callable[[], Any], *, graph: bool, rep_ms: float = 40,
+              warmup_ms: float = 10, device: torch.device | str | None = None,
+              host_reps: int = 20) -> dict[str, Any]:
+    """One call of `fn` timed: ``{"ms": device time, "graph": whether it was replayed from a
+    CUDA graph, "host_us": host time of one eager call, "timing": how}``.
+
+    `graph` (on CUDA) times it with `triton.testing.do_bench_cudagraph` (median; an op whose
+    capture fails is timed eagerly and says why in ``graph_error``), else with `bench_ms`.
+    ``host_us`` is the median wall time of issuing one eager call on an idle device (no sync
+    inside it): what the launcher itself costs the host. On CPU both are wall-clock times of
+    the call (the dry run: nothing is graph-timed)."""
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if dev.type != "cuda":  # the call runs on the host: repeats until rep_ms, no warm-up
+        times: list[float] = []
+        start = time.perf_counter()
+        while not times or (time.perf_counter() - start) * 1e3 < rep_ms:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms = sorted(times)[len(times) // 2]
+        return {"ms": ms, "graph": False, "host_us": ms * 1e3, "timing": "wall (CPU)"}
+    fn()
+    host = []
+    for _ in range(max(1, host_reps)):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize(dev)
+    out: dict[str, Any] = {"host_us": sorted(host)[len(host) // 2] * 1e6}
+    if graph:
+        from triton.testing import do_bench_cudagraph
+
+        try:
+            ms = float(do_bench_cudagraph(fn, rep=max(1, int(rep_ms)), return_mode="median"))
+            return {"ms": ms, "graph": True, **out, "timing": "cuda-graph"}
+        except Exception as exc:  # timed eagerly below; the row says why
+            torch.cuda.synchronize(dev)
+            out["graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    ms = bench_ms(fn, warmup_ms=warmup_ms, rep_ms=rep_ms, device=dev)
+    return {"ms": ms, "graph": False, **out, "timing": "do_bench"}
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30, device: torch.device | str = "cuda",

@@ -141,6 +141,23 @@ def test_registered_sections() -> None:
     assert argv[:5] == ["py", "-m", "pytest", "-m", "gpu"]
     assert "bench.gpu.pytest_rows" in argv and "--timeout=45" in argv
     assert "{xdist}" not in argv and ("-n" in argv) == ((os.cpu_count() or 1) >= 4)
+    assert "{gpu_tests}" not in argv and "tests/models/test_gpu.py" in argv
+
+
+def test_gpu_test_files_are_those_marking_gpu(tmp_path: Path) -> None:
+    """The gpu-tests section collects only files that mark tests gpu (seconds, not the whole
+    suite's import time); a tree without any falls back to the whole folder."""
+    from bench.gpu.sections import gpu_test_files
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "test_a.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu\ndef test_x(): ...\n")
+    (tmp_path / "test_b.py").write_text("pytestmark = __import__('pytest').mark.gpu\n")
+    (tmp_path / "test_c.py").write_text("def test_y(): ...\n")
+    (tmp_path / "helper.py").write_text("# mark.gpu in a module that is not a test file\n")
+    assert gpu_test_files(str(tmp_path)) == [str(tmp_path / "sub" / "test_a.py"),
+                                             str(tmp_path / "test_b.py")]
+    assert gpu_test_files(str(tmp_path / "sub" / "none")) == [str(tmp_path / "sub" / "none")]
 
 
 def test_warm_cases_cover_every_launcher() -> None:

@@ -61,7 +61,17 @@ def test_dry_run_runs_every_section_within_90_s(tmp_path: Path) -> None:
     warm = sections["warmup"]
     assert warm["figures"]["warm_cases"] == warm["figures"]["cases"] >= 20
     assert {"cold", "second", "per kernel", "summary"} <= {r["round"] for r in warm["rows"]}
-    assert sections["facts"]["rows"][0]["fact"] == "device"
+    facts = sections["facts"]
+    assert facts["rows"][0]["fact"] == "device"
+    assert {"overlap_fraction", "granted_encoder_sms", "granted_decoder_sms"} <= set(
+        facts["figures"])  # the green-streams row: None / the fallback's budgets on CPU
+    assert summary["environment"]["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    kernels = sections["kernels"]
+    if kernels["status"] == "ok":  # every kernel row says how it was timed and its host cost
+        timed = [r for r in kernels["rows"] if "ms" in r]
+        assert timed and all(isinstance(r["graph"], bool) and r["host_us"] > 0 for r in timed)
+    if any("ms" in r for r in kernels["rows"]):  # the summary's columns name them
+        assert {"graph", "timing", "launches", "host_us"} <= set(kernels["columns"])
     if sections["colocation"]["status"] == "ok":
         assert len(sections["colocation"]["headlines"]) == 4
     assert "SpaceServe GPU harness summary" in (out / "harness.log").read_text()

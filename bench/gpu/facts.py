@@ -1,7 +1,11 @@
 """The "facts" section: what the GPU offers, measured in under a minute.
 
 SM count; device-to-device copy GB/s; bf16 matmul TFLOP/s on random data; green contexts through
-cuda.bindings (creatable? SMs granted for several requests); HBM read GB/s of a persistent Triton
+cuda.bindings (creatable? SMs granted for several requests); one split as the engine makes it
+(`PartitionSet`, probed) put through `green_stream_facts` in about 2 s: a Triton kernel on both
+green streams at once and how much of the time they ran together (``%globaltimer`` per program:
+the overlap fraction), events across green and ordinary streams, a CUDA graph captured and
+replayed on a green stream, with the granted budgets; HBM read GB/s of a persistent Triton
 streaming kernel against its program count and tile size; Triton launch overhead. (Compile times
 and the cache proof are the warm-up section's: bench/gpu/warmup.py.)
 """
@@ -98,6 +102,47 @@ def green_contexts(requests: tuple[int, ...] = GREEN_REQUESTS) -> list[dict[str,
     return rows
 
 
+def green_streams_row(dev: torch.device, split: int | None = None) -> dict[str, Any]:
+    """One split made as the engine makes it, and what its streams do (`green_stream_facts`,
+    CUDA only): a row with the overlap fraction and the granted budgets as figures. Without
+    CUDA (the dry run) the same fields, the budgets those of the fallback, the checks skipped."""
+    from spaceserve.kernels.budget import device_num_sms
+    from spaceserve.runtime.partition import PartitionSet, default_splits
+
+    total = device_num_sms(dev)
+    if split is None:
+        splits = default_splits(total)
+        split = splits[len(splits) // 2]
+    pset = PartitionSet(dev, [split])
+    try:
+        part = pset.get(split)
+        row: dict[str, Any] = {"fact": "green_streams", "split": split,
+                               "encoder_sms": part.encoder_sms, "decoder_sms": part.decoder_sms,
+                               "green": part.green, "reason": part.reason or pset.reason,
+                               "probe": part.probe, "overlap_fraction": None}
+        if dev.type == "cuda":
+            from spaceserve.runtime.partition_probe import green_stream_facts
+
+            facts = green_stream_facts(pset, split)
+            row.update({k: facts[k] for k in ("concurrent", "events", "graph", "wall_s")},
+                       overlap_fraction=facts["overlap_fraction"], value=facts["ok"])
+        else:
+            row["skipped"] = "needs a CUDA device (budgets: the fallback's)"
+    finally:
+        pset.close()
+    row["figures"] = {"overlap_fraction": row["overlap_fraction"],
+                      "granted_encoder_sms": row["encoder_sms"],
+                      "granted_decoder_sms": row["decoder_sms"], "green_split": row["green"]}
+    over = row["overlap_fraction"]
+    checks = ", ".join(f"{k} {'ok' if row[k]['ok'] else 'FAILED'}" for k in
+                       ("concurrent", "events", "graph") if k in row)
+    row["headline"] = (f"split {split}: encoder {row['encoder_sms']} / decoder "
+                       f"{row['decoder_sms']} SMs granted ({'green' if row['green'] else 'budgets'}"
+                       f"); overlap {'-' if over is None else f'{over:.2f}'}"
+                       + (f"; {checks}" if checks else f"; {row.get('skipped', '')}"))
+    return row
+
+
 def hbm_stream_sweep(deadline: float, gib: float = 2.0) -> list[dict[str, Any]]:
     """Read GB/s of `_stream_read` over program counts and tile sizes (bf16 data)."""
     n = int(gib * (1 << 30)) // 2
@@ -171,7 +216,9 @@ def measure(results_dir: Path, time_budget_s: float, dev: torch.device) -> list[
                  "headline": f"{str(dtype).removeprefix('torch.')} matmul {size}^3 "
                  f"{mm['tflops']:.3g} TFLOP/s"})
     if not cuda:
-        for fact in ("green_contexts", "stream_read_gbs", "triton_launch_us"):
+        rows.append({"fact": "green_contexts", "skipped": "needs a CUDA device"})
+        rows.append(green_streams_row(dev))
+        for fact in ("stream_read_gbs", "triton_launch_us"):
             rows.append({"fact": fact, "skipped": "needs a CUDA device"})
         write_json(results_dir / "facts_details.json", facts)
         return rows
@@ -185,6 +232,13 @@ def measure(results_dir: Path, time_budget_s: float, dev: torch.device) -> list[
                  "figures": {"green_granted_sms": {str(g["request"]): g["granted"]
                                                    for g in green if g.get("request")}},
                  "headline": f"green contexts {'ok' if ok else 'FAILED'}: {granted or green}"})
+    try:
+        streams = green_streams_row(dev)
+    except Exception as exc:  # the facts after it still run
+        streams = {"fact": "green_streams", "value": False, "error": f"{exc!r}"[:300],
+                   "headline": f"green streams FAILED: {exc!r}"[:200]}
+    facts["green_streams"] = streams
+    rows.append(streams)
 
     sweep = hbm_stream_sweep(start + 0.7 * time_budget_s)
     facts["hbm_stream"] = sweep

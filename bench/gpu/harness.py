@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None, sections: dict[str, Section] | None = No
     if dry:
         env |= {"SPACESERVE_GPU_DRY_RUN": "1", "PYTHONPATH": str(blocked_imports_dir())}
     os.environ["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]  # recorded in the summary
+    # As run.sh exports it, for a harness started without run.sh; sections inherit it.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     publisher = Publisher(results_dir, out.resolve() if out else None,
                           {"argv": argv, "dry_run": dry, "total_s": total}, gpu,
                           args.archive.resolve() if args.archive else None)

@@ -10,6 +10,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+# 10+ streams (two per partition, uploads, graphs) would otherwise share 8 hardware queues and
+# serialise behind each other: give each its own (CUDA reads this when the context is made).
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-32}"
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
 PYTHON="${PYTHON:-python3}"
 exec "$PYTHON" -m bench.gpu.harness "$@"

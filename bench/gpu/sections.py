@@ -2,7 +2,9 @@
 
 A section is a function ``run(results_dir, time_budget_s) -> list[dict]`` named as
 "module:function", or a command (argv; the tokens ``{python}``, ``{results_dir}`` and
-``{budget_s}`` are filled in, and ``{xdist}`` becomes ``-n N --dist loadfile`` where
+``{budget_s}`` are filled in, ``{gpu_tests}`` becomes the test files that mark tests ``gpu``
+(`gpu_test_files`: collecting only those takes seconds, the whole suite most of a dry run's
+budget), and ``{xdist}`` becomes ``-n N --dist loadfile`` where
 pytest-xdist is installed and N = min(8, cores / 2) >= 2, so tests compile their kernels in
 parallel).
 A pytest suite is a command made by `pytest_section`: its tests become rows as they finish
@@ -52,6 +54,9 @@ class Section:
         assert self.command is not None
         out = []
         for arg in self.command:
+            if arg == "{gpu_tests}":
+                out += gpu_test_files()
+                continue
             if arg == "{xdist}":
                 workers = min(8, (os.cpu_count() or 1) // 2)
                 if workers >= 2 and importlib.util.find_spec("xdist") is not None:
@@ -61,6 +66,17 @@ class Section:
             out.append(arg.replace("{results_dir}", results_dir)
                        .replace("{budget_s}", f"{budget_s:.0f}"))
         return out
+
+
+def gpu_test_files(root: str = "tests") -> list[str]:
+    """The test files under `root` that mark tests ``gpu`` (``pytest.mark.gpu`` or a
+    ``pytestmark`` naming it), sorted; `root` itself when none is found (pytest then collects
+    everything, as before)."""
+    from pathlib import Path
+
+    files = sorted(str(p) for p in Path(root).rglob("test_*.py")
+                   if "mark.gpu" in p.read_text(errors="replace"))
+    return files or [root]
 
 
 def pytest_section(budget_s: float, *args: str, timeout_s: int = GPU_TEST_TIMEOUT_S,
@@ -81,12 +97,13 @@ SECTIONS: dict[str, Section] = {
     "facts": Section(30, "bench.gpu.facts:run", dry="bench.gpu.facts:dry_run", dry_budget_s=12,
                      help="SMs, copy GB/s, matmul TFLOP/s, green contexts, HBM GB/s vs "
                      "programs, launch overhead"),
-    "gpu-tests": pytest_section(70, "-m", "gpu", "tests", dry_budget_s=45,
+    "gpu-tests": pytest_section(70, "-m", "gpu", "{gpu_tests}", dry_budget_s=45,
                                 help="the bf16/CUDA tests (pytest -m gpu), a row per test"),
     "paged-attention": Section(35, "bench.bench_paged_attention:run",
                                help="paged decode / prefill attention"),
-    "kernels": Section(30, "bench.gpu.bench_kernels:run",
-                       help="linear, gated_mlp, norms vs torch; SM sweeps"),
+    "kernels": Section(30, "bench.gpu.bench_kernels:run", dry="bench.gpu.bench_kernels:dry_run",
+                       dry_budget_s=12, help="linear, gated_mlp, norms vs torch (decode shapes "
+                       "and multi-launch ops graph-timed, host us per call); SM sweeps"),
     "colocation": Section(75, "bench.bench_colocation:run", dry="bench.bench_colocation:dry_run",
                           dry_budget_s=15, help="decode beside an image stream, per engine "
                           "mode, vs the simulator"),

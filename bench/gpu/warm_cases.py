@@ -55,6 +55,14 @@ def norms(dev: torch.device, timer: Timer, shapes: tuple[tuple[int, int], ...]) 
         timer(lambda x=x, w=w, b=b: layer_norm(x, w, b, 1e-6))
 
 
+def probes(dev: torch.device, timer: Timer) -> None:
+    """The SM and time probes (partition checks and the facts' overlap; GPU only: inline PTX)."""
+    from spaceserve.kernels.smprobe import probe_sms, probe_times
+
+    timer(lambda: probe_sms(8, spin=8, device=dev))
+    timer(lambda: probe_times(8, tiles_per_sm=1, spin=8, device=dev))
+
+
 def paged_decode(dev: torch.device, timer: Timer, context: int, batches: tuple[int, ...]) -> None:
     from bench.bench_paged_attention import DIM, HKV, HQ, PAGE
     from spaceserve.kernels import DecodePlan
@@ -183,6 +191,7 @@ def cases() -> list[tuple[str, str, str, dict[str, Any], float]]:
                 {"hidden": 1280, "inter": 3420, "ms": (1024, 4096), "bias": True}, 2.0))
     out.append(("norms", "norms", "norms",
                 {"shapes": ((4096, bk.HIDDEN), (16384, bk.V_EMBED), (32, bk.HIDDEN))}, 1.0))
+    out.append(("sm and time probes", "probes", "probes", {}, 1.0))
     for ctx in bp.CONTEXTS:
         batches = tuple(b for b in bp.BATCHES if b * ctx <= bp.MAX_CACHE_TOKENS)
         out.append((f"paged decode ctx{ctx}", "paged_decode", "paged_decode",

@@ -10,7 +10,7 @@ from .attention_backends import (
     known_backends,
 )
 from .context import HostMeta, StepContext, plan_step
-from .cuda_graph import DecodeGraph
+from .cuda_graph import DecodeGraph, DecodeGraphSet, GraphMemoryError
 from .loader import (
     from_config,
     from_pretrained,
@@ -29,7 +29,9 @@ __all__ = [
     "AttentionBackend",
     "BackendUnavailable",
     "DecodeGraph",
+    "DecodeGraphSet",
     "EncoderJob",
+    "GraphMemoryError",
     "HostMeta",
     "KVCache",
     "LanguageModel",

@@ -22,7 +22,12 @@ class EngineConfig:
 
     `num_kv_blocks` None sizes the cache from free device memory (CPU: a default count).
     `max_model_len` None takes the model's context. `graph_batch_sizes` None: the default
-    buckets up to `max_num_seqs` (a runner without graphs ignores them).
+    buckets up to `max_num_seqs` (a runner without graphs ignores them). Decode graphs are
+    captured per batch size and per block-table width: `graph_context_lens` (tokens) names the
+    widths, None a doubling ladder from 256 tokens to `max_model_len`; a decode step replays
+    the narrowest graph that covers its longest sequence (longer ones run eagerly). All decode
+    graphs share one memory pool, bounded by `graph_reserve_bytes` (the memory the KV cache
+    leaves them), checked as each graph is captured.
 
     Co-located modes (``shared``, ``spatial-static``, ``spatial``; see `epd.py`):
     `encoder_sms` is the static split (None: about half the device, a multiple of 8);
@@ -65,6 +70,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     graph_reserve_bytes: int = GRAPH_RESERVE_BYTES
     graph_batch_sizes: tuple[int, ...] | None = None
+    graph_context_lens: tuple[int, ...] | None = None
     seed: int = 0
     encoder_sms: int | None = None
     encoder_splits: tuple[int, ...] | None = None
@@ -125,3 +131,12 @@ class EngineConfig:
         if self.graph_batch_sizes is not None and any(
                 not isinstance(s, int) or s < 1 for s in self.graph_batch_sizes):
             raise ValueError(f"graph_batch_sizes={self.graph_batch_sizes!r} must be ints >= 1")
+        lens = self.graph_context_lens
+        if lens is not None and (not lens or any(
+                isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lens)):
+            raise ValueError(f"graph_context_lens={lens!r} must be a non-empty tuple of ints "
+                             ">= 1 (tokens)")
+        if isinstance(self.graph_reserve_bytes, bool) or not isinstance(
+                self.graph_reserve_bytes, int) or self.graph_reserve_bytes < 0:
+            raise ValueError(f"graph_reserve_bytes={self.graph_reserve_bytes!r} must be an "
+                             "int >= 0")

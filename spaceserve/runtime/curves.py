@@ -28,6 +28,10 @@ Version 1 files (``spaceserve-curves-v1``) still load: they have no contention t
 ``corun`` grid per stage (measured beside the other stage at the rest of the device), which
 their co-running lookups keep using until a table replaces it (`CurveSet.with_contention`).
 
+A measured stage may list ``"host_bound"`` points (``[{"sms": 8, "batch": 1, "context": 0,
+"corun": false}, ...]``): eager host time >= device time. Their latency is the device's (from a
+graph replay); an eager engine waits on the host. Absent: not known; empty: none.
+
 Lookups interpolate multilinearly on a monotone envelope of the data (latency never rises with
 SMs, never falls with work), so noisy measurements cannot make SIS see "more SMs, slower".
 Outside the grid: fewer SMs than measured scale latency by ``sms_min / sms``; more work than
@@ -38,12 +42,15 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .contention import Contention
+from .curve_fields import check_axis as _check_axis
+from .curve_fields import check_grid as _check_grid
+from .curve_fields import check_host_bound as _check_host_bound
+from .curve_fields import fail as _fail
 
 FORMAT = "spaceserve-curves-v2"
 FORMAT_V1 = "spaceserve-curves-v1"
@@ -54,37 +61,6 @@ STAGE_AXES: dict[str, tuple[str, ...]] = {
     "prefill": ("tokens", "context"),
     "decode": ("batch", "context"),
 }
-
-
-def _fail(path: str, msg: str) -> ValueError:
-    return ValueError(f"curves: {path}: {msg}")
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _check_axis(values: Any, path: str, *, integer: bool, minimum: float) -> list:
-    if not isinstance(values, list) or not values:
-        raise _fail(path, "expected a non-empty list")
-    for i, v in enumerate(values):
-        if not _is_num(v) or (integer and int(v) != v) or v < minimum:
-            kind = "an integer" if integer else "a number"
-            raise _fail(f"{path}[{i}]", f"expected {kind} >= {minimum}, got {v!r}")
-        if i and v <= values[i - 1]:
-            raise _fail(f"{path}[{i}]", f"values must increase strictly ({values[i - 1]} -> {v})")
-    return [int(v) if integer else float(v) for v in values]
-
-
-def _check_grid(data: Any, shape: tuple[int, ...], path: str) -> Any:
-    if len(shape) == 0:
-        if not _is_num(data) or data <= 0:
-            raise _fail(path, f"expected a positive finite latency in seconds, got {data!r}")
-        return float(data)
-    if not isinstance(data, list) or len(data) != shape[0]:
-        got = len(data) if isinstance(data, list) else type(data).__name__
-        raise _fail(path, f"expected a list of {shape[0]} entries, got {got}")
-    return [_check_grid(v, shape[1:], f"{path}[{i}]") for i, v in enumerate(data)]
 
 
 def _envelope(values: list, axis: int, depth: int, op) -> list:
@@ -125,6 +101,7 @@ class Curve:
     sms: list[float]
     isolated: list
     corun: list | None = None
+    host_bound: list[dict[str, Any]] | None = None
     _env: dict[bool, list] = field(default_factory=dict, init=False, repr=False)
     _cache: dict[tuple, float] = field(default_factory=dict, init=False, repr=False)
 
@@ -181,6 +158,8 @@ class Curve:
                "sms": list(self.sms), "isolated": self.isolated}
         if with_corun:
             out["corun"] = self.corun
+        if self.host_bound is not None:
+            out["host_bound"] = [dict(p) for p in self.host_bound]
         return out
 
     @classmethod
@@ -212,7 +191,10 @@ class Curve:
         elif "corun" in data:
             raise _fail(f"{path}.corun", f"{FORMAT} carries co-running slowdown in "
                         "$.contention, not per stage")
-        return cls(axes, grid, sms, iso, cor)
+        host = data.get("host_bound")
+        if host is not None:
+            host = _check_host_bound(host, axes, sms, grid, f"{path}.host_bound")
+        return cls(axes, grid, sms, iso, cor, host)
 
 
 @dataclass

@@ -73,8 +73,9 @@ class Engine(EngineFrontends):
         info = runner.info
         self.context_len = min(info.max_model_len, config.max_model_len or info.max_model_len)
         bs = config.block_size
+        lens = config.graph_context_lens
         limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                            self.context_len, bs)
+                            self.context_len, bs, lens)
         peak = runner.profile_peak_bytes(limits, config.max_encoder_tokens_per_step)
         cache_bytes = config.encoder_cache_bytes
         if cache_bytes is None:
@@ -89,7 +90,7 @@ class Engine(EngineFrontends):
             reserve_bytes=config.graph_reserve_bytes + (cache_bytes if on_gpu else 0))
         self.max_model_len = max_sequence_len(self.context_len, self.memory)
         self.limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                                 self.max_model_len, bs)
+                                 self.max_model_len, bs, lens, config.graph_reserve_bytes)
         runner.allocate_kv_cache(self.memory.num_blocks, self.limits)
         sizes = config.graph_batch_sizes
         if sizes is None:

@@ -96,6 +96,8 @@ def green_context_stream(dev: Any, resource: Any) -> tuple[Any, Any, int]:
 def destroy_handles(handles: Sequence[tuple[str, Any]]) -> None:
     """Destroy ("stream", raw stream) and ("ctx", green context) handles in reverse order of
     creation (each stream before its context); the caller synchronises the device first."""
+    if not handles:
+        return
     from cuda.bindings import driver
 
     for kind, handle in reversed(handles):

@@ -2,7 +2,8 @@
 
 On a GPU the KV cache gets what is left of ``total * gpu_memory_utilization`` after everything
 already resident (weights, the CUDA context, other tenants: read back from the driver) and after
-the peak activation of the largest step or encoder pass and a reserve for decode graphs. On CPU
+the peak activation of the largest step or encoder pass and a reserve for decode graphs (the
+bound on every decode graph's memory together, checked as each is captured). On CPU
 the number of blocks is configured. The plan also fixes the longest sequence the engine accepts:
 the model's context, capped by what the whole cache can hold, so a prompt that could never fit
 is refused at arrival instead of stalling the queue.

@@ -12,8 +12,12 @@ cuDevSmResourceSplitByCount -> cuDevResourceGenerateDesc -> cuGreenCtxCreate ->
 cuGreenCtxStreamCreate``: one green context for the encoder's SM group and one for the
 remaining SMs, each with a stream wrapped as a torch stream. A kernel on such a stream can only
 use its context's SMs. The SM counts actually granted are read back from the green contexts and
-become the budgets passed to every launch (a request may be rounded), and inside a green
-partition launches may run ``programs_per_sm > 1``.
+become the budgets passed to every launch and reported (a request may be rounded), and inside a
+green partition launches may run ``programs_per_sm > 1``. Each split is probed as it is made
+(`partition_probe.py`: a Triton kernel on both its streams, within its granted SMs, disjoint);
+a split that cannot be made or fails its probe (a request the driver rounds past the device,
+a launch error, shared SMs) falls back to kernel budgets alone for that split only, with one
+log line naming the split and why; the other splits stay green.
 
 Without green contexts (no CUDA, an old driver, no ``cuda.bindings``: every CPU run) the set
 falls back, with one logged line per process, to kernel budgets alone: the budgets are the
@@ -90,7 +94,9 @@ class Partition:
 
     `requested` is the encoder SM count asked for (0: the full partition). `encoder_sms` and
     `decoder_sms` are the budgets every launch of that stage gets (the granted counts under green
-    contexts). Streams are None on CPU.
+    contexts). Streams are None on CPU. `reason` says why a split is not green (None when it
+    is, or when the whole set has no green contexts: see `PartitionSet.reason`); `probe` is the
+    summary of its probe.
     """
 
     requested: int
@@ -100,6 +106,8 @@ class Partition:
     encoder_stream: Any = None
     decoder_stream: Any = None
     programs_per_sm: int = 1
+    reason: str | None = None
+    probe: str | None = None
     _handles: list[tuple[str, Any]] = field(default_factory=list, repr=False)
 
     @contextlib.contextmanager
@@ -130,12 +138,14 @@ class PartitionSet:
     `green`: None uses green contexts when available (else the logged fallback), False never
     does. `shared` makes a single partition in which both stages get the whole device on two
     ordinary streams (co-location without a partition, as under MPS). Raises ValueError for a
-    split outside ``1..SMs - 1``.
+    split outside ``1..SMs - 1``. `probe` checks each green split as it is made (default
+    `probe_partition`; it raises to refuse the split, which then falls back alone).
     """
 
     def __init__(self, device: torch.device | str, encoder_splits: Sequence[int] = (), *,
                  green: bool | None = None, programs_per_sm: int = 1,
-                 shared: bool = False) -> None:
+                 shared: bool = False,
+                 probe: Callable[[Partition, torch.device], Any] | None = None) -> None:
         self.device = torch.device(device)
         self.total = total = device_num_sms(self.device)
         for e in encoder_splits:
@@ -149,34 +159,57 @@ class PartitionSet:
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.shared = shared
         self.reason: str | None = None
+        self._probe = probe
         self._raw: list[tuple[str, Any]] = []
         self.upload_stream = self._new_stream()  # host-to-device copies of the encoder side
         self.full = self._plain(0, total, total)
         self.splits: dict[int, Partition] = {}
+        self.current = self.full
         if shared:
             self.reason = "shared mode (no partition)"
-        else:
-            why = "disabled" if green is False else green_context_support(self.device)
-            if why is None:
-                try:
-                    for e in splits:
-                        self.splits[e] = self._green(e, programs_per_sm)
-                except Exception as exc:  # undo what was made, then fall back to budgets
-                    self.close()
-                    self.splits = {}
-                    why = f"green context creation failed: {exc}"
-            if why is not None:
-                self.reason = why
-                _log_once("fallback", "green contexts unavailable (%s): SM partitions fall back "
-                          "to kernel budgets alone (bounding how many SMs a stage uses, not "
-                          "which)", why)
-                for e in splits:
-                    self.splits[e] = self._plain(e, e, total - e, self.full)
-        self.current = self.full
+            return
+        why = "disabled" if green is False else self._support()
+        if why is not None:
+            self.reason = why
+            _log_once("fallback", "green contexts unavailable (%s): SM partitions fall back "
+                      "to kernel budgets alone (bounding how many SMs a stage uses, not "
+                      "which)", why)
+        for e in splits:
+            self.splits[e] = self._plain(e, e, total - e, self.full) if why is not None \
+                else self._checked_green(e, programs_per_sm)
+        if why is None and splits and not self.green:
+            self.reason = "every split was refused (see each split's reason)"
+
+    def _support(self) -> str | None:
+        """Why green contexts cannot be used here (None when they can)."""
+        return green_context_support(self.device)
+
+    def _checked_green(self, e: int, programs_per_sm: int) -> Partition:
+        """Split `e` as a green partition that passed its probe, else its own fallback to
+        budgets alone (whatever it made destroyed, the reason logged once and kept)."""
+        part: Partition | None = None
+        try:
+            part = self._green(e, programs_per_sm)
+            probe = self._probe
+            if probe is None:
+                from .partition_probe import probe_partition as probe
+            part.probe = probe(part, self.device)
+            self._raw.extend(part._handles)
+            return part
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            if part is not None and part._handles:
+                torch.cuda.synchronize(self.device)
+                destroy_handles(part._handles)
+            _log_once(f"split-{e}", "split %d (encoder %d SMs requested): green partition "
+                      "refused (%s); this split runs on kernel budgets alone", e, e, why)
+            fallback = self._plain(e, e, self.total - e, self.full)
+            fallback.reason = why
+            return fallback
 
     @property
     def green(self) -> bool:
-        """Whether the splits are green-context partitions."""
+        """Whether any split is a green-context partition (each says so in `green`)."""
         return any(p.green for p in self.splits.values())
 
     def _new_stream(self) -> Any:
@@ -195,22 +228,32 @@ class PartitionSet:
         return Partition(requested, enc, dec, False, self._new_stream(), self._new_stream())
 
     def _green(self, e: int, programs_per_sm: int) -> Partition:
-        """Two green contexts (e SMs / the rest) with a stream each; budgets read back."""
+        """Two green contexts (e SMs / the rest) with a stream each; budgets read back. On an
+        error, what was made is destroyed before it propagates."""
         index = self.device.index if self.device.index is not None else \
             torch.cuda.current_device()
-        dev, whole = sm_resource(index)
-        streams, counts = [], []
-        for res in split_sm_resource(whole, e):
-            ctx, raw, granted = green_context_stream(dev, res)
-            self._raw.append(("ctx", ctx))
-            self._raw.append(("stream", raw))
-            stream = torch.cuda.get_stream_from_external(int(raw), self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            streams.append(stream)
-            counts.append(granted)
-        if min(counts) < 1 or sum(counts) > self.total:
-            raise RuntimeError(f"split {e}: granted {counts} SMs of {self.total}")
-        return Partition(e, counts[0], counts[1], True, streams[0], streams[1], programs_per_sm)
+        handles: list[tuple[str, Any]] = []
+        try:
+            dev, whole = sm_resource(index)
+            streams, counts = [], []
+            for res in split_sm_resource(whole, e):
+                ctx, raw, granted = green_context_stream(dev, res)
+                handles += [("ctx", ctx), ("stream", raw)]
+                stream = torch.cuda.get_stream_from_external(int(raw), self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                streams.append(stream)
+                counts.append(granted)
+            if min(counts) < 1 or sum(counts) > self.total:
+                raise RuntimeError(f"the driver granted {counts[0]} + {counts[1]} SMs of "
+                                   f"{self.total} (SM groups round up to the device's group "
+                                   "size; the decoder needs SMs left)")
+        except BaseException:
+            if handles:
+                torch.cuda.synchronize(self.device)
+                destroy_handles(handles)
+            raise
+        return Partition(e, counts[0], counts[1], True, streams[0], streams[1], programs_per_sm,
+                         _handles=handles)
 
     def close(self) -> None:
         """Destroy the green contexts and their streams (after the device is idle)."""
@@ -312,11 +355,19 @@ class PartitionSet:
             graph_cls.default_capture_stream = saved
 
     def describe(self) -> dict[str, Any]:
-        """Splits, granted budgets and whether they are green (for logs and benchmarks)."""
+        """Splits, granted budgets (the counts every launch gets), whether each is green, and
+        why not or what its probe saw (for logs and benchmarks)."""
+        splits: dict[int, dict[str, Any]] = {}
+        for p in self.partitions():
+            row: dict[str, Any] = {"encoder_sms": p.encoder_sms, "decoder_sms": p.decoder_sms,
+                                   "green": p.green}
+            if p.reason is not None:
+                row["reason"] = p.reason
+            if p.probe is not None:
+                row["probe"] = p.probe
+            splits[p.requested] = row
         return {"green": self.green, "fallback_reason": self.reason, "total_sms": self.total,
-                "splits": {p.requested: {"encoder_sms": p.encoder_sms,
-                                         "decoder_sms": p.decoder_sms, "green": p.green}
-                           for p in self.partitions()}}
+                "splits": splits}
 
 
 def default_splits(total_sms: int, step: int = 8) -> tuple[int, ...]:

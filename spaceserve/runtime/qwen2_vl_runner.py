@@ -6,8 +6,10 @@ positions sliced from each prompt's precomputed table, rope deltas after it, the
 token ids), plus the embedding rows of the image and video tokens the step covers, in token
 order. A request's images and videos are one encoder job (a video is an item of t temporal
 patches; the vision tower attends within each of them).
-Decode-only steps replay a CUDA graph of the next larger captured batch size when one exists;
-the graphs are captured on the planner's own buffers, so a replay copies nothing.
+Decode-only steps replay the CUDA graph of the smallest captured (batch size, block-table width)
+bucket that holds them (`models.cuda_graph.DecodeGraphSet`: one shared memory pool, a bound on
+graph memory); the graphs are captured on the planner's own buffers, so a replay copies
+nothing.
 Images are encoded one request at a time, so a request's embeddings never depend on which
 other requests arrived with it.
 """
@@ -38,8 +40,9 @@ ImagePiece = tuple[Any, int, int]
 @dataclass
 class PreparedStep:
     """A step after its host half (`Qwen2VLRunner.prepare_step`): the stage and budget it runs
-    under, the captured batch size it replays (None: eager), its planner inputs and image
-    pieces. Everything but the pieces' sources is plain data another process can run."""
+    under, the captured batch size it replays (None: eager; the graph's table width is
+    ``inputs.width``), its planner inputs and image pieces. Everything but the pieces' sources
+    is plain data another process can run."""
 
     stage: str
     budget: int | None
@@ -98,7 +101,7 @@ class Qwen2VLRunner:
         # them, then captures graphs for the new decoder budget.
         self.encoder_num_sms: int | None = None
         self.decoder_num_sms: int | None = None
-        self.graphs: dict[tuple[int, int | None], Any] = {}
+        self.graphs: Any = ()  # DecodeGraphSet once allocate_kv_cache ran: keys (b, width, sms)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, attention_backend: str = "triton",
@@ -143,24 +146,27 @@ class Qwen2VLRunner:
         self.planner = StepPlanner(limits, self.device, backend=self.model.backend,
                                    rope=lambda req: req.model_state)
         self._encoder_planner = None
+        from spaceserve.models import DecodeGraphSet
+
+        self.graphs = DecodeGraphSet(self.model, self.kv, (), limits.graph_table_widths,
+                                     planner=self.planner.core,
+                                     max_bytes=limits.graph_memory_bytes)
 
     def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
-        """Capture decode graphs for the current decoder budget (CUDA only)."""
+        """Capture decode graphs for the current decoder budget (CUDA only): every batch size
+        in `batch_sizes` (up to `max_num_seqs`) x every table width of the limits."""
         if self.device.type != "cuda" or self.limits is None:
             return ()
         if not self.model.backend.graph_capturable:  # decode runs eagerly with this backend
             return ()
-        from spaceserve.models import DecodeGraph
-
-        sizes = sorted({b for b in batch_sizes if b <= self.limits.max_num_seqs})
-        for b in sizes:
-            key = (b, self.decoder_num_sms)
-            if key not in self.graphs:
-                self.graphs[key] = DecodeGraph(self.model, self.kv, b,
-                                               self.limits.max_blocks_per_seq,
-                                               num_sms=self.decoder_num_sms,
-                                               planner=self.planner.core)
-        return tuple(sizes)
+        sizes = tuple(sorted({b for b in batch_sizes if b <= self.limits.max_num_seqs}))
+        graphs = self.graphs
+        if sizes != graphs.batch_sizes:
+            if len(graphs):
+                raise ValueError(f"decode graphs were captured for batch sizes "
+                                 f"{graphs.batch_sizes}, not {sizes}")
+            graphs.batch_sizes = sizes
+        return graphs.capture(self.decoder_num_sms)
 
     def prepare_request(self, req: Request) -> None:
         mm = req.mm
@@ -252,11 +258,12 @@ class Qwen2VLRunner:
             raise ValueError(f"stage={stage!r} must be 'decoder' or 'encoder'")
         nb, graph = batch.num_seqs, None
         budget = self.decoder_num_sms if stage == "decoder" else self.encoder_num_sms
-        if batch.num_decodes == nb and stage == "decoder":
-            fits = [b for b, sms in self.graphs if sms == budget and b >= nb]
-            if fits:
-                graph = min(fits)
-        inputs = self._planner(stage).prepare(batch, pad_to=graph)
+        width = None
+        if batch.num_decodes == nb and stage == "decoder" and len(self.graphs):
+            found = self.graphs.pick(nb, self.planner.decode_need(batch), budget)
+            if found is not None:
+                graph, width = found.batch_size, found.max_blocks_per_seq
+        inputs = self._planner(stage).prepare(batch, pad_to=graph, width=width)
         pieces = [] if graph is not None else self.image_pieces(batch, inputs.input_ids)
         return PreparedStep(stage, budget, graph, inputs, pieces)
 
@@ -282,10 +289,12 @@ class Qwen2VLRunner:
         if step.inputs.block_copies is not None:  # copy on write, before anything is stored
             self.kv.copy_blocks(step.inputs.block_copies)
         if step.graph is not None:  # the graph captured the planner's buffers: nothing to copy
-            graph = self.graphs.get((step.graph, step.budget))
+            width = step.inputs.width
+            graph = self.graphs.graphs.get((step.graph, width, step.budget)) \
+                if len(self.graphs) else None
             if graph is None:
-                raise RuntimeError(f"no decode graph of batch {step.graph} for budget "
-                                   f"{step.budget}")
+                raise RuntimeError(f"no decode graph of batch {step.graph} x {width} blocks "
+                                   f"for budget {step.budget}")
             return graph.replay(ctx.input_ids, ctx)
         embeds = self.image_rows(step.pieces, embeds_of)
         with stage_budget_scope(step.budget):  # the budget the step's collectives run in

@@ -2,7 +2,9 @@
 
 `StepPlanner` turns a batch into token ids, positions, slot mapping, block tables, ... in
 preallocated buffers with vectorised host work, padding pure-decode batches to a CUDA-graph
-bucket, through the models' `ContextPlanner`; runners may use it or plan their own way.
+bucket (a batch size and a block-table width: the step's need, rounded up to the widths graphs
+are captured for, never wider), through the models' `ContextPlanner`; runners may use it or
+plan their own way.
 `StepLimits` are the capacities its buffers (and the engine's) are sized from.
 
 Planning is two halves: `prepare` reads the batch (the only part that needs `Request`
@@ -35,10 +37,23 @@ class StepLimits:
     max_num_batched_tokens: int
     max_model_len: int
     block_size: int
+    # Context lengths (tokens) decode graphs are captured for, one table width each; None: a
+    # doubling ladder up to max_model_len (see `spaceserve.models.graph_buckets`).
+    graph_context_lens: tuple[int, ...] | None = None
+    # Bound on the memory of every decode graph (None: unbounded), checked at capture.
+    graph_memory_bytes: int | None = None
 
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    @property
+    def graph_table_widths(self) -> tuple[int, ...]:
+        """Block-table widths of the decode graphs, ascending (the widest covers
+        `max_model_len` unless `graph_context_lens` stops short of it)."""
+        from spaceserve.models.graph_buckets import table_widths
+
+        return table_widths(self.max_blocks_per_seq, self.block_size, self.graph_context_lens)
 
     @property
     def max_tokens(self) -> int:
@@ -154,6 +169,7 @@ class StepPlanner:
         self.limits = limits
         self.device = torch.device(device)
         self.graph_batch_sizes = tuple(sorted(graph_batch_sizes))
+        self.graph_widths = limits.graph_table_widths
         self.rope = rope
         self.core = ContextPlanner(limits.max_num_seqs, limits.max_tokens,
                                    limits.max_blocks_per_seq, limits.block_size,
@@ -161,15 +177,35 @@ class StepPlanner:
                                    rows=share_rows_with.core if share_rows_with else None)
         self.table = self.core.table  # persistent block table per slot
 
-    def plan(self, batch: ScheduledBatch, *, pad_to: int | None = None) -> StepPlan:
-        """The plan of `batch`. A decode-only batch is padded to `pad_to` sequences, or else
-        to the next of `graph_batch_sizes`, with block tables as wide as the limits allow and
-        no attention plan (a graph replays its own)."""
-        return self.plan_inputs(self.prepare(batch, pad_to=pad_to))
+    def decode_need(self, batch: ScheduledBatch) -> int:
+        """Block-table width (blocks) the decode sequences of `batch` need."""
+        nd = batch.num_decodes
+        return -(-(max(batch.num_cached[:nd], default=0) + 1) // self.limits.block_size)
 
-    def prepare(self, batch: ScheduledBatch, *, pad_to: int | None = None) -> StepInputs:
-        """`batch` as `StepInputs` (padding as `plan` says), writing the rows' new blocks and
-        rope state into the shared row state and recording them in ``inputs.sync``."""
+    def bucket(self, batch: ScheduledBatch) -> tuple[int, int] | None:
+        """(batch size, table width) of the graph bucket a decode-only `batch` replays in:
+        the smallest of `graph_batch_sizes` x `graph_widths` that holds it; None for a batch
+        with prefills or that no bucket holds."""
+        from spaceserve.models.graph_buckets import pick_bucket
+
+        nb = batch.num_seqs
+        if not nb or batch.num_decodes != nb or not self.graph_batch_sizes:
+            return None
+        return pick_bucket(self.graph_batch_sizes, self.graph_widths, nb,
+                           self.decode_need(batch))
+
+    def plan(self, batch: ScheduledBatch, *, pad_to: int | None = None,
+             width: int | None = None) -> StepPlan:
+        """The plan of `batch`. A decode-only batch is padded to `pad_to` sequences with block
+        tables `width` wide (None: the narrowest of `graph_widths` that covers the batch), or
+        else to its `bucket`, and gets no attention plan (a graph replays its own)."""
+        return self.plan_inputs(self.prepare(batch, pad_to=pad_to, width=width))
+
+    def prepare(self, batch: ScheduledBatch, *, pad_to: int | None = None,
+                width: int | None = None) -> StepInputs:
+        """`batch` as `StepInputs` (padding and width as `plan` says), writing the rows' new
+        blocks and rope state into the shared row state and recording them in
+        ``inputs.sync``."""
         reqs, nd, nb = batch.reqs, batch.num_decodes, len(batch.reqs)
         core, table, rope = self.core, self.table, self.rope
         sync = RowSync()
@@ -200,16 +236,20 @@ class StepPlanner:
                     idx_parts.append(mm.positions[lo:hi] - s + t)
                     emb_parts.append(mm.rows(int(lo), int(hi)))
             t += n
-        buckets = self.graph_batch_sizes
-        if pad_to is None and nd == nb and buckets and nb <= buckets[-1]:
-            pad_to = next(x for x in buckets if x >= nb)
+        if pad_to is None:
+            bucket = self.bucket(batch)
+            if bucket is not None:
+                pad_to, width = bucket
+        elif width is None:
+            need = self.decode_need(batch)
+            width = next((w for w in self.graph_widths if w >= need), need)
         graph = pad_to is not None
         return StepInputs(
             np.array([r.row for r in reqs], dtype=np.int64),
             np.array(batch.num_cached, dtype=np.int64), np.array(batch.num_new, dtype=np.int64),
             None if nd == nb else np.array(batch.need_logits, dtype=bool),
-            np.array(ids, dtype=np.int64), nd, pad_to,
-            self.limits.max_blocks_per_seq if graph else None, sync, (idx_parts, emb_parts),
+            np.array(ids, dtype=np.int64), nd, pad_to, width if graph else None, sync,
+            (idx_parts, emb_parts),
             np.array(batch.block_copies, dtype=np.int64) if batch.block_copies else None)
 
     def apply(self, sync: RowSync) -> None:

@@ -129,6 +129,35 @@ def test_interrupted_run_resumes_to_identical_files(tmp_path, reference):
     assert not timer3.calls and part.json_path.read_bytes() == whole.json_path.read_bytes()
 
 
+class HostTimer(FakeTimer):
+    """A fake timer that knows host time, as `CudaTimer` does: one-sequence decode points are
+    host-bound (their eager launches take longer than the device's work)."""
+
+    def host_bound(self, key: str) -> bool:
+        return key.startswith("decode:1x")
+
+
+def test_host_bound_points_are_marked_in_the_curve_file_and_survive_a_resume(tmp_path,
+                                                                              reference):
+    whole = Profiler(_workload(), GRID, tmp_path / "whole", timer=HostTimer(reference),
+                     progress=False)
+    res = whole.run()
+    data = json.loads(res.files["json"].read_text())["curves"]
+    assert data["decode"]["host_bound"] == [
+        {"sms": s, "batch": 1, "context": c, "corun": corun}
+        for s in GRID.sms for c in GRID.decode_context for corun in (False, True)]
+    assert data["encoder"]["host_bound"] == data["prefill"]["host_bound"] == []
+    assert res.curves.decode_curve.host_bound == data["decode"]["host_bound"]
+    part = Profiler(_workload(), GRID, tmp_path / "part", timer=HostTimer(reference, 45),
+                    progress=False)
+    with pytest.raises(Interrupted):  # stops inside the decode points
+        part.run()
+    assert len(json.loads(part.checkpoint_path.read_text())["host_bound"]) == 6 + 3
+    Profiler(_workload(), GRID, tmp_path / "part", timer=HostTimer(reference),
+             progress=False).run()
+    assert part.json_path.read_bytes() == whole.json_path.read_bytes()
+
+
 def test_time_budget_stops_early_and_checkpoint_is_bound_to_its_plan(tmp_path, reference):
     prof, timer = _profile(tmp_path, reference)
     res = prof.run(time_budget_s=0.0)

@@ -74,6 +74,22 @@ def test_round_trip(tmp_path) -> None:
         assert back.encoder(3000, 2, n) == cs.encoder(3000, 2, n)
 
 
+def test_host_bound_points_round_trip_and_are_optional(tmp_path) -> None:
+    """Measured curves list their host-bound points; a file without the list (modelled curves,
+    older files) loads with None (not known), and lookups ignore the marks."""
+    cs = synthetic()
+    assert cs.decode_curve.host_bound is None and "host_bound" not in cs.to_dict()["curves"][
+        "decode"]
+    marked = [{"sms": 8, "batch": 1, "context": 0, "corun": False},
+              {"sms": 8, "batch": 1, "context": 0, "corun": True}]
+    cs.decode_curve.host_bound = marked
+    cs.encoder_curve.host_bound = []
+    back = CurveSet.load(cs.save(tmp_path / "c.json"))
+    assert back.decode_curve.host_bound == marked and back.encoder_curve.host_bound == []
+    assert back.prefill_curve.host_bound is None
+    assert back.decode(1, 0, 8) == synthetic().decode(1, 0, 8)
+
+
 def test_analytic_round_trip(tmp_path, h200) -> None:
     back = CurveSet.load(h200.save(tmp_path / "h200.json"))
     assert back.source == "modelled" and back.device == "H200" and back.num_sms == 132
@@ -114,6 +130,15 @@ BAD = [
      "$.curves.prefill.grid.tokens[1]"),
     (("curves", "decode", "isolated", 1, 0, 1), -1.0, "$.curves.decode.isolated[1][0][1]"),
     (("curves", "encoder", "isolated", 0, 0), "fast", "$.curves.encoder.isolated[0][0]"),
+    (("curves", "decode", "host_bound"), {"sms": 8}, "$.curves.decode.host_bound"),
+    (("curves", "decode", "host_bound"), [{"sms": 8, "batch": 1, "corun": False}],
+     "$.curves.decode.host_bound[0]"),
+    (("curves", "decode", "host_bound"), [{"sms": 9, "batch": 1, "context": 0, "corun": False}],
+     "$.curves.decode.host_bound[0].sms"),
+    (("curves", "encoder", "host_bound"), [{"sms": 8, "patches": 300, "corun": True}],
+     "$.curves.encoder.host_bound[0].patches"),
+    (("curves", "encoder", "host_bound"), [{"sms": 8, "patches": 256, "corun": 1}],
+     "$.curves.encoder.host_bound[0].corun"),
     (("curves", "encoder", "corun"), [[1.0]], "$.curves.encoder.corun"),
     (("contention",), KeyError, "$.contention"),
     (("contention", "source"), "guessed", "$.contention.source"),

@@ -292,6 +292,9 @@ def test_sampling_params_validation(kwargs, name) -> None:
     (dict(mode="sideways"), "mode"), (dict(block_size=0), "block_size"),
     (dict(max_num_seqs=0), "max_num_seqs"), (dict(gpu_memory_utilization=0), "gpu_memory"),
     (dict(num_kv_blocks=0), "num_kv_blocks"), (dict(graph_batch_sizes=(0,)), "graph_batch"),
+    (dict(graph_context_lens=(0,)), "graph_context_lens"),
+    (dict(graph_context_lens=()), "graph_context_lens"),
+    (dict(graph_reserve_bytes=-1), "graph_reserve_bytes"),
 ])
 def test_engine_config_validation(kwargs, name) -> None:
     with pytest.raises(ValueError, match=name):

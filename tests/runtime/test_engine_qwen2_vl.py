@@ -160,3 +160,39 @@ def test_multi_turn_reuses_blocks_and_embeddings(checkpoint, prompts, expected, 
     assert (d["encoder_cache_queries"], d["encoder_cache_hits"]) == (2, 1)
     assert d["prefix_cache_hit_tokens"] > 0
     engine.check_idle()
+
+
+def test_decode_steps_take_the_narrowest_graph_bucket(checkpoint, prompts, expected) -> None:
+    """Graphs are eager on CPU: a stand-in 'graph' runs the step it is handed, so the runner's
+    bucket choice and the planner's padding run as on a GPU, and the tokens stay the same."""
+    from spaceserve.models import DecodeGraphSet
+
+    engine = Engine.from_pretrained(checkpoint[0], attention_backend="torch", device="cpu",
+                                    num_kv_blocks=64, block_size=4,
+                                    graph_context_lens=(16, 32, 10_000))
+    runner = engine.runner
+    assert runner.limits.max_blocks_per_seq == 64 and runner.graphs.widths == (4, 8, 64)
+    seen = []
+
+    class Replayed:
+        def __init__(self, model, kv, batch_size, width, *, num_sms, planner, pool, out):
+            self.batch_size, self.max_blocks_per_seq, self.memory_bytes = batch_size, width, 0
+            self.model, self.kv, self.num_sms = model, kv, num_sms
+
+        def replay(self, input_ids, ctx):
+            need = -(-int(ctx.host.seq_lens.max()) // ctx.block_size)
+            seen.append((tuple(ctx.block_tables.shape), need))
+            assert ctx.num_seqs == self.batch_size
+            logits = self.model.forward(input_ids, ctx, self.kv, num_sms=self.num_sms)
+            return logits[:ctx.num_real_seqs]
+
+    runner.graphs = DecodeGraphSet(runner.model, runner.kv, (1, 2, 4), runner.graphs.widths,
+                                   planner=runner.planner.core, factory=Replayed)
+    runner.graphs.capture(runner.decoder_num_sms)
+    assert engine.generate(prompts[0], GREEDY)[0].token_ids == expected[0]  # 11 tokens
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert seen, "no decode step replayed a graph"
+    for (_, width), need in seen:
+        assert width == min(w for w in (4, 8, 64) if w >= need), (width, need)
+    assert {w for (_, w), _ in seen} >= {4, 8}

@@ -229,3 +229,38 @@ def test_plan_places_image_embeddings() -> None:
     plan = planner.plan(s.schedule())  # tokens 4..6 hold image token 4, first in the chunk
     assert plan.mm_index.tolist() == [0] and torch.equal(plan.mm_embeds, emb[2:])
     assert plan.logits_indices.tolist() == [2]
+
+
+def test_decode_buckets_are_as_wide_as_the_step_needs_not_max_model_len() -> None:
+    # max_model_len 32768 at 16-token blocks: 2048 blocks; graph widths double from 256 tokens.
+    limits = StepLimits(8, 64, 32768, 16)
+    assert limits.max_blocks_per_seq == 2048
+    assert limits.graph_table_widths == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    s = make_sched(num_blocks=64, block_size=16, budget=512, max_len=32768)
+    planner = StepPlanner(limits, "cpu", graph_batch_sizes=(1, 4, 8))
+    short, long_ = make_req(0, 20), make_req(1, 300)
+    s.add(short)
+    s.add(long_)
+    s.update(s.schedule(), [1, 2], 0.0)
+    batch = s.schedule()  # two decodes: 21 and 301 cached tokens
+    assert batch.num_decodes == 2
+    assert planner.decode_need(batch) == 19 and planner.bucket(batch) == (4, 32)
+    plan = planner.plan(batch)
+    assert tuple(plan.block_tables.shape) == (4, 32)
+    assert plan.block_tables[1, :19].tolist() == long_.block_ids
+    s.update(batch, [3, 4], 0.0)
+    s.finish(long_, "abort")  # one short sequence left: the narrowest width
+    batch = s.schedule()
+    plan = planner.plan(batch)
+    assert tuple(plan.block_tables.shape) == (1, 16) and plan.num_seqs == 1
+    s.update(batch, [5], 0.0)
+    # context lengths named: a step longer than the widest runs eagerly (no bucket, no padding)
+    named = StepLimits(8, 64, 32768, 16, graph_context_lens=(100, 256))
+    assert named.graph_table_widths == (7, 16)
+    eager = StepPlanner(named, "cpu", graph_batch_sizes=(1, 4, 8))
+    s.add(big := make_req(2, 400))
+    s.update(s.schedule(), [6, 7], 0.0)
+    batch = s.schedule()
+    assert batch.num_decodes == 2 and eager.bucket(batch) is None
+    plan = eager.plan(batch)
+    assert plan.num_seqs == 2 and tuple(plan.block_tables.shape) == (2, len(big.block_ids))

@@ -137,7 +137,7 @@ def test_cuda_modes_with_partitions_and_decode_graphs(tiny, prompts, expected, m
         assert staggered(engine, prompts[::-1], GREEDY) == expected[::-1]
         engine.check_idle()
         pset = engine.spatial.partitions
-        budgets = {sms for _, sms in engine.runner.graphs}
+        budgets = {sms for _, _, sms in engine.runner.graphs}
         assert budgets == {p.decoder_sms for p in
                            (pset.partitions() if mode == "spatial" else [pset.current])}
     finally:
