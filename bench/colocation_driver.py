@@ -84,12 +84,14 @@ def driver_experiment(*, seconds: float = 2.0, launch_s: float = 20e-6, layer_la
             return super().execute(batch)
 
     class Ids:
-        def __init__(self, ids: torch.Tensor, at: float) -> None:
-            self.ids, self.at = ids, at
+        """A step's draws, read back once the virtual decoder has finished the step."""
 
-        def tolist(self) -> list[int]:
+        def __init__(self, sampled: Any, at: float) -> None:
+            self.sampled, self.at, self.batch = sampled, at, sampled.batch
+
+        def fetch(self) -> Any:
             time.sleep(max(0.0, self.at - time.perf_counter()))
-            return self.ids.tolist()
+            return self.sampled.fetch()
 
     rows = []
     threads = torch.get_num_threads()
@@ -102,8 +104,8 @@ def driver_experiment(*, seconds: float = 2.0, launch_s: float = 20e-6, layer_la
                            max_num_batched_tokens=4096, prefill_on="decode",
                            encoder_driver="thread" if driver == "thread" else "cooperative")
         eng = Engine(runner, cfg)
-        sampler = eng.sampler
-        eng.sampler = lambda logits, reqs, s=sampler, d=dev: Ids(s(logits, reqs), d.free[
+        sample = eng.sampler.sample
+        eng.sampler.sample = lambda logits, b, s=sample, d=dev: Ids(s(logits, b), d.free[
             "decoder"])
         if eng.spatial is not None:
             eng.encoder.event_factory = lambda d=dev: _VirtualEvent(d.free["encoder"])

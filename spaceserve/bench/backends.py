@@ -1,7 +1,8 @@
 """Where benchmark requests go: the server over HTTP (SSE streaming), or the engine in-process.
 
-Both send the same chat body (an image as a base64 PNG ``data:`` URL, greedy, ``ignore_eos``)
-and return a `Result` on the caller's monotonic clock. Over HTTP, a token's time is the arrival
+Both send the same body - a chat body (an image as a base64 PNG ``data:`` URL, greedy,
+``ignore_eos``), or with ``endpoint="/v1/completions"`` a text completion (text-only workloads)
+- and return a `Result` on the caller's monotonic clock. Over HTTP, a token's time is the arrival
 of its SSE chunk and the output count is the usage chunk's; in-process, the engine's own
 timestamps are used (same clock), with the request sent through the server's preprocessing
 path (chat template, image decoding in the worker pool) minus HTTP - or, for a model without a
@@ -20,6 +21,30 @@ from spaceserve.server.errors import APIError
 from .metrics import Result
 from .prompts import prompt_shape
 from .workload import BenchRequest, image_png
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
+
+
+def check_endpoint(endpoint: str, image_mix: dict[str, float]) -> None:
+    """ValueError naming ``--endpoint`` when it is unknown, or is /v1/completions with images
+    in the mix (a text completion carries no image)."""
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"--endpoint {endpoint!r} is not one of {', '.join(ENDPOINTS)}")
+    if endpoint == COMPLETIONS and any(w > 0 for k, w in image_mix.items() if k != "text"):
+        raise ValueError("--endpoint /v1/completions takes text prompts only: use an image mix "
+                         "of text alone (--image-mix text=1)")
+
+
+def completion_body(req: BenchRequest, model: str, *, stream: bool = True) -> dict[str, Any]:
+    """A /v1/completions body for a text request (greedy, ``ignore_eos``)."""
+    if req.kind == "image":
+        raise ValueError("a text completion carries no image")
+    body: dict[str, Any] = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens,
+                            "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -44,20 +69,29 @@ class InProcessBackend:
     name = "inprocess"
 
     def __init__(self, client: Any, preprocessor: Any, model: str = "tiny",
-                 limits: ImageLimits | None = None, *, prompts: Any = None) -> None:
+                 limits: ImageLimits | None = None, *, prompts: Any = None,
+                 endpoint: str = CHAT) -> None:
         if preprocessor is None and prompts is None:
             raise ValueError("preprocessor: needed when no prompts function is given")
         self.client, self.pre, self.model = client, preprocessor, model
         self.limits = limits or ImageLimits()
         self.prompts = prompts
+        self.endpoint = endpoint
 
     def body(self, req: BenchRequest, model: str) -> Any:
         """What `send` takes for `req` (built before the run's clock starts)."""
-        return self.prompts(req) if self.prompts is not None else chat_body(req, model)
+        if self.prompts is not None:
+            return self.prompts(req)
+        return completion_body(req, model) if self.endpoint == COMPLETIONS else \
+            chat_body(req, model)
 
     def _prepare(self, body: Any) -> Any:
         if self.prompts is not None:
             return body
+        if self.endpoint == COMPLETIONS:  # the server's prompt-text path
+            from spaceserve.runtime.inputs import encode_plain
+
+            return {"prompt_token_ids": encode_plain(self.pre.tokenizer, body["prompt"])}
         # pydantic: chat bodies only
         from spaceserve.server.protocol import ChatCompletionRequest, prepare_chat
 
@@ -102,7 +136,8 @@ class Unreachable(Exception):
 
 
 class HttpBackend:
-    """Requests to a running server's /v1/chat/completions, streamed, over aiohttp.
+    """Requests to a running server's /v1/chat/completions (or `endpoint`), streamed, over
+    aiohttp.
 
     The client keeps its own time small, as trusted load generators do: bodies are serialised
     before the run's clock starts (`body`), each SSE line is stamped on arrival before it is
@@ -115,8 +150,8 @@ class HttpBackend:
     POLL_S = 0.5
 
     def __init__(self, base_url: str, model: str, timeout: float = 600.0, *,
-                 poll_metrics: bool = True) -> None:
-        self.base_url, self.model = base_url.rstrip("/"), model
+                 poll_metrics: bool = True, endpoint: str = CHAT) -> None:
+        self.base_url, self.model, self.endpoint = base_url.rstrip("/"), model, endpoint
         self.poll_metrics, self.timeout = poll_metrics, timeout
         self._session: Any = None
 
@@ -154,7 +189,9 @@ class HttpBackend:
 
     def body(self, req: BenchRequest, model: str) -> bytes:
         """The request's JSON body, serialised (before the clock starts)."""
-        return json.dumps(chat_body(req, model)).encode()
+        body = completion_body(req, model) if self.endpoint == COMPLETIONS else \
+            chat_body(req, model)
+        return json.dumps(body).encode()
 
     async def send(self, req: BenchRequest, body: bytes | dict[str, Any]) -> Result:
         res = Result(req.idx, req.kind, req.resolution, time.monotonic())
@@ -162,7 +199,7 @@ class HttpBackend:
             body = json.dumps(body).encode()
         text: list[str] = []
         try:
-            async with self._http().post("/v1/chat/completions", data=body,
+            async with self._http().post(self.endpoint, data=body,
                                          headers=JSON_HEADERS) as resp:
                 if resp.status != 200:
                     data = await resp.read()
@@ -187,7 +224,10 @@ class HttpBackend:
                         if res.first_token is None:
                             res.first_token = now
                         res.token_times.append(now)
-                        text.append(obj["choices"][0]["delta"].get("content") or "")
+                        choice = obj["choices"][0]
+                        piece = choice.get("text") if "text" in choice else \
+                            choice.get("delta", {}).get("content")
+                        text.append(piece or "")
         except Exception as exc:  # connection errors count as failed requests
             res.error = f"{type(exc).__name__}: {exc}"
         res.text = "".join(text)

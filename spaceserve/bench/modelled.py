@@ -60,14 +60,25 @@ def sim_requests(w: ServeWorkload, vision_config: Any) -> list[Any]:
     return out
 
 
-def sim_config(mode: str, num_sms: int, window_s: float) -> Any:
-    """The simulator's settings for an engine mode at its defaults (no background batch)."""
+def sim_config(mode: str, num_sms: int, window_s: float, curves: Any = None,
+               slo: Slo | None = None) -> Any:
+    """The simulator's settings for an engine mode at its defaults (no background batch): the
+    static split of `spatial-static`, and SIS's split set (chosen from `curves` and `slo` at
+    the engine's reference decode load, `EngineConfig.sis_load`) and objective."""
+    from spaceserve.runtime.config import EngineConfig
     from spaceserve.runtime.partition import default_splits
+    from spaceserve.runtime.policy import scheduling_policy
     from spaceserve.runtime.sim import SimConfig
 
-    splits = default_splits(num_sms)
-    return SimConfig(mode=mode, background=0, window_s=window_s,
-                     static_encoder_sms=splits[len(splits) // 2], allowed_encoder_sms=splits)
+    static = default_splits(num_sms)
+    splits = tuple(static)
+    if curves is not None:
+        eng = EngineConfig(mode="spatial", slo=slo) if slo is not None else EngineConfig()
+        batch, context = eng.sis_load
+        splits = scheduling_policy(curves, eng.slo, objective=eng.sis_objective,
+                                   total_sms=num_sms, batch=batch, context=context).splits
+    return SimConfig(mode=mode, background=0, window_s=window_s, slo=slo,
+                     static_encoder_sms=static[len(static) // 2], allowed_encoder_sms=splits)
 
 
 def predict(workloads: list[ServeWorkload], modes: list[str], model: str, slo: Slo, *,
@@ -83,7 +94,7 @@ def predict(workloads: list[ServeWorkload], modes: list[str], model: str, slo: S
         curves = analytic_curves(config, device, name=name)
         rows = []
         for mode in modes:
-            cfg = sim_config(mode, curves.num_sms, window_s)
+            cfg = sim_config(mode, curves.num_sms, window_s, curves, slo)
             for w in workloads:
                 reqs = sim_requests(w, config.vision_config)
                 sim = Simulator(curves, cfg, horizon=w.duration_s)

@@ -22,12 +22,17 @@ GROUPS = (("load", ("image", "text")), ("probe", ("probe",)))
 
 
 def sim_config(engine: Any) -> Any:
-    """The simulator's settings for `engine`: its mode and its splits."""
+    """The simulator's settings for `engine`: its mode, splits, SLO and SIS objective."""
     from spaceserve.runtime.sim import SimConfig
+    from spaceserve.runtime.slo import Slo
 
     mode = str(engine.config.mode)
     kw: dict[str, Any] = {"mode": mode, "background": 0,
                           "window_s": float(getattr(engine.config, "encoder_window_s", 0.02))}
+    if isinstance(getattr(engine.config, "slo", None), Slo):
+        kw["slo"] = engine.config.slo
+    if getattr(engine.config, "sis_objective", None) in ("goodput", "tpot"):
+        kw["sis_objective"] = engine.config.sis_objective
     spatial = getattr(engine, "spatial", None)
     if spatial is not None:
         pset = spatial.partitions

@@ -40,7 +40,7 @@ from typing import Any
 from spaceserve.cli_args import HelpFormatter
 from spaceserve.runtime.slo import DEFAULT_SLO_TEXT, Slo
 
-from .backends import HttpBackend, InProcessBackend, Unreachable
+from .backends import CHAT, HttpBackend, InProcessBackend, Unreachable, check_endpoint
 from .predict import predict_run
 from .random_model import (
     RANDOM_MODELS,
@@ -69,7 +69,8 @@ async def bench_engine(engine: Any, workloads: list[ServeWorkload], slo: Slo | N
                        mode: str, model: str, note: str | None = None, preprocessor: Any = None,
                        prompts: Any = None, sim: bool = False, warm: bool = True,
                        deadline: float | None = None, extra: dict[str, Any] | None = None,
-                       drain_s: float | None = None) -> list[dict[str, Any]]:
+                       drain_s: float | None = None, endpoint: str = CHAT
+                       ) -> list[dict[str, Any]]:
     """Every workload on one engine in-process (a short warm-up first), one run dict each;
     closes the engine. Requests go through `preprocessor` (chat) or `prompts` (token ids).
     `deadline` (time.monotonic()): rates not started by then are left out, the running one is
@@ -80,7 +81,8 @@ async def bench_engine(engine: Any, workloads: list[ServeWorkload], slo: Slo | N
     client = AsyncEngine(engine, max_pending=10_000, mode_note=note)
     runs: list[dict[str, Any]] = []
     try:
-        backend = InProcessBackend(client, preprocessor, model, prompts=prompts)
+        backend = InProcessBackend(client, preprocessor, model, prompts=prompts,
+                                   endpoint=endpoint)
         if warm:
             w = ServeWorkload(request_rate=50.0, duration_s=0.1, image_mix=workloads[0]
                               .image_mix, output_len=4, seed=12345)
@@ -143,7 +145,7 @@ async def _run_inprocess(args: argparse.Namespace, workloads: list[ServeWorkload
             print(f"note: {note}")
         runs += await bench_engine(engine, workloads, slo, mode=mode, model=args.model,
                                    note=note, preprocessor=pre, prompts=prompts, sim=args.sim,
-                                   extra=extra, drain_s=args.drain)
+                                   extra=extra, drain_s=args.drain, endpoint=args.endpoint)
         del engine
         _free_device()
     return runs
@@ -161,7 +163,7 @@ async def server_info(args: argparse.Namespace) -> dict[str, Any]:
 async def _run_http(args: argparse.Namespace, workloads: list[ServeWorkload],
                     slo: Slo) -> list[dict[str, Any]]:
     backend = HttpBackend(args.base_url, args.served_model or args.model,
-                          poll_metrics=not args.no_poll)
+                          poll_metrics=not args.no_poll, endpoint=args.endpoint)
     runs = []
     try:
         for w in workloads:
@@ -189,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in-process: add the simulator's prediction beside each run")
     p.add_argument("--modes", default="spatial,temporal", help="in-process engine modes")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="http backend")
+    p.add_argument("--endpoint", default=CHAT,
+                   help="API the requests use: /v1/chat/completions, or /v1/completions "
+                        "(text prompts only: --image-mix text=1)")
     p.add_argument("--served-model",
                    help="http: the model name the server serves (default: --model)")
     p.add_argument("--label", default="server", help="http: the run's label in the outputs")
@@ -270,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         rates = [float(x) for x in args.rates.split(",") if x.strip()]
         slo = Slo.parse(args.slo)
         check_model_args(args)
+        check_endpoint(args.endpoint, parse_mix(args.image_mix))
         for name in ("encoder_window_ms", "drain"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")

@@ -98,6 +98,7 @@ class ContextPlanner:
         self.buffers = StepBuffers(s, t, w, self.device, staging=staging, staged=staged)
         self._serial = 0
         self.attention_plan: Any = None
+        self._decode_memo: dict[Any, Any] = {}  # what `decode_plan.plan_decode` left in place
 
     def set_row(self, row: int, block_ids: Sequence[int] | None = None, *, rope_delta: int = 0,
                 mrope_positions: Tensor | np.ndarray | None = None) -> None:
@@ -166,6 +167,7 @@ class ContextPlanner:
         if input_ids is not None and len(input_ids) != t_real:
             raise ValueError(f"input_ids has {len(input_ids)} tokens, the step {t_real}")
 
+        self._decode_memo.clear()  # this step rewrites what decode steps could keep
         views = self.buffers.begin(ntok, nlog + pad, nseq, width)
         ids, pos, slot, lidx, lseq, cu, seq_lens, bt = views.host
         hpos, hslot, dv = views.host_positions, views.host_slots, views.device

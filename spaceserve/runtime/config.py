@@ -40,9 +40,13 @@ class EngineConfig:
     window, and ``temporal-chunked``'s encoder chunk between decode steps, see
     `encoder_chunked.py`); `green_contexts` False
     forces kernel budgets alone; `programs_per_sm` applies inside green partitions only.
-    `slo`: the latency SLO requests are judged by (`slo.py`; an `Slo` or its text such as
-    ``"ttft:2000,tpot:50"``, the default).
+    `slo`: the latency SLO requests are judged by and ``spatial``'s SIS aims at (`slo.py`; an
+    `Slo` or its text such as ``"ttft:2000,tpot:50"``, the default); `sis_objective` "goodput"
+    or "tpot" (`sis.py`); `sis_load` the decode (batch, mean context) the split set is chosen
+    for when `encoder_splits` is None (`policy.py`, the simulator's background batch).
 
+    `async_scheduling` pipelines the temporal modes' steps: step n+1 is scheduled and launched
+    before step n's tokens are read back (see `engine.py`); False runs every step to completion.
     `tensor_parallel_size` N > 1 splits the decoder over N ranks (one process each, rank 0 in
     the engine's; see `runtime/tp`); the runner must be a tensor-parallel one of that size
     (`Engine.from_pretrained` builds it). `mm_encoder_tp_mode` says how its ranks share the
@@ -81,12 +85,15 @@ class EngineConfig:
     encoder_launch_budget_s: float = 0.003
     green_contexts: bool = True
     programs_per_sm: int = 1
+    async_scheduling: bool = True
     tensor_parallel_size: int = 1
     mm_encoder_tp_mode: str = "data"
     collective_sms: int | None = None
     encoder_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     slo: Slo | str = DEFAULT_SLO
+    sis_objective: str = "goodput"
+    sis_load: tuple[int, int] = (32, 1152)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -107,6 +114,8 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool")
         if self.mm_encoder_tp_mode == "weights":
             raise ValueError("mm_encoder_tp_mode='weights' (the vision encoder's layers split "
                              "over the ranks) is not implemented; use 'data' (each rank "

@@ -76,12 +76,14 @@ class RankedTwsrft:
         the fewest images so far, then the lower rank."""
         return min(range(self.ranks), key=lambda r: (self.load(r), self.submitted[r], r))
 
-    def submit(self, request_id: Hashable, patches: int, rank: int | None = None) -> int:
-        """Queue an image on `rank` (None: `pick`); returns the rank."""
+    def submit(self, request_id: Hashable, patches: int, rank: int | None = None, *,
+               arrival: float | None = None) -> int:
+        """Queue an image that arrived at `arrival` (None: now) on `rank` (None: `pick`);
+        returns the rank."""
         r = self.pick() if rank is None else rank
         if not 0 <= r < self.ranks:
             raise ValueError(f"rank={r} is outside 0..{self.ranks - 1}")
-        self.scheds[r].submit(request_id, patches)
+        self.scheds[r].submit(request_id, patches, arrival)
         self._rank_of[request_id] = r
         self.submitted[r] += 1
         return r
@@ -141,9 +143,10 @@ class RoundTwsrft:
     def remaining(self, job: JobView) -> float:
         return self.cost(job.patches, self.num_layers - job.depth)
 
-    def submit(self, request_id: Hashable, patches: int) -> int:
-        """Queue an image on the least loaded rank; returns the rank."""
-        return self.ranked.submit(request_id, patches)
+    def submit(self, request_id: Hashable, patches: int, arrival: float | None = None) -> int:
+        """Queue an image (arrived at `arrival`, None: now) on the least loaded rank; returns
+        the rank."""
+        return self.ranked.submit(request_id, patches, arrival=arrival)
 
     def next_grant(self) -> Grant | None:
         if self._round is not None:

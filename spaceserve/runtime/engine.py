@@ -2,9 +2,19 @@
 
 One `step()` drains newly added and aborted requests, lets the encoder stage make progress,
 schedules a continuous batch (decodes plus chunked prefills under a token budget), runs the
-model once, samples every row in one device operation and reads the sampled ids back (the
-step's only device-to-host transfer), then finishes the requests that stopped. Host work per
-step grows with the batch, never with the number of layers.
+model once and samples every row on the device, starting the copy of the sampled ids (and any
+requested logprobs) to the host: the step's only device-to-host transfer. Host work per step
+grows with the batch, never with the number of layers.
+
+Steps are pipelined (``EngineConfig.async_scheduling``, as vLLM's asynchronous scheduling): a
+step schedules and launches step n+1 before it reads back step n, so on a GPU the host's work
+for the next step (scheduling, planning, the sampler's bookkeeping) and for the previous one
+(appending tokens, stop checks, detokenisation, streaming) runs while the device computes.
+Step n+1 is scheduled as if every request of step n drew a token (a placeholder); the decode
+inputs that are still placeholders are taken on the device from the sampler's last-token table,
+so nothing waits for the host. A request that step n finishes has drawn one token too many in
+step n+1, which is dropped. The co-located modes run unpipelined (their decode step already
+overlaps the encoder's launches).
 
 Requests may be added and aborted from any thread; steps are serialised by a lock. The pieces
 around the step live beside it: settings in config.py, prompt processing in inputs/, output
@@ -19,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,12 +45,20 @@ from .memory import max_sequence_len, plan_kv_cache
 from .outputs import OutputProcessor
 from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, StepLimits
-from .sampler import Sampler
-from .scheduler import Scheduler
+from .sampler import Sampled, Sampler
+from .scheduler import ScheduledBatch, Scheduler
 
 # Public names of this module (the config's live in config.py, load_processor in inputs/).
 __all__ = ["ATTENTION_BACKENDS", "DEFAULT_GRAPH_SIZES", "MODES", "Engine", "EngineConfig",
            "load_processor"]
+
+
+@dataclass
+class Launched:
+    """A step on the device: its batch and its draws on their way to the host."""
+
+    batch: ScheduledBatch
+    sampled: Sampled | None
 
 
 def _encoder_cost(runner: Any, config: EngineConfig) -> Callable[[int], float] | None:
@@ -116,8 +135,12 @@ class Engine(EngineFrontends):
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=info.eos_token_ids,
             is_ready=self.encoder.ready)
-        self.sampler = Sampler(runner.device)
+        self.sampler = Sampler(runner.device, info.vocab_size, config.max_num_seqs,
+                               info.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
+        self._inflight: Launched | None = None  # the pipelined step awaiting its read-back
+        self._watch_key: list[Request] | None = None
+        self._watch: list[Request] = []
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards _inbox, _active
@@ -162,16 +185,13 @@ class Engine(EngineFrontends):
                     None = None, stream: bool = False) -> str:
         """Queue a prompt; returns its id. A bad prompt does not raise: the request ends with
         finish reason "error" and a message. A bad `sampling_params` or a duplicate
-        `request_id` raises ValueError (caller mistakes, not request data). With ``n`` > 1
-        the request's n sequences share the prompt's processing and KV blocks; each ends with
-        its own output (`RequestOutput.index`), and `abort` ends them all."""
+        `request_id` raises ValueError (caller mistakes, not request data), and so does
+        ``n`` > 1 (parallel sampling is not supported yet)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(params).__name__}")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} sequences exceed the engine's max_num_seqs="
-                             f"{self.config.max_num_seqs}")
+        self.check_params(params)
         now = time.monotonic()
         seq_no = next(self._ids)
         rid = f"req-{seq_no}" if request_id is None else request_id
@@ -190,11 +210,6 @@ class Engine(EngineFrontends):
             _ = mm.content_hashes  # hashed here, on the caller's thread, not in the step loop
         req = Request(rid, seq_no, ids, params, seed, mm, arrival_time=now)
         req.sink, req.stream = sink, stream
-        if params.n > 1 and error is None:  # parallel sampling: forks of the first sequence
-            req.forks = [req.fork_child(i, next(self._ids)) for i in range(1, params.n)]
-            req.group = [req, *req.forks]
-            for child in req.forks:
-                child.group = req.group
         with self._lock:
             if rid in self._active:
                 raise ValueError(f"request_id={rid!r} is already in use")
@@ -204,10 +219,23 @@ class Engine(EngineFrontends):
         if error is not None:  # never queued: nothing to release
             req.status, req.finish_reason, req.error = Status.FINISHED, "error", error
             req.finished_time = now
-            for i in range(params.n):  # every sequence ends, each with its own output
-                req.index = i
-                self._emit(req, True)
+            self._emit(req, True)
         return rid
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What a `SamplingParams` cannot check alone: token ids inside this model's vocabulary,
+        a tokenizer for stop strings, a single choice. ValueError names the field."""
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: parallel sampling (n > 1) is not supported; send n "
+                             "requests (with seeds seed, seed + 1, ...) instead")
+        vocab = self.runner.info.vocab_size
+        for tok, _ in params.logit_bias:
+            if tok >= vocab:
+                raise ValueError(f"logit_bias: token id {tok} is outside the vocabulary "
+                                 f"({vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and this engine has none; "
+                             "use stop_token_ids")
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (takes effect at the next step); False when it is not active."""
@@ -235,7 +263,7 @@ class Engine(EngineFrontends):
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs it produced (final ones, and incremental
-        ones of streaming requests)."""
+        ones of streaming requests). Pipelined, a step's tokens come out of the next call."""
         with self._step_lock:
             now = time.monotonic()
             self._drain(now)
@@ -245,38 +273,70 @@ class Engine(EngineFrontends):
                 self.spatial.step(self)
             else:
                 batch = self.scheduler.schedule()
-                if batch:
-                    logits = self.runner.execute(batch)
-                    ids = self.sample(logits, batch)
-                    self._account(batch, ids.tolist() if ids is not None else [])
+                launched = self._launch(batch) if batch else None
+                if launched is not None:
+                    self.num_steps += 1  # counted when launched (its tokens come later)
+                previous, self._inflight = self._inflight, launched
+                if previous is not None:
+                    self._complete(previous, count_step=False)
+                if launched is not None and (not self.config.async_scheduling
+                                             or not self._active):
+                    self._inflight = None  # unpipelined, or every request of it has ended
+                    self._complete(launched, count_step=False)
             out, self._outbox = self._outbox, []
             return out
 
-    def sample(self, logits: torch.Tensor, batch: Any) -> torch.Tensor | None:
-        """One token per ``batch.sample_reqs`` row, then one per sequence forked this step
-        (drawn from its parent's row with its own seed); None when nothing is sampled."""
+    def _launch(self, batch: ScheduledBatch, stage: str | None = None) -> Launched:
+        """Run `batch` on the device and draw its tokens (no host sync): decode inputs still
+        in flight come from the sampler's last-token table; `stage` "encoder" runs it under
+        the encoder's budget (a co-located mode's compute partition)."""
         reqs = batch.sample_reqs
-        if not reqs:
-            return None
-        if batch.forks:
-            rows = torch.tensor([i for i, _ in batch.forks], device=logits.device)
-            logits = torch.cat([logits, logits.index_select(0, rows)])
-            reqs = reqs + [child for _, child in batch.forks]
-        return self.sampler(logits, reqs)
+        sb = self.sampler.prepare(reqs, stage or "decoder", batch.admissions) if reqs else None
+        if batch.pending:
+            assert sb is not None
+            batch.input_source = (self.sampler.last_tokens, sb.rows[:batch.num_decodes])
+        logits = self.runner.execute(batch) if stage is None else \
+            self.runner.execute(batch, stage=stage)
+        return Launched(batch, self.sampler.sample(logits, sb) if sb is not None else None)
 
-    def _account(self, batch: Any, sampled: list[int], count_step: bool = True) -> None:
-        """A batch's sampled tokens: advance the requests, finish those that stopped, stream."""
+    def _complete(self, launched: Launched, count_step: bool = True) -> None:
+        """Read a launched step's draws back (waits for the device) and account them."""
+        sampled = launched.sampled
+        if sampled is None:
+            self._account(launched.batch, [], None, count_step)
+            return
+        ids, lps = sampled.fetch()
+        self._account(launched.batch, ids, lps, count_step, sampled.batch.reqs)
+
+    def _account(self, batch: ScheduledBatch, sampled: list[int],
+                 logprobs: list[list[float]] | None = None, count_step: bool = True,
+                 same_reqs: list[Request] | None = None) -> None:
+        """A batch's drawn tokens: advance the requests, finish those that stopped (a stop
+        token, the length limit, a stop string in the new text), stream."""
         now = time.monotonic()
+        reqs = batch.sample_reqs
+        if logprobs is not None:
+            self.outputs.add_logprobs(reqs, logprobs)
         for req in self.scheduler.update(batch, sampled, now):
             self._end(req, req.finish_reason, None, now)
-        for req in batch.sample_reqs:
-            if req.stream and req.status is Status.RUNNING:
-                self._emit(req, False)
-        for _, req in batch.forks:
-            if req.stream and req.status is Status.RUNNING:
+        check = self.outputs.check_stop if self.outputs.decode is not None else None
+        for req in self._watched(reqs if same_reqs is None else same_reqs):
+            if req.status is Status.FINISHED:
+                continue
+            if req.params.stop and check is not None and check(req) is not None:
+                self._end(req, "stop", None, now)
+            elif req.stream:
                 self._emit(req, False)
         if count_step:
             self.num_steps += 1
+
+    def _watched(self, reqs: list[Request]) -> list[Request]:
+        """The requests of a sampled batch that stream or have stop strings (cached while the
+        batch keeps its requests)."""
+        if reqs is not self._watch_key:
+            self._watch_key = reqs
+            self._watch = [r for r in reqs if r.stream or r.params.stop]
+        return self._watch
 
     def _drain(self, now: float) -> None:
         while self._inbox:
@@ -295,27 +355,19 @@ class Engine(EngineFrontends):
                 self.scheduler.add(item)
             else:
                 req = self._active.get(item)
-                for seq in (req.group or [req]) if req is not None else []:
-                    if seq.status is not Status.FINISHED and not (
-                            self.spatial is not None and self.spatial.defer_abort(seq)):
-                        self._end(seq, "abort", None, now)
+                if req is not None and not (self.spatial is not None
+                                            and self.spatial.defer_abort(req)):
+                    self._end(req, "abort", None, now)
 
     def _end(self, req: Request, reason: str, error: str | None, now: float) -> None:
         """Finish `req` for good: queues, KV blocks, embeddings, then its final output."""
-        forks, req.forks = req.forks, []  # sequences never forked end with it
         self.scheduler.finish(req, reason, error)
         self.encoder.release(req)
         req.finished_time = now
         with self._lock:
-            group = req.group or [req]
-            if self._active.get(req.request_id) is group[0] and all(
-                    s.finished or s in forks for s in group):
+            if self._active.get(req.request_id) is req:
                 del self._active[req.request_id]
         self._emit(req, True)
-        for child in forks:
-            self.scheduler.finish(child, reason, error)
-            child.finished_time = now
-            self._emit(child, True)
 
     def _emit(self, req: Request, finished: bool) -> None:
         out = self.outputs.make(req, finished)
@@ -326,12 +378,13 @@ class Engine(EngineFrontends):
     def fail_all(self, message: str) -> None:
         """End every active request with an error (the model failed; nothing can continue)."""
         with self._step_lock:
+            self._inflight = None  # its draws are lost with the requests
             if self.spatial is not None:
                 self.spatial.drain()
             now = time.monotonic()
             with self._lock:
                 self._inbox.clear()
-                reqs = [s for r in self._active.values() for s in (r.group or [r])]
+                reqs = list(self._active.values())
             for req in reqs:
                 if req.status is not Status.FINISHED:
                     self._end(req, "error", message, now)
@@ -349,14 +402,17 @@ class Engine(EngineFrontends):
                 "prefill_tokens": sched.prefill_tokens}
 
     def check_idle(self) -> None:
-        """Raise AssertionError unless nothing (request, KV block, embedding) is held."""
-        assert not self._active and not self._inbox, f"{len(self._active)} requests active"
-        self.scheduler.check_idle()
-        self.encoder_cache.check_idle()
-        assert self.encoder.num_held == 0, f"{self.encoder.num_held} embeddings still held"
-        assert self.encoder.num_pending == 0, "encoder work still pending"
-        if self.spatial is not None:
-            assert self.spatial.num_inflight == 0, "a compute-partition prefill is in flight"
+        """Raise AssertionError unless nothing (request, KV block, embedding) is held (after
+        any step in progress)."""
+        with self._step_lock:
+            assert not self._active and not self._inbox, f"{len(self._active)} requests active"
+            assert self._inflight is None, "a pipelined step was never read back"
+            self.scheduler.check_idle()
+            self.encoder_cache.check_idle()
+            assert self.encoder.num_held == 0, f"{self.encoder.num_held} embeddings still held"
+            assert self.encoder.num_pending == 0, "encoder work still pending"
+            if self.spatial is not None:
+                assert self.spatial.num_inflight == 0, "a compute-partition prefill is in flight"
 
     def close(self) -> None:
         """Stop the encoder stage's thread and release SM partitions (co-located modes); stop

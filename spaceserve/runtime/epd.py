@@ -24,6 +24,7 @@ takes effect when the prefill completes.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ from spaceserve.kernels.budget import device_num_sms
 
 from .curves import CurveSet
 from .partition import Partition, PartitionSet, default_splits
+from .policy import OBJECTIVES, SchedulingPolicy, scheduling_policy
 from .request import Request, Status
 from .scheduler import ScheduledBatch, Scheduler
 from .sis import SisState, SpaceInferenceScheduler, Split
@@ -68,6 +70,13 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"encoder_splits={splits!r} must be ints >= 1")
     if cfg.curves is not None and not isinstance(cfg.curves, str):
         raise ValueError(f"curves={cfg.curves!r} must be a path (str) or None")
+    if cfg.sis_objective not in OBJECTIVES:
+        raise ValueError(f"sis_objective={cfg.sis_objective!r} is not one of "
+                         f"{', '.join(OBJECTIVES)}")
+    load = cfg.sis_load
+    if not isinstance(load, tuple) or len(load) != 2 or any(
+            isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in load):
+        raise ValueError(f"sis_load={load!r} must be (batch, context), ints >= 1")
     for name, zero_ok in (("encoder_window_s", False), ("encoder_launch_budget_s", True)):
         value = getattr(cfg, name)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -95,6 +104,19 @@ def load_curves(path: str | None, runner: Any) -> CurveSet:
     return _CURVES[key]
 
 
+def engine_policy(curves: CurveSet, config: Any, total_sms: int) -> SchedulingPolicy:
+    """The scheduling policy of an `EngineConfig` (`policy.py`): what `sim.sim_policy` builds
+    for a simulated GPU with the same curves, SLO, knobs and reference decode load."""
+    splits = config.encoder_splits
+    if splits and not all(0 < e < total_sms for e in splits):
+        raise ValueError(f"encoder_splits={tuple(splits)} must be in 1..{total_sms - 1}")
+    batch, context = config.sis_load
+    return scheduling_policy(
+        curves, config.slo, objective=config.sis_objective, total_sms=total_sms,
+        splits=config.encoder_splits, batch=batch, context=context,
+        window_s=config.encoder_window_s, launch_budget_s=config.encoder_launch_budget_s)
+
+
 def set_budgets(runner: Any, part: Partition) -> None:
     """The runner's stage budgets follow the partition (graphs are keyed by them)."""
     runner.encoder_num_sms = part.encoder_sms
@@ -109,13 +131,14 @@ def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, Scheduled
     if nd:
         dec = ScheduledBatch(batch.reqs[:nd], batch.num_cached[:nd], batch.num_new[:nd],
                              batch.need_logits[:nd], batch.sample_reqs[:nd], nd, nd,
-                             batch.preempted, [f for f in batch.forks if f[0] < nd], copies)
+                             batch.preempted, block_copies=copies, pending=batch.pending,
+                             grown=batch.grown, admissions=batch.admissions)
     if n > nd:
         pre = ScheduledBatch(batch.reqs[nd:], batch.num_cached[nd:], batch.num_new[nd:],
                              batch.need_logits[nd:], batch.sample_reqs[nd:], 0,
                              batch.num_tokens - nd, [] if dec else batch.preempted,
-                             [(i - nd, c) for i, c in batch.forks if i >= nd],
-                             [] if dec else copies)
+                             block_copies=[] if dec else copies, grown=batch.grown,
+                             admissions=batch.admissions)
     return dec, pre
 
 
@@ -123,8 +146,7 @@ def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, Scheduled
 class _Prefill:
     """A prefill batch launched on the compute partition: sampled ids land in `host`."""
 
-    batch: ScheduledBatch
-    host: torch.Tensor | None
+    launched: Any  # engine.Launched: the batch and its draws (read back into pinned memory)
     event: Any
 
 
@@ -135,8 +157,11 @@ class SpatialRuntime:
                  mode: str, target: Partition, sis: SpaceInferenceScheduler | None = None,
                  prefill_on: str = "auto", curve_depth: int = 32,
                  clock: Callable[[], float] = time.monotonic,
-                 graph_batch_sizes: tuple[int, ...] = ()) -> None:
+                 graph_batch_sizes: tuple[int, ...] = (),
+                 policy: SchedulingPolicy | None = None) -> None:
         self.runner, self.stage, self.partitions = runner, stage, partitions
+        self.policy = policy
+        self.graph_bytes: dict[int, int] = {}  # decode graph memory per partition (CUDA)
         self.mode, self.target, self.sis = mode, target, sis
         self.prefill_on, self.curve_depth, self.clock = prefill_on, curve_depth, clock
         self.graph_batch_sizes = graph_batch_sizes
@@ -166,11 +191,18 @@ class SpatialRuntime:
                 self._wait()
             return
         with part.decoder_scope():
-            logits = self.runner.execute(dec)
-            ids = eng.sample(logits, dec)
-            self.stage.launch()  # while the decode step runs on the device
-            sampled = ids.tolist() if ids is not None else []
-        eng._account(dec, sampled)
+            launched = eng._launch(dec)
+            self.stage.launch(self._launch_budget())  # while the decode step runs on the device
+            if launched.sampled is not None:
+                launched.sampled.fetch()  # a sync of the decoder stream only
+        eng._complete(launched)
+
+    def _launch_budget(self) -> float | None:
+        """Host seconds of encoder launches beside this decode step: a share of its predicted
+        time (`SchedulingPolicy.launch_budget`), as the simulator models it."""
+        if self.policy is None or self.last_split is None:
+            return None
+        return self.policy.launch_budget(self.last_split.predicted_tpot_s)
 
     def _schedule(self, sched: Scheduler) -> ScheduledBatch:
         if not self._busy:
@@ -184,16 +216,9 @@ class SpatialRuntime:
 
     def _launch_prefill(self, eng: Any, pre: ScheduledBatch, part: Partition) -> None:
         with part.encoder_scope():
-            logits = self.runner.execute(pre, stage="encoder")
-            host = None
-            ids = eng.sample(logits, pre)
-            if ids is not None:
-                host = ids
-                if ids.is_cuda:
-                    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-                    host.copy_(ids, non_blocking=True)
+            launched = eng._launch(pre, stage="encoder")
             event = self.stage.record_event()
-        self._prefills.append(_Prefill(pre, host, event))
+        self._prefills.append(_Prefill(launched, event))
         self._busy.update(r.seq_no for r in pre.reqs)
         self.num_compute_prefills += 1
 
@@ -202,15 +227,15 @@ class SpatialRuntime:
         while self._prefills and (self._prefills[0].event is None
                                   or self._prefills[0].event.query()):
             fl = self._prefills.popleft()
-            sampled = fl.host.tolist() if fl.host is not None else []
             if isinstance(fl.event, torch.cuda.Event):
                 for stream in self.partitions.decoder_streams():  # its KV writes come first
                     stream.wait_event(fl.event)
-            for r in fl.batch.reqs:
+            batch = fl.launched.batch
+            for r in batch.reqs:
                 self._busy.discard(r.seq_no)
-            eng._account(fl.batch, sampled, count_step=False)
+            eng._complete(fl.launched, count_step=False)
             now = time.monotonic()
-            for r in fl.batch.reqs:
+            for r in batch.reqs:
                 if r.seq_no in self._deferred:
                     self._deferred.discard(r.seq_no)
                     if r.status is not Status.FINISHED:
@@ -244,22 +269,28 @@ class SpatialRuntime:
             self.stage.resume()
 
     def sis_state(self, sched: Scheduler) -> SisState:
-        """Waiting encoder jobs, prompts ready to prefill and the decode load, for SIS."""
-        media = self.stage.media
-        prefill = [len(r.token_ids) - max(r.num_computed, r.prefix_hint) for r in sched.waiting
-                   if media.ready(r, r.prefix_hint)]
+        """Waiting encoder jobs, prompts ready to prefill (with their ages), the decode load and
+        the image arrival rate, for SIS."""
+        media = self.stage.media  # cached items (encoder or prefix cache) are no encoder work
+        ready = [r for r in sched.waiting if media.ready(r, r.prefix_hint)]
+        prefill = [len(r.token_ids) + r.num_placeholders - max(r.num_computed, r.prefix_hint)
+                   for r in ready]
+        ages = [self.stage.age(r) for r in ready]
         decoding = 0
         context = 0
         for r in sched.running:
-            left = len(r.token_ids) - r.num_computed
+            left = len(r.token_ids) + r.num_placeholders - r.num_computed
             if left > 1:
                 prefill.append(left)
+                ages.append(self.stage.age(r))
             else:
                 decoding += 1
                 context += len(r.token_ids)
         mean = context / decoding if decoding else 0.0
+        rate, patches, prompt = self.stage.arrivals.estimate(self.clock())
         return SisState(tuple(self.stage.pending_work(self.curve_depth)), tuple(prefill),
-                        decoding, round(mean / CONTEXT_BUCKET) * CONTEXT_BUCKET)
+                        decoding, round(mean / CONTEXT_BUCKET) * CONTEXT_BUCKET, tuple(ages),
+                        rate, patches, prompt)
 
     # -- aborts, failures, shutdown ------------------------------------------------------------
     def defer_abort(self, req: Request) -> bool:
@@ -290,10 +321,12 @@ class SpatialRuntime:
         self.partitions.close()
 
 
-def make_partitions(config: Any, device: torch.device) -> tuple[PartitionSet, list[Partition]]:
+def make_partitions(config: Any, device: torch.device, splits: Sequence[int] | None = None
+                    ) -> tuple[PartitionSet, list[Partition]]:
     """The partition set of a co-located mode and the partitions it uses, from an
     `EngineConfig` (or anything with its mode, encoder_sms, encoder_splits, green_contexts and
-    programs_per_sm fields: a tensor-parallel worker builds the same set on its own device)."""
+    programs_per_sm fields: a tensor-parallel worker builds the same set on its own device).
+    `splits`: ``spatial``'s split set when chosen elsewhere (`engine_policy`)."""
     mode = config.mode
     if mode not in SPATIAL_MODES:
         raise ValueError(f"mode={mode!r} is not a co-located mode ({', '.join(SPATIAL_MODES)})")
@@ -311,7 +344,7 @@ def make_partitions(config: Any, device: torch.device) -> tuple[PartitionSet, li
             raise ValueError(f"encoder_sms={e} must be in 1..{total - 1} (SMs of this device)")
         pset = PartitionSet(device, [e], green=green, programs_per_sm=config.programs_per_sm)
         return pset, [pset.get(e)]
-    splits = tuple(config.encoder_splits or default_splits(total))
+    splits = tuple(splits or config.encoder_splits or default_splits(total))
     if not all(0 < e < total for e in splits):
         raise ValueError(f"encoder_splits={splits} must be in 1..{total - 1}")
     pset = PartitionSet(device, splits, green=green, programs_per_sm=config.programs_per_sm)
@@ -325,13 +358,21 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
     co-located mode from an `EngineConfig`; ValueError names a bad setting."""
     mode, device = config.mode, torch.device(runner.device)
     total = device_num_sms(device)
-    pset, parts = make_partitions(config, device)
     curves = load_curves(config.curves, runner)
+    policy = engine_policy(curves, config, total) if mode == "spatial" else None
+    if policy is not None and config.encoder_splits is None and \
+            getattr(runner, "tp_size", 1) > 1:  # tensor-parallel ranks build default splits
+        policy = dataclasses.replace(policy, splits=default_splits(total))
+    pset, parts = make_partitions(config, device, policy.splits if policy else None)
     captured: tuple[int, ...] = ()
+    graph_bytes: dict[int, int] = {}  # device memory the decode graphs took, per partition
     for part in parts:
         set_budgets(runner, part)
+        before = torch.cuda.memory_reserved(device) if pset.cuda else 0
         with pset.capture_scope(part):
             captured = runner.capture_decode_graphs(graph_sizes)
+        if pset.cuda:
+            graph_bytes[part.requested] = torch.cuda.memory_reserved(device) - before
     target = parts[0] if mode != "spatial" else pset.full
     pset.switch(target)
     set_budgets(runner, target)
@@ -340,11 +381,16 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
     stage = SpatialEncoderStage(runner, pset, curves, driver=config.encoder_driver,
                                 window_s=config.encoder_window_s,
                                 launch_budget_s=config.encoder_launch_budget_s,
-                                max_held=config.max_held_embeddings, clock=clock, cache=cache)
+                                max_held=config.max_held_embeddings, clock=clock,
+                                plan=policy, cache=cache)
     sis = None
-    if mode == "spatial":
-        sis = SpaceInferenceScheduler(curves, sorted(pset.splits), total_sms=total, clock=clock)
+    if policy is not None:
+        sis = SpaceInferenceScheduler(
+            curves, sorted(pset.splits), total_sms=total, objective=policy.objective,
+            slo=policy.slo, tpot_factor=policy.tpot_factor, decode_margin=policy.decode_margin,
+            ttft_margin=policy.ttft_margin, comfort_factor=policy.comfort_factor, clock=clock)
     runtime = SpatialRuntime(runner, stage, pset, mode=mode, target=target, sis=sis,
                              prefill_on=config.prefill_on, curve_depth=curves.encoder_depth,
-                             clock=clock, graph_batch_sizes=captured)
+                             clock=clock, graph_batch_sizes=captured, policy=policy)
+    runtime.graph_bytes = graph_bytes
     return stage, runtime

@@ -16,7 +16,7 @@ import torch
 
 from .model_info import ModelInfo
 from .request import MultiModalData, Request, SamplingParams
-from .sampler import M32, fold_seed, mix32, sample
+from .sampling_ops import M32, mix32, reference_next_token
 from .scheduler import ScheduledBatch
 from .step_plan import StepLimits, StepPlanner
 
@@ -149,20 +149,19 @@ class NullModelRunner:
     def reference_generate(self, token_ids: Sequence[int], mm: MultiModalData | None,
                            params: SamplingParams, seed: int, max_len: int
                            ) -> tuple[list[int], str]:
-        """(tokens, finish reason) of one request run alone over an unpaged sequence: the
-        oracle the engine's outputs are checked against."""
+        """(tokens, finish reason) of one request run alone over an unpaged sequence, every
+        token picked by `sampling_ops.reference_next_token`: the oracle the engine's outputs
+        are checked against (stop strings aside: no tokenizer here)."""
         embeds = self.encode([mm])[0] if mm is not None else None
         seq, out = list(token_ids), []
-        eos = set(self.info.eos_token_ids)
-        scalars = (torch.tensor([params.temperature]), torch.tensor([params.top_p]),
-                   torch.tensor([fold_seed(seed)]))
+        eos = self.info.eos_token_ids
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
         while True:
-            logits = self.reference_logits(self.token_values(seq, mm, embeds))[None]
-            tok = int(sample(logits, *scalars, torch.tensor([len(seq)]),
-                             use_top_p=params.top_p < 1.0)[0])
+            logits = self.reference_logits(self.token_values(seq, mm, embeds))
+            tok = reference_next_token(logits, params, seed, token_ids, out, eos)
             seq.append(tok)
             out.append(tok)
-            if (tok in eos and not params.ignore_eos) or tok in params.stop_token_ids:
+            if tok in stops and len(out) > params.min_tokens:
                 return out, "stop"
             if len(out) >= params.max_tokens or len(seq) >= max_len:
                 return out, "length"

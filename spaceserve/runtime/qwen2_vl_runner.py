@@ -214,18 +214,21 @@ class Qwen2VLRunner:
         """Where the embedding row of each image- or video-token id among the step's token ids
         `ids` comes from, in token order: rows ``lo..hi-1`` of one media item's embeddings
         (source: its encoder-cache entry), or, for media-token ids the model generated (plain
-        text then), ``hi`` copies of token ``lo``'s own embedding row (source None)."""
+        text then), ``hi`` copies of token ``lo``'s own embedding row (source None). A decode's
+        token is its entry of `ids` (its input, which may have been read from the device)."""
         if not np.isin(ids, self._media_ids).any():
             return []
         pieces: list[ImagePiece] = []
-        for req, s, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
+        nd = batch.num_decodes
+        for i, (req, s, n) in enumerate(zip(batch.reqs, batch.num_cached, batch.num_new,
+                                            strict=True)):
             p, mm = req.num_prompt_tokens, req.mm
             if mm is not None and s < p:
                 lo, hi = np.searchsorted(mm.positions, [s, min(s + n, p)])
                 if hi > lo:
                     pieces += mm.pieces(int(lo), int(hi))
             if s + n > p:
-                for tok in req.token_ids[max(s, p):s + n]:
+                for tok in [int(ids[i])] if i < nd else req.token_ids[max(s, p):s + n]:
                     if tok not in self._media_set:
                         continue
                     if pieces and pieces[-1][0] is None and pieces[-1][1] == tok:
@@ -264,7 +267,19 @@ class Qwen2VLRunner:
             if found is not None:
                 graph, width = found.batch_size, found.max_blocks_per_seq
         inputs = self._planner(stage).prepare(batch, pad_to=graph, width=width)
-        pieces = [] if graph is not None else self.image_pieces(batch, inputs.input_ids)
+        pieces: list[ImagePiece] = []
+        if graph is None and inputs.input_ids is not None:
+            pieces = self.image_pieces(batch, inputs.input_ids)
+            if pieces and inputs.pending:
+                # A decode input still on the device may be a media token, which must get its
+                # own row among the embeddings: read the pending inputs back (a sync, only in
+                # steps that also carry media embeddings) and plan them as known tokens.
+                table, slots = inputs.source
+                idx = torch.tensor(inputs.pending, dtype=torch.int64)
+                real = table.index_select(0, slots.index_select(0, idx.to(slots.device)))
+                inputs.input_ids[idx.numpy()] = real.cpu().numpy()
+                inputs.pending, inputs.source = [], None
+                pieces = self.image_pieces(batch, inputs.input_ids)
         return PreparedStep(stage, budget, graph, inputs, pieces)
 
     def _planner(self, stage: str) -> StepPlanner:
@@ -281,13 +296,16 @@ class Qwen2VLRunner:
                  None = None, comm: Any = None, apply_sync: bool = False) -> torch.Tensor:
         """The device half of `execute`: plan the prepared step (after applying its row-state
         changes when `apply_sync`: a step prepared by another process) and run it, replaying
-        its graph or eagerly under its budget (`comm`: the stage's communicator, TP only)."""
+        its graph or eagerly under its budget (`comm`: the stage's communicator, TP only; it
+        also brings every rank the decode inputs rank 0 took from its device)."""
         planner = self._planner(step.stage)
         if apply_sync:
             planner.apply(step.inputs.sync)
         ctx = planner.plan_inputs(step.inputs).context
         if step.inputs.block_copies is not None:  # copy on write, before anything is stored
             self.kv.copy_blocks(step.inputs.block_copies)
+        if step.inputs.pending and comm is not None:  # rank 0's device inputs to every rank
+            comm.broadcast(ctx.input_ids[:step.inputs.num_decodes], 0)
         if step.graph is not None:  # the graph captured the planner's buffers: nothing to copy
             width = step.inputs.width
             graph = self.graphs.graphs.get((step.graph, width, step.budget)) \

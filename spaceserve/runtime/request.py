@@ -2,74 +2,29 @@
 
 A `Request` is the engine's mutable record of one prompt's life: its tokens (prompt, then the
 generated ones), how many of them are in the KV cache, the KV blocks it holds, its image
-embeddings, and its timings. `SamplingParams` and `RequestOutput` are the public face.
+embeddings, and its timings. `SamplingParams` (sampling_params.py) and `RequestOutput` are the
+public face. Outputs are built in O(1) per token: a streaming output's cumulative fields
+(`token_ids`, `logprobs`, `text`, the token times) are views of the request's growing lists,
+read (or joined) only when someone asks.
 """
 
 from __future__ import annotations
 
 import enum
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from .sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, check_int
+
+__all__ = ["FINISH_REASONS", "MAX_LOGPROBS", "MAX_STOP_STRINGS", "MultiModalData", "Request",
+           "RequestMetrics", "RequestOutput", "SamplingParams", "SeqView", "Status",
+           "TokenLogprob", "check_int"]
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
-
-
-def check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name}={value} must be >= {low}")
-    return int(value)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick the tokens of one request; every field is validated (ValueError names it).
-
-    temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / temperature)
-    restricted to the smallest set whose probability reaches `top_p`. The draw for the token at
-    sequence index ``i`` depends only on (seed, i), so batching and preemption never change it;
-    without a seed the engine picks one at arrival. `n` > 1 draws that many sequences from one
-    prompt, processed once (parallel sampling): sequence i uses seed + i.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    n: int = 1
-
-    def __post_init__(self) -> None:
-        check_int("max_tokens", self.max_tokens, 1)
-        check_int("n", self.n, 1)
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {type(value).__name__}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name}={value} must be finite")
-            object.__setattr__(self, name, float(value))
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.seed is not None:
-            check_int("seed", self.seed, 0)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
-        ids = self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-            raise ValueError("stop_token_ids must be a sequence of ints")
-        object.__setattr__(
-            self, "stop_token_ids", tuple(check_int("stop_token_ids", t, 0) for t in ids)
-        )
 
 
 class Status(enum.Enum):
@@ -241,6 +196,57 @@ class MultiModalData:
         return self.hashes
 
 
+class SeqView(Sequence):
+    """A read-only view of ``data[start:stop]`` for a list that only changes past `stop`: an
+    O(1) snapshot of a growing list (compares equal to any sequence with the same items)."""
+
+    __slots__ = ("_data", "_start", "_stop")
+
+    def __init__(self, data: list[Any], start: int, stop: int) -> None:
+        self._data, self._start, self._stop = data, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return self._data[self._start:self._stop][i]
+        n = self._stop - self._start
+        if not -n <= i < n:
+            raise IndexError("SeqView index out of range")
+        return self._data[self._start + (i % n)]
+
+    def __iter__(self) -> Iterator[Any]:
+        data = self._data
+        return (data[i] for i in range(self._start, self._stop))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # pickled (an output sent to another process) as its items only, not the whole list
+        return list, (list(self),)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One sampled token's log-probability under the raw logits (before any processing), its
+    rank in the vocabulary (1 = most likely) and the `top` most likely tokens as (id, logprob),
+    most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class RequestMetrics:
     """Monotonic-clock timestamps (seconds): arrival, first token, every token, finish; and
@@ -254,24 +260,56 @@ class RequestMetrics:
     num_cached_tokens: int = 0
 
 
-@dataclass(frozen=True)
+class TextSnapshot:
+    """The first `n` pieces of a request's growing list of text pieces, joined on demand."""
+
+    __slots__ = ("_parts", "_n")
+
+    def __init__(self, parts: list[str], n: int) -> None:
+        self._parts, self._n = parts, n
+
+    def __str__(self) -> str:
+        return "".join(self._parts[:self._n])
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return str, (str(self),)  # pickled as the text, not the growing list of pieces
+
+
+@dataclass(frozen=True, eq=False)
 class RequestOutput:
-    """What a request has produced so far. `token_ids` are all generated tokens;
-    `new_token_ids` those since the previous output of the same request (streaming). A request
-    with ``n`` > 1 produces outputs for each of its sequences, told apart by `index`; each
-    sequence ends with its own finished output."""
+    """What a request has produced so far.
+
+    `token_ids` are all generated tokens and `new_token_ids` those since the previous output of
+    the same request (streaming); `text` is the detokenised output so far (joined when read;
+    stop strings cut it) and `delta_text` the part of it new in this output. Text that may
+    still change (an incomplete UTF-8 character, a possible start of a stop string) is held
+    back until it cannot. `logprobs` / `new_logprobs` hold a `TokenLogprob` per token when the
+    request asked for them. `stop_reason` is the stop string or stop token id that ended it
+    (None for the model's end-of-sequence token or another reason). `index` is the choice's
+    index (always 0 while ``n`` > 1 is refused).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    token_ids: Sequence[int]
     new_token_ids: list[int]
-    text: str | None
     finished: bool
     finish_reason: str | None
     error: str | None
     metrics: RequestMetrics
+    delta_text: str = ""
+    logprobs: Sequence[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    index: int = 0  # which of the request's ``n`` sequences (parallel sampling)
+    text_source: str | TextSnapshot | None = field(default=None, repr=False)
+    index: int = 0  # which of the request's choices
+
+    @property
+    def text(self) -> str | None:
+        """The output text so far (None without a tokenizer)."""
+        t = self.text_source
+        return t if t is None or isinstance(t, str) else str(t)
 
 
 class Request:
@@ -282,8 +320,9 @@ class Request:
         "status", "num_computed", "block_ids", "row", "synced_blocks", "finish_reason",
         "error", "arrival_time", "first_token_time", "token_times", "finished_time",
         "num_preemptions", "num_emitted", "sink", "stream", "model_state", "stop_ids",
-        "limit_len", "block_hashes", "num_hashed", "prefix_hint", "num_cached_tokens",
-        "index", "group", "forks", "shared_tail",
+        "limit_len", "prompt_ids", "num_placeholders", "admit_serial", "logprobs", "detok",
+        "stop_reason", "min_len", "block_hashes", "num_hashed", "prefix_hint",
+        "num_cached_tokens", "index",
     )
 
     def __init__(self, request_id: str, seq_no: int, prompt_token_ids: list[int],
@@ -293,7 +332,8 @@ class Request:
         self.seq_no = seq_no
         self.params = params
         self.seed = seed
-        self.token_ids = list(prompt_token_ids)
+        self.prompt_ids = list(prompt_token_ids)  # shared by every output: never mutated
+        self.token_ids = list(prompt_token_ids)  # prompt, generated tokens, then placeholders
         self.num_prompt_tokens = len(prompt_token_ids)
         self.mm = mm
         self.status = Status.WAITING
@@ -318,26 +358,19 @@ class Request:
         self.num_hashed = 0  # leading blocks of block_ids offered to the prefix cache
         self.prefix_hint = 0  # prompt tokens the prefix cache held when it arrived
         self.num_cached_tokens = -1  # prompt tokens it held at the first admission (-1: none)
-        self.index = 0  # its sequence among the request's n (parallel sampling)
-        self.group: list[Request] | None = None  # all n sequences of the request (n > 1)
-        self.forks: list[Request] = []  # sequences to fork off it when its prompt is done
-        self.shared_tail = False  # its last block is shared with a fork: copy before writing
-
-    def fork_child(self, index: int, seq_no: int) -> Request:
-        """Sequence `index` of this request's n: same prompt, media (own embedding slots) and
-        parameters, seed + index; it takes this request's prompt blocks when forked."""
-        mm = self.mm
-        if mm is not None:
-            mm = replace(mm, items=None)
-        child = Request(self.request_id, seq_no, self.prompt_token_ids, self.params,
-                        self.seed + index, mm, arrival_time=self.arrival_time)
-        child.index = index
-        child.sink, child.stream = self.sink, self.stream
-        return child
+        self.index = 0  # its choice index (n > 1 is refused, so always 0)
+        # Tokens drawn by steps not yet read back (they follow token_ids; the scheduler counts
+        # them as known, the planner takes them from the device).
+        self.num_placeholders = 0
+        self.admit_serial = 0  # bumped by the scheduler whenever it takes a sequence slot
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.detok: Any = None  # the output processor's incremental detokeniser state
+        self.stop_reason: int | str | None = None
+        self.min_len = 0  # sequence length before which stop tokens do not end it (min_tokens)
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        return self.prompt_ids
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -351,8 +384,11 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def metrics(self) -> RequestMetrics:
-        return RequestMetrics(self.arrival_time, self.first_token_time, tuple(self.token_times),
+    def metrics(self, final: bool = True) -> RequestMetrics:
+        """Timings; a non-final one views the token times instead of copying them."""
+        times = self.token_times
+        return RequestMetrics(self.arrival_time, self.first_token_time,
+                              tuple(times) if final else SeqView(times, 0, len(times)),
                               self.finished_time, self.num_preemptions,
                               max(0, self.num_cached_tokens))
 

@@ -18,19 +18,24 @@ items wholly inside the prefix need none). After every step the blocks it filled
 to the cache, so they outlive it: a preempted, finished or aborted request's computed blocks
 stay for the next request with the same prefix until evicted.
 
-Parallel sampling (``n`` > 1): only the first sequence is queued; the others wait on it
-(``req.forks``, their sequence slots reserved at its admission). In the step that computes its
-last prompt token each of them draws its own first token from the same logits row
-(`ScheduledBatch.forks`) and takes a reference on every prompt block (`BlockManager.fork`), so
-the prompt is prefilled once. A partial last prompt block stays shared until a holder writes
-into it: that holder gets a copy first (copy on write, `ScheduledBatch.block_copies`, which the
-runner applies before the step's forward pass).
+Parallel sampling (``n`` > 1) is refused by the engine for now; the block manager's fork and
+copy-on-write (`ScheduledBatch.block_copies`, applied by the runner before a step's forward
+pass) are what it will use.
+
+Scheduling runs ahead of the device by one step (the engine pipelines steps): `schedule`
+advances every scheduled request's cached count at once and counts the token each sampled
+request will draw as a *placeholder* (``Request.num_placeholders``), known for scheduling but
+not yet in ``token_ids``; `update` later appends the drawn tokens in their place and finishes
+the requests that stop. A decode whose input token is still a placeholder is listed in
+``ScheduledBatch.pending``: the runner takes that input from the device. A request is never
+re-admitted in the step that preempted it, so a prefill never needs a placeholder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .block_manager import BlockManager
 from .prefix_cache import block_hashes, max_match_blocks
@@ -52,10 +57,13 @@ class ScheduledBatch:
     num_decodes: int = 0
     num_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
-    # sequences forked in this step: (row of `sample_reqs` whose logits they sample, sequence)
-    forks: list[tuple[int, Request]] = field(default_factory=list)
     # KV blocks to copy (source, destination) before the step runs (copy on write)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # decodes whose input is on the device
+    # requests given KV blocks (or a slot) this step; None: unknown, look at every request
+    grown: list[Request] | None = None
+    admissions: int = 0  # the scheduler's admission count when it was scheduled
+    input_source: Any = None  # (last-token table, slots of the decodes): set by the engine
 
     @property
     def num_seqs(self) -> int:
@@ -95,7 +103,7 @@ class Scheduler:
         self.prefix_queried_tokens = 0  # tokens of admitted requests looked up in the cache
         self.prefix_hit_tokens = 0  # of which the cache held (not computed)
         self.prefill_tokens = 0  # tokens computed other than a decoding request's newest one
-        self._copies: list[tuple[Request, int, int]] = []  # this step's copy-on-write blocks
+        self.num_admitted = 0  # admissions so far (a request re-taking a slot counts again)
 
     def peek_cached(self, req: Request) -> int:
         """Tokens of `req` the prefix cache holds now (nothing taken; 0 with caching off)."""
@@ -130,33 +138,40 @@ class Scheduler:
         p = req.params
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
         req.limit_len = min(req.num_prompt_tokens + p.max_tokens, self.max_model_len)
-        for child in req.forks:
-            child.status, child.stop_ids, child.limit_len = Status.WAITING, req.stop_ids, \
-                req.limit_len
+        req.min_len = req.num_prompt_tokens + p.min_tokens
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's sequences and give them the KV blocks their new tokens need."""
+        """Pick this step's sequences and give them the KV blocks their new tokens need; a
+        decode is accounted as it is picked (cached count advanced, its draw a placeholder)."""
         bm, bs = self.bm, self.bm.block_size
         budget = self.max_num_batched_tokens
         running = self.running
         dec: list[Request] = []
+        cached: list[int] = []
+        pending: list[int] = []
         pre: list[Request] = []
         pre_n: list[int] = []
         preempted: list[Request] = []
+        grown: list[Request] = []
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            known = len(req.token_ids)
-            n = known - req.num_computed
+            c = req.num_computed
+            known = len(req.token_ids) + req.num_placeholders
+            if known >= req.limit_len:  # its draw in flight is its last: nothing to run
+                i += 1
+                continue
+            n = known - c
             if n > budget:
                 n = budget
-            total = req.num_computed + n
-            if len(req.block_ids) * bs < total or req.shared_tail:
-                while not (self._own_tail(req) and bm.ensure(req.block_ids, total)):
+            total = c + n
+            if len(req.block_ids) * bs < total:
+                grown.append(req)
+                while not bm.ensure(req.block_ids, total):
                     victim = running.pop()
                     self._preempt(victim)
                     preempted.append(victim)
@@ -164,31 +179,40 @@ class Scheduler:
                         break
                 if req.status is not Status.RUNNING:
                     break
+            elif req.synced_blocks != len(req.block_ids):  # blocks no planned step wrote yet
+                grown.append(req)
             if n == 1 and total == known:
+                if req.num_placeholders:
+                    pending.append(len(dec))
                 dec.append(req)
+                cached.append(c)
+                if c < req.num_prompt_tokens:  # a prompt token: prefill work
+                    self.prefill_tokens += 1
+                req.num_computed = total
+                req.num_placeholders += 1
             else:
                 pre.append(req)
                 pre_n.append(n)
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit(budget, dec, pre, pre_n)
-        return self._batch(dec, pre, pre_n, preempted)
+            self._admit(budget, dec, cached, pre, pre_n, grown)
+        batch = self._batch(dec, cached, pre, pre_n, preempted)
+        batch.pending, batch.grown = pending, grown
+        return batch
 
-    def _admit(self, budget: int, dec: list[Request], pre: list[Request],
-               pre_n: list[int]) -> int:
+    def _admit(self, budget: int, dec: list[Request], cached: list[int], pre: list[Request],
+               pre_n: list[int], grown: list[Request]) -> int:
         waiting, bm = self.waiting, self.bm
         j = 0
         while j < len(waiting) and budget > 0 and self._free_rows:
             req = waiting[j]
-            if len(req.forks) >= len(self._free_rows):
-                break  # its forks need sequence slots too
             self._match(req)
             if not self.is_ready(req, req.num_computed):
                 self._unmatch(req)
                 j += 1
                 continue
-            known = len(req.token_ids)
+            known = len(req.token_ids) + req.num_placeholders
             n = min(known - req.num_computed, budget)
             if not bm.ensure(req.block_ids, req.num_computed + n):
                 self._unmatch(req)
@@ -201,66 +225,52 @@ class Scheduler:
             req.status = Status.RUNNING
             req.row = self._free_rows.pop()
             req.synced_blocks = 0
-            for child in req.forks:
-                child.row = self._free_rows.pop()
+            self.num_admitted += 1
+            req.admit_serial = self.num_admitted
+            grown.append(req)
             self.running.append(req)
-            if n == 1 and req.num_computed + 1 == known:
+            if n == 1 and req.num_computed + 1 == known:  # its input is known: not pending
                 dec.append(req)
+                cached.append(req.num_computed)
+                if req.num_computed < req.num_prompt_tokens:
+                    self.prefill_tokens += 1
+                req.num_computed += 1
+                req.num_placeholders += 1
             else:
                 pre.append(req)
                 pre_n.append(n)
             budget -= n
         return budget
 
-    def _own_tail(self, req: Request) -> bool:
-        """Copy on write: give `req` its own copy of the shared block its next token goes
-        into; False when no block is free."""
-        if not req.shared_tail:
-            return True
-        idx = req.num_computed // self.bm.block_size
-        got = self.bm.make_writable(req.block_ids, idx)
-        if got is False:
-            return False
-        if got is not None:
-            self._copies.append((req, got[0], got[1]))
-            req.synced_blocks = min(req.synced_blocks, idx)
-        req.shared_tail = False
-        return True
-
-    def _batch(self, dec: list[Request], pre: list[Request], pre_n: list[int],
-               preempted: list[Request]) -> ScheduledBatch:
+    def _batch(self, dec: list[Request], cached: list[int], pre: list[Request],
+               pre_n: list[int], preempted: list[Request]) -> ScheduledBatch:
+        """The batch (decodes already accounted); advances the prefills' cached counts and
+        counts the draw of each that ends its known tokens as a placeholder."""
         nd = len(dec)
-        reqs = dec + pre
         sample = list(dec)
         need = [True] * nd
-        computed = 0
-        for req in dec:  # a lone token: prefill work only when it is not the newest output
-            if len(req.token_ids) <= req.num_prompt_tokens:
-                computed += 1
+        computed = 0  # prefill work: every computed token but a decoding request's newest
         for req, n in zip(pre, pre_n, strict=True):
-            known = len(req.token_ids)
-            last = req.num_computed + n == known
+            cached.append(req.num_computed)
+            req.num_computed += n
+            known = len(req.token_ids) + req.num_placeholders
+            last = req.num_computed == known
             need.append(last)
             computed += n - (last and known > req.num_prompt_tokens)
             if last:
                 sample.append(req)
+                req.num_placeholders += 1
         self.prefill_tokens += computed
-        forks = [(i, child) for i, r in enumerate(sample) if r.forks for child in r.forks]
-        copies: list[tuple[int, int]] = []
-        if self._copies:  # only those of requests still running (not preempted meanwhile)
-            copies = [(a, b) for r, a, b in self._copies if r.status is Status.RUNNING]
-            self._copies = []
         return ScheduledBatch(
-            reqs=reqs,
-            num_cached=[r.num_computed for r in reqs],
+            reqs=dec + pre,
+            num_cached=cached,
             num_new=[1] * nd + pre_n,
             need_logits=need,
             sample_reqs=sample,
             num_decodes=nd,
             num_tokens=nd + sum(pre_n),
             preempted=preempted,
-            forks=forks,
-            block_copies=copies,
+            admissions=self.num_admitted,
         )
 
     def _release_row(self, req: Request) -> None:
@@ -268,87 +278,71 @@ class Scheduler:
             self._free_rows.append(req.row)
             req.row = -1
         req.synced_blocks = 0
-        for child in req.forks:  # the slots reserved for its forks
-            if child.row >= 0:
-                self._free_rows.append(child.row)
-                child.row = -1
 
     def _preempt(self, req: Request) -> None:
-        """Recompute-preemption: drop the KV blocks, keep tokens and embeddings."""
+        """Recompute-preemption: drop the KV blocks (those its launched steps fill stay in the
+        prefix cache), keep tokens and embeddings."""
+        self._keep(req)
         self.bm.free(req.block_ids)
         self._release_row(req)
         req.num_computed = req.num_hashed = 0
-        req.shared_tail = False
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.insert(0, req)
 
     def update(self, batch: ScheduledBatch, sampled: list[int],
                now: float) -> list[Request]:
-        """Account a finished step: advance cached counts, append the sampled tokens (one per
-        `batch.sample_reqs`), finish the requests that stop. Returns the finished requests."""
+        """Account a step's drawn tokens (one per `batch.sample_reqs`, in order): each takes
+        its placeholder's place; the requests that stop are finished (a stop token counts only
+        past `min_tokens`). Requests finished meanwhile are skipped. Blocks the step filled are
+        first offered to the prefix cache. Returns the finished."""
         if self.bm.enable_caching:
             self._commit(batch)
-        nd = batch.num_decodes
-        for req, n, last in zip(batch.reqs[nd:], batch.num_new[nd:], batch.need_logits[nd:],
-                                strict=True):
-            if not last:  # a prefill chunk short of the end; sampled requests follow below
-                req.num_computed += n
         done: list[Request] = []
-        pairs = zip(batch.sample_reqs, sampled[:len(batch.sample_reqs)], strict=True)
-        if batch.forks:
-            children = [self._fork(batch.sample_reqs[i], c) for i, c in batch.forks]
-            pairs = list(pairs) + list(zip(children, sampled[len(batch.sample_reqs):],
-                                           strict=True))
-        for req, tok in pairs:
+        for req, tok in zip(batch.sample_reqs, sampled, strict=True):
+            if not req.num_placeholders:  # finished (or preempted and ended) meanwhile
+                continue
+            req.num_placeholders -= 1
             toks = req.token_ids
-            req.num_computed = len(toks)  # a sampled request has computed all it knew
             toks.append(tok)
             req.token_times.append(now)
             if req.first_token_time is None:
                 req.first_token_time = now
-            if tok in req.stop_ids:
+            n = len(toks)
+            if tok in req.stop_ids and n > req.min_len:
                 reason = "stop"
-            elif len(toks) >= req.limit_len:
+                req.stop_reason = tok if tok in req.params.stop_token_ids else None
+            elif n >= req.limit_len:
                 reason = "length"
             else:
                 continue
-            self.finish(req, reason, prune=False)
+            # a running request leaves `running` below; one preempted meanwhile is waiting
+            self.finish(req, reason, prune=req.status is not Status.RUNNING)
             done.append(req)
         if done:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
         return done
 
-    def _fork(self, req: Request, child: Request) -> Request:
-        """Start `child` (one of `req`'s n sequences) on `req`'s prompt blocks, all computed."""
-        if child in req.forks:
-            req.forks.remove(child)
-        bs = self.bm.block_size
-        n = req.num_prompt_tokens
-        child.block_ids = self.bm.fork(req.block_ids[:self.bm.blocks_for(n)])
-        child.num_computed = n
-        child.block_hashes = list(req.block_hashes[:n // bs])
-        child.num_hashed = min(req.num_hashed, n // bs)
-        child.model_state = req.model_state
-        child.num_cached_tokens = req.num_cached_tokens
-        child.synced_blocks = 0
-        child.status = Status.RUNNING
-        if n % bs:
-            req.shared_tail = child.shared_tail = True
-        self.running.append(child)
-        return child
-
     def _commit(self, batch: ScheduledBatch) -> None:
         """Offer the blocks each request of a finished step filled to the prefix cache."""
+        for req, c, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
+            if req.status is Status.RUNNING:  # else its blocks are gone (or were offered)
+                self._commit_upto(req, c + n)
+
+    def _commit_upto(self, req: Request, tokens: int) -> None:
+        """Offer `req`'s full blocks among its first `tokens` (known ones only) to the cache."""
         bm = self.bm
         bs = bm.block_size
-        for req, c, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
-            full = (c + n) // bs
-            if full <= req.num_hashed or req.status is not Status.RUNNING:
-                continue  # nothing new, or its blocks are gone (preempted or ended meanwhile)
-            full = min(full, len(req.block_ids))
+        full = min(min(tokens, len(req.token_ids)) // bs, len(req.block_ids))
+        if full > req.num_hashed:
             bm.commit(req.block_ids, block_hashes(req, bs, full * bs), req.num_hashed, full)
             req.num_hashed = full
+
+    def _keep(self, req: Request) -> None:
+        """Before `req` lets its blocks go: offer every block its launched steps fill (steps
+        not read back yet included: any later reader runs after them) to the prefix cache."""
+        if self.bm.enable_caching and req.status is Status.RUNNING and req.block_ids:
+            self._commit_upto(req, req.num_computed)
 
     def finish(self, req: Request, reason: str, error: str | None = None, *,
                prune: bool = True) -> None:
@@ -361,8 +355,11 @@ class Scheduler:
             elif req in self.waiting:
                 self.waiting.remove(req)
         if req.block_ids:
+            if reason != "error":  # a failed step may not have written its blocks
+                self._keep(req)
             self.bm.free(req.block_ids)
         self._release_row(req)
+        req.num_placeholders = 0  # draws still in flight are dropped
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error

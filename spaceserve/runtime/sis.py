@@ -21,6 +21,21 @@ where prefill runs. The rule, with every latency predicted from resource-utility
 
 Prefill runs beside the encoder ("compute") unless running it in chunks beside decode
 ("decode") keeps each mixed step within the TPOT target and predicts a lower TTFT.
+
+That is the ``tpot`` objective (the paper's: TPOT first, at any TTFT cost). The default
+``goodput`` objective maximises the requests predicted to meet their SLO (`sis_goodput`):
+
+1. No encoder or prefill work: the decoder gets every SM (as above).
+2. Calm - every waiting request predicted on time and the arrival-rate estimate leaving the
+   encoder headroom at the comfort split: the rule above with the target ``comfort_factor`` x
+   the unloaded step (bounded by the decode SLO's margin), so light load keeps TPOT near its
+   unloaded value.
+3. Under pressure: the decoder gets the fewest SMs whose co-running step keeps its SLO with a
+   margin (``decode_margin`` x the tighter of the ``tpot`` and ``itl`` bounds) and the encoder
+   may take the rest; among the splits from the comfort choice to that cap SIS takes the one with
+   the fewest predicted TTFT misses (queue, ages, TWSRFT order), then the arrival load within
+   bounds, then the most encoder SMs (the backlog drains as fast as the decode SLO allows).
+4. Hysteresis as above; a split that saves predicted misses is adopted at once.
 """
 
 from __future__ import annotations
@@ -32,27 +47,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .curves import CurveSet
+from .policy import OBJECTIVES, decode_bound_s
+from .sis_goodput import GoodputPredictor
+from .sis_state import PendingEncode, SisState
+from .slo import DEFAULT_SLO, Slo
 
 PLACEMENTS = ("compute", "decode")
-
-
-@dataclass(frozen=True)
-class PendingEncode:
-    """An encoder job: its batch's ViT tokens, layers left and its requests' prompt tokens."""
-
-    patches: int
-    layers_left: int
-    prefill_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class SisState:
-    """What SIS observes each round."""
-
-    encode: Sequence[PendingEncode] = ()
-    prefill: Sequence[int] = ()  # prompt tokens of requests whose embeddings are ready
-    decode_batch: int = 0
-    decode_context: float = 0.0  # mean tokens in each decoding request's KV cache
+__all__ = ["PLACEMENTS", "PendingEncode", "SisState", "SpaceInferenceScheduler", "Split"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,18 @@ class SpaceInferenceScheduler:
                  total_sms: int | None = None, tpot_factor: float = 1.15,
                  tpot_target_s: float | None = None, tie_tolerance: float = 0.01,
                  min_gain: float = 0.1, min_dwell_s: float = 0.05, chunk_tokens: int = 512,
+                 objective: str = "goodput", slo: Slo | None = None,
+                 decode_margin: float = 0.8, ttft_margin: float = 0.9,
+                 comfort_factor: float = 2.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        if not 0 < decode_margin <= 1 or not 0 < ttft_margin <= 1 or comfort_factor < 1:
+            raise ValueError("decode_margin, ttft_margin must be in (0, 1]; comfort_factor >= 1")
+        self.objective, self.slo = objective, DEFAULT_SLO if slo is None else slo
+        self.decode_margin, self.comfort_factor = decode_margin, comfort_factor
+        ttft = None if self.slo.ttft is None else self.slo.ttft / 1e3
+        self.predictor = GoodputPredictor(curves, ttft, ttft_margin=ttft_margin)
         total = curves.num_sms if total_sms is None else total_sms
         allowed = sorted(set(allowed_encoder_sms))
         if not allowed or any(not isinstance(e, int) or not 0 < e < total for e in allowed):
@@ -100,9 +112,19 @@ class SpaceInferenceScheduler:
 
     # -- predictions -------------------------------------------------------------------------
     def tpot_target(self, batch: int, context: float) -> float:
+        """The decode step SIS protects: the tpot objective's, or the goodput objective's
+        calm (comfort) target."""
         if self.tpot_target_s is not None:
             return self.tpot_target_s
-        return self.tpot_factor * self.curves.decode(batch, context, self.total)
+        unloaded = self.curves.decode(batch, context, self.total)
+        if self.objective == "tpot":
+            return self.tpot_factor * unloaded
+        return min(self.comfort_factor * unloaded, self.slo_target())
+
+    def slo_target(self) -> float:
+        """The goodput objective's decode bound: ``decode_margin`` x the decode SLO."""
+        bound = decode_bound_s(self.slo)
+        return float("inf") if bound is None else self.decode_margin * bound
 
     def predict_tpot(self, state: SisState, encoder_sms: int) -> float:
         """Decode step time with `encoder_sms` given to a busy encoder (0: whole device)."""
@@ -175,7 +197,21 @@ class SpaceInferenceScheduler:
         for tokens in [*state.prefill, *(j.prefill_tokens for j in state.encode)]:
             if tokens > 0:
                 enc = max(enc, self._saturation("prefill", tokens, cap, cands))
+        if self.objective == "goodput":
+            enc, target, feasible = self._pressure(state, enc, target, feasible)
         return self._place(state, enc, target, feasible)
+
+    def _pressure(self, state: SisState, calm: int, target: float, feasible: bool
+                  ) -> tuple[int, float, bool]:
+        """The goodput objective: keep the calm split unless requests are predicted to miss
+        or the arrivals outgrow it; then the best split up to the decode SLO's cap."""
+        p = self.predictor
+        if p.calm(p.forecast(state, calm)):
+            return calm, target, feasible
+        slo = self.slo_target()
+        cap, ok = self._cap(state, slo)
+        cands = [e for e in self.allowed if calm <= e <= cap] or [calm]
+        return p.best(state, cands).encoder_sms, max(slo, target), ok
 
     def _cap(self, state: SisState, target: float) -> tuple[int, bool]:
         """The most encoder SMs whose co-running decode step meets `target` (and whether any
@@ -227,7 +263,14 @@ class SpaceInferenceScheduler:
         if new.encoder_sms == 0 or cur.encoder_sms == 0:
             return True  # work vanished or appeared
         shrinks = new.encoder_sms < cur.encoder_sms
-        return shrinks and self.predict_tpot(state, cur.encoder_sms) > new.tpot_target_s
+        # the goodput objective's hard bound is the decode SLO's margin, not the calm target
+        bound = new.tpot_target_s if self.objective == "tpot" else self.slo_target()
+        if shrinks and self.predict_tpot(state, cur.encoder_sms) > bound:
+            return True
+        if self.objective == "goodput" and not shrinks:  # growing saves predicted misses
+            p = self.predictor
+            return p.misses(state, new.encoder_sms) < p.misses(state, cur.encoder_sms)
+        return False
 
     def _worth(self, cur: Split, new: Split, state: SisState, now: float) -> bool:
         if now - self._since < self.min_dwell_s:

@@ -4,8 +4,11 @@ A request's images become one encoder job (`PreemptibleEncoder.start_encode`) at
 its pixels are pinned and copied non-blocking on the encoder side's upload stream, which the
 encoder streams wait for by event (`_start` says why). TWSRFT picks which job advances next and
 for how many layers (about one time window), so a small image behind a huge one is not blocked
-by it; its batching of jobs is off (a one-patch token budget): each request is encoded alone, as
-the temporal stage does, so its embeddings never depend on which others arrived with it. Every
+by it. With a `SchedulingPolicy` (`plan`, ``spatial`` mode) TWSRFT runs the policy's deadline,
+aging and batching rule, exactly as the simulator does (a merge happens only where the curves say
+it cannot delay the chosen job; each request's layers are still launched on their own, so its
+embeddings never depend on which others arrived with it); without one batching is off. Arrival
+times (on the stage's clock) give SIS each request's age and the arrival-rate estimate. Every
 launch goes on the current partition's encoder stream under its encoder budget, followed by an
 event. Hand-off: embeddings are attached to the request (admitting it to prefill) only once that
 event has completed - `event.query()`, never a wait - and are marked with ``record_stream`` on
@@ -38,6 +41,7 @@ from .encoder_cache import EncoderCache, MediaTracker
 from .encoder_dp import EncodingFailed, RankedTwsrft
 from .encoder_stage import release_encoding
 from .partition import PartitionSet
+from .policy import RateEstimator, SchedulingPolicy
 from .request import Request
 from .runner import ModelRunner
 from .sis import PendingEncode
@@ -62,7 +66,8 @@ class SpatialEncoderStage(EncoderLaunches):
                  max_inflight: int = 2, launch_budget_s: float = 0.003,
                  clock: Callable[[], float] = time.monotonic,
                  event_factory: Callable[[], Any] | None = None,
-                 cache: EncoderCache | None = None) -> None:
+                 cache: EncoderCache | None = None,
+                 plan: SchedulingPolicy | None = None) -> None:
         if driver not in DRIVERS:
             raise ValueError(f"driver={driver!r} is not one of {', '.join(DRIVERS)}")
         if not launch_budget_s >= 0:
@@ -85,10 +90,16 @@ class SpatialEncoderStage(EncoderLaunches):
                 max(p.encoder_sms for p in partitions.partitions())
             return curves.encoder(patches, layers * scale, sms, True)
 
+        self.plan = plan
         self.ranks = int(getattr(runner, "encoder_ranks", 1)) if self.preemptible else 1
-        self.sched = RankedTwsrft(self.ranks, self.num_layers, cost, policy=policy,
-                                  window_s=window_s, max_wait_s=max_wait_s, token_budget=1,
-                                  clock=clock)
+        self.sched = RankedTwsrft(
+            self.ranks, self.num_layers, cost, policy=policy, window_s=window_s,
+            max_wait_s=plan.max_wait_s if plan else max_wait_s,
+            token_budget=plan.token_budget if plan else 1,
+            deadline_s=plan.deadline_s if plan else None, clock=clock)
+        self.clock = clock
+        self.arrivals = RateEstimator()
+        self._arrived: dict[int, float] = {}  # job key -> arrival on `clock`
         self._encodings: dict[int, Encoding] = {}  # job key -> encoding, until release
         self._by_req: dict[int, int] = {}  # request seq_no -> key of its latest encoding
         self._keys = itertools.count()
@@ -119,11 +130,17 @@ class SpatialEncoderStage(EncoderLaunches):
     def _queue(self, req: Request, items: list[int]) -> None:
         mm = self.media.job(req, items)
         enc = Encoding(next(self._keys), req, int(mm.pixel_values.shape[0]), items=items, mm=mm)
+        now = self.clock()
         with self._lock:
+            first = req.seq_no not in self._by_req  # a re-queue is not a new arrival
+            self._arrived.pop(self._by_req.get(req.seq_no, -1), None)
             self._encodings.pop(self._by_req.get(req.seq_no, -1), None)  # a finished one
             self._encodings[enc.key] = enc
             self._by_req[req.seq_no] = enc.key
             self._backlog.append(enc)
+            self._arrived[enc.key] = now
+            if first:
+                self.arrivals.add(now, max(1, enc.patches), len(req.token_ids))
         self._admit()
 
     def ready(self, req: Request, start: int = 0) -> bool:
@@ -148,7 +165,9 @@ class SpatialEncoderStage(EncoderLaunches):
 
     def release(self, req: Request) -> None:
         with self._lock:
-            enc = self._encodings.pop(self._by_req.pop(req.seq_no, -1), None)
+            key = self._by_req.pop(req.seq_no, -1)
+            enc = self._encodings.pop(key, None)
+            self._arrived.pop(key, None)
             if enc is not None:
                 if enc.state == "backlog":
                     self._backlog.remove(enc)
@@ -258,7 +277,8 @@ class SpatialEncoderStage(EncoderLaunches):
             with self._lock:
                 if enc.state == "active":
                     enc.job = job
-                    self.sched.submit(enc.key, max(1, enc.patches), rank)
+                    self.sched.submit(enc.key, max(1, enc.patches), rank,
+                                      arrival=self._arrived.get(enc.key))
                 self._cond.notify_all()
 
     def _start(self, enc: Encoding, rank: int = 0) -> Any:
@@ -279,20 +299,29 @@ class SpatialEncoderStage(EncoderLaunches):
         return job
 
     # -- for SIS, and an engine with nothing else to do ----------------------------------------
+    def age(self, req: Request) -> float:
+        """Seconds since `req` reached the stage (0 for a request without images)."""
+        arrived = self._arrived.get(self._by_req.get(req.seq_no, -1))
+        return 0.0 if arrived is None else max(0.0, self.clock() - arrived)
+
     def pending_work(self, curve_depth: int) -> list[PendingEncode]:
-        """Waiting encoder jobs as SIS sees them (layers scaled to the curves' depth)."""
+        """Waiting encoder jobs as SIS sees them (layers scaled to the curves' depth), with
+        their oldest request's age."""
         scale = curve_depth / self.num_layers
+        now = self.clock()
         out = []
         with self._lock:
             for job in self.sched.jobs():
                 prompt = sum(_prefill(e.req) for k in job.request_ids
                              if (e := self._encodings.get(k)) is not None)
                 out.append(PendingEncode(job.patches, max(1, round(job.layers_left * scale)),
-                                         prompt))
+                                         prompt, max(0.0, now - job.arrival),
+                                         len(job.request_ids)))
             for enc in self._backlog:
                 out.append(PendingEncode(max(1, enc.patches), max(1, round(self.num_layers
                                                                            * scale)),
-                                         _prefill(enc.req)))
+                                         _prefill(enc.req),
+                                         max(0.0, now - self._arrived.get(enc.key, now))))
         return out
 
     def wait(self, timeout_s: float = 0.005) -> None:

@@ -135,13 +135,15 @@ class EncoderLaunches:
                                             daemon=True)
             self._thread.start()
 
-    def launch(self) -> int:
-        """Cooperative driver: launch encoder layers for about `launch_budget_s` of host time
-        (at least one layer; at most `max_inflight` launches incomplete on the device);
-        returns how many launches (one event each). The thread driver returns 0."""
+    def launch(self, budget_s: float | None = None) -> int:
+        """Cooperative driver: launch encoder layers for about `budget_s` (default
+        `launch_budget_s`) of host time (at least one layer; at most `max_inflight` launches
+        incomplete on the device); returns how many launches (one event each). The thread
+        driver returns 0."""
         if self.driver != "cooperative":
             return 0
-        deadline = time.perf_counter() + self.launch_budget_s
+        deadline = time.perf_counter() + (self.launch_budget_s if budget_s is None
+                                          else budget_s)
         n = 0
         for rank in range(1, self.ranks):  # another rank's grant goes out whole, at once
             while self._can_launch(rank) and self._launch_layers(deadline, rank):

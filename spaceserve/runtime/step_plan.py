@@ -87,8 +87,16 @@ class StepPlan:
     # The step's image-token pieces: token indices (host) and embedding rows (device) per
     # covered image span; gathered only by a runner that asks (`mm_index` / `mm_embeds`).
     mm_parts: tuple[list[np.ndarray], list[torch.Tensor]] = ((), ())
-    host: dict[str, np.ndarray] = field(default_factory=dict)
     context: Any = None  # spaceserve.models.StepContext
+
+    @property
+    def host(self) -> dict[str, np.ndarray]:
+        """Host (numpy) copies of the step's fields, by name (built when asked)."""
+        h = self.context.host
+        return {"input_ids": h.input_ids, "positions": h.positions.numpy()[0],
+                "slot_mapping": h.slot_mapping.numpy(), "logits_indices": h.logits_indices,
+                "logits_seqs": h.logits_seqs, "seq_lens": h.seq_lens,
+                "query_start_loc": h.cu_seqlens_q, "block_tables": h.block_tables}
 
     @property
     def mm_index(self) -> torch.Tensor | None:
@@ -110,26 +118,34 @@ class RowSync:
     (row, first column, ids)."""
 
     resets: list[tuple[int, int, np.ndarray | None]] = field(default_factory=list)
-    writes: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    writes: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
 
 @dataclass
 class StepInputs:
     """A step as host arrays (`StepPlanner.prepare`): the rows and token counts of its
     sequences (decodes first), which need logits, the flattened token ids, the padding and
-    table width of a graph step, and the row-state changes that go with it. `mm_parts` (the
-    image pieces, with device tensors) stays on the planning process."""
+    table width of a graph step, and the row-state changes that go with it.
+
+    `pending` lists the decodes whose input token is still on the device (a pipelined step:
+    their entries of `input_ids` are stale, and `input_ids` is None when every sequence is such
+    a decode); `source` is where they are read from on the device (the sampler's last-token
+    table and the decodes' slots in it). `mm_parts` (the image pieces) and `source` hold device
+    tensors and stay on the planning process: a tensor-parallel worker receives the pending
+    inputs from rank 0 by a broadcast inside the step."""
 
     rows: np.ndarray
     num_cached: np.ndarray
     num_new: np.ndarray
     need_logits: np.ndarray | None
-    input_ids: np.ndarray
+    input_ids: np.ndarray | None
     num_decodes: int
     pad_to: int | None
     width: int | None
     sync: RowSync
     mm_parts: tuple[list[np.ndarray], list[torch.Tensor]] = ((), ())
+    pending: list[int] = field(default_factory=list)
+    source: tuple[torch.Tensor, torch.Tensor] | None = None
     block_copies: np.ndarray | None = None  # [C, 2] KV blocks (source, destination) to copy
 
     @property
@@ -137,12 +153,13 @@ class StepInputs:
         return int(self.rows.size)
 
     def wire(self) -> StepInputs:
-        """A compact copy to send to another process: int32 arrays, no image pieces."""
+        """A compact copy to send to another process: int32 arrays, no device tensors."""
         i32 = np.int32
+        ids = None if self.input_ids is None else self.input_ids.astype(i32)
         return StepInputs(self.rows.astype(i32), self.num_cached.astype(i32),
-                          self.num_new.astype(i32), self.need_logits, self.input_ids.astype(i32),
+                          self.num_new.astype(i32), self.need_logits, ids,
                           self.num_decodes, self.pad_to, self.width, self.sync,
-                          block_copies=self.block_copies)
+                          pending=self.pending, block_copies=self.block_copies)
 
 
 class StepPlanner:
@@ -152,12 +169,13 @@ class StepPlanner:
 
     Block tables persist per sequence slot (``req.row``) and only newly allocated blocks are
     written, so a decode step costs a few numpy operations over the batch, not a Python loop
-    per token or per block. `rope` maps a request to (its prompt's ``[3, L]`` M-RoPE positions
-    or None, its rope delta) and is asked when the request takes its slot; without it
-    positions are token indices. `backend` (an attention backend) gets its plan refilled for
-    every step not padded for a graph. A stage running steps beside another one's (on another
-    stream) takes a planner of its own with ``share_rows_with=`` the other's, so both see every
-    request's slot state.
+    per token or per block; a decode-only step over the same slots goes through
+    `models.decode_plan.plan_decode`, which rewrites only what changed. `rope` maps a request
+    to (its prompt's ``[3, L]`` M-RoPE positions or None, its rope delta) and is asked when the
+    request takes its slot; without it positions are token indices. `backend` (an attention
+    backend) gets its plan refilled for every step not padded for a graph. A stage running
+    steps beside another one's (on another stream) takes a planner of its own with
+    ``share_rows_with=`` the other's, so both see every request's slot state.
     """
 
     def __init__(self, limits: StepLimits, device: torch.device | str,
@@ -176,6 +194,17 @@ class StepPlanner:
                                    device=self.device, backend=backend,
                                    rows=share_rows_with.core if share_rows_with else None)
         self.table = self.core.table  # persistent block table per slot
+        # bumped whenever a table row changes (shared by planners sharing rows)
+        self._version = share_rows_with._version if share_rows_with else [0]
+        self._dec_array = np.zeros(0, dtype=np.int64)  # the last decode-only step's slots
+        self._dec_key = b""  # and their bytes (a cheap comparison)
+        self._row_list: list[int] = []  # the slots of the last prepared batch, and as an array
+        self._row_array = np.zeros(0, dtype=np.int64)
+        self._ones = np.ones(limits.max_num_seqs, dtype=np.int64)
+        self._ones.flags.writeable = False
+        self._dec_serial = 0  # bumped when those slots or a slot's rope state change
+        self._seen_version = 0  # the table version after this planner's last sync
+        self._changed: list[int] = []  # slots whose tables the last sync changed
 
     def decode_need(self, batch: ScheduledBatch) -> int:
         """Block-table width (blocks) the decode sequences of `batch` need."""
@@ -205,11 +234,12 @@ class StepPlanner:
                 width: int | None = None) -> StepInputs:
         """`batch` as `StepInputs` (padding and width as `plan` says), writing the rows' new
         blocks and rope state into the shared row state and recording them in
-        ``inputs.sync``."""
+        ``inputs.sync``. Only the requests the scheduler says were given blocks
+        (``batch.grown``) are looked at."""
         reqs, nd, nb = batch.reqs, batch.num_decodes, len(batch.reqs)
         core, table, rope = self.core, self.table, self.rope
         sync = RowSync()
-        for r in reqs:
+        for r in reqs if batch.grown is None else batch.grown:
             k, s = len(r.block_ids), r.synced_blocks
             if k != s:
                 if s == 0:  # the request (re)took its slot
@@ -218,24 +248,15 @@ class StepPlanner:
                     pos = core.prompt_positions[r.row]
                     sync.resets.append((r.row, int(delta), None if pos is None
                                         else pos.astype(np.int32)))
-                ids_new = np.asarray(r.block_ids[s:], dtype=np.int32)
+                ids_new = r.block_ids[s:]
                 table[r.row, s:k] = ids_new
                 sync.writes.append((r.row, s, ids_new))
                 r.synced_blocks = k
-        ids = [r.token_ids[-1] for r in reqs[:nd]]
-        t = nd
-        idx_parts: list[np.ndarray] = []
-        emb_parts: list[torch.Tensor] = []
-        for i in range(nd, nb):
-            r, s, n = reqs[i], batch.num_cached[i], batch.num_new[i]
-            ids += r.token_ids[s:s + n]
-            mm = r.mm
-            if mm is not None and mm.num_tokens:
-                lo, hi = np.searchsorted(mm.positions, [s, s + n])
-                if hi > lo:
-                    idx_parts.append(mm.positions[lo:hi] - s + t)
-                    emb_parts.append(mm.rows(int(lo), int(hi)))
-            t += n
+        self._note(sync)
+        pending = batch.pending
+        if pending and batch.input_source is None:
+            raise ValueError("the batch's decode inputs are still on the device and it names "
+                             "no input source (schedule and account steps through the engine)")
         if pad_to is None:
             bucket = self.bucket(batch)
             if bucket is not None:
@@ -243,14 +264,38 @@ class StepPlanner:
         elif width is None:
             need = self.decode_need(batch)
             width = next((w for w in self.graph_widths if w >= need), need)
-        graph = pad_to is not None
-        return StepInputs(
-            np.array([r.row for r in reqs], dtype=np.int64),
-            np.array(batch.num_cached, dtype=np.int64), np.array(batch.num_new, dtype=np.int64),
-            None if nd == nb else np.array(batch.need_logits, dtype=bool),
-            np.array(ids, dtype=np.int64), nd, pad_to, width if graph else None, sync,
-            (idx_parts, emb_parts),
-            np.array(batch.block_copies, dtype=np.int64) if batch.block_copies else None)
+        if pad_to is None:
+            width = None
+        row_list = [r.row for r in reqs]
+        if row_list != self._row_list:  # the same slots as last time: the same (shared) array
+            self._row_list, self._row_array = row_list, np.array(row_list, dtype=np.int64)
+        rows = self._row_array
+        cached = np.array(batch.num_cached, dtype=np.int64)
+        copies = np.array(batch.block_copies, dtype=np.int64) if batch.block_copies else None
+        if nd == nb:  # decode-only: one token each, logits for all
+            ids = None if len(pending) == nd else \
+                np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
+            return StepInputs(rows, cached, self._ones[:nb], None, ids, nd, pad_to,
+                              width, sync, pending=list(pending), source=batch.input_source,
+                              block_copies=copies)
+        ids_l = [r.token_ids[-1] for r in reqs[:nd]]
+        t = nd
+        idx_parts: list[np.ndarray] = []
+        emb_parts: list[torch.Tensor] = []
+        for i in range(nd, nb):
+            r, s, n = reqs[i], batch.num_cached[i], batch.num_new[i]
+            ids_l += r.token_ids[s:s + n]
+            mm = r.mm
+            if mm is not None and mm.num_tokens:
+                lo, hi = np.searchsorted(mm.positions, [s, s + n])
+                if hi > lo:
+                    idx_parts.append(mm.positions[lo:hi] - s + t)
+                    emb_parts.append(mm.rows(int(lo), int(hi)))
+            t += n
+        return StepInputs(rows, cached, np.array(batch.num_new, dtype=np.int64),
+                          np.array(batch.need_logits, dtype=bool),
+                          np.array(ids_l, dtype=np.int64), nd, pad_to, width, sync,
+                          (idx_parts, emb_parts), list(pending), batch.input_source, copies)
 
     def apply(self, sync: RowSync) -> None:
         """Apply another planner's row-state changes (a tensor-parallel worker's rows follow
@@ -258,24 +303,71 @@ class StepPlanner:
         for row, delta, pos in sync.resets:
             self.core.set_row(row, rope_delta=delta, mrope_positions=pos)
         for row, start, ids in sync.writes:
-            self.table[row, start:start + ids.size] = ids
+            self.table[row, start:start + len(ids)] = ids
+        self._note(sync)
+
+    def _note(self, sync: RowSync) -> None:
+        """Record what a sync changed for the decode fast path: the rows whose tables changed,
+        and a new key for the rows' rope state when a row was (re)taken or another planner
+        sharing the rows wrote them since this one last looked."""
+        if self._version[0] != self._seen_version or sync.resets:
+            self._dec_serial += 1
+        if sync.writes:
+            self._changed = [row for row, _, _ in sync.writes]
+            self._version[0] += 1
+        elif self._changed:
+            self._changed = []
+        self._seen_version = self._version[0]
 
     def plan_inputs(self, inputs: StepInputs) -> StepPlan:
-        """Lay out a prepared step (its row state already applied) in the planner's buffers."""
+        """Lay out a prepared step (its row state already applied) in the planner's buffers;
+        decode inputs still on the device are copied in there from `inputs.source` (when it
+        is None, as on a tensor-parallel worker, the caller fills them)."""
         graph = inputs.pad_to is not None
         nd, nb = inputs.num_decodes, inputs.num_seqs
-        ctx = self.core.plan(inputs.rows, inputs.num_cached, inputs.num_new,
-                             need_logits=inputs.need_logits, input_ids=inputs.input_ids,
-                             pad_seqs_to=inputs.pad_to, width=inputs.width,
-                             plan_attention=not graph)
-        h = ctx.host
-        host = {"input_ids": h.input_ids, "positions": h.positions.numpy()[0],
-                "slot_mapping": h.slot_mapping.numpy(), "logits_indices": h.logits_indices,
-                "logits_seqs": h.logits_seqs, "seq_lens": h.seq_lens,
-                "query_start_loc": h.cu_seqlens_q, "block_tables": h.block_tables}
+        if nd == nb:
+            ctx = self._plan_decode(inputs)
+        else:
+            ctx = self.core.plan(inputs.rows, inputs.num_cached, inputs.num_new,
+                                 need_logits=inputs.need_logits, input_ids=inputs.input_ids,
+                                 pad_seqs_to=inputs.pad_to, width=inputs.width,
+                                 plan_attention=not graph)
+        if inputs.pending and inputs.source is not None:
+            self._take_inputs(inputs, ctx.input_ids)
         return StepPlan(ctx.input_ids, ctx.positions[0], ctx.slot_mapping, ctx.logits_indices,
                         ctx.logits_seqs, ctx.seq_lens, ctx.cu_seqlens_q, ctx.block_tables,
                         num_tokens=ctx.num_tokens, num_seqs=ctx.num_seqs, num_real_seqs=nb,
                         num_decodes=nd, num_logits=ctx.logits_indices.shape[0] - ctx.num_seqs + nb,
                         max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
-                        mm_parts=inputs.mm_parts, host=host, context=ctx)
+                        mm_parts=inputs.mm_parts, context=ctx)
+
+    def _plan_decode(self, inputs: StepInputs) -> Any:
+        """A decode-only step through `plan_decode`: only positions, slots and lengths are
+        rewritten while the batch keeps its slots and no block was added."""
+        from spaceserve.models.decode_plan import plan_decode
+
+        rows = inputs.rows
+        if rows is not self._dec_array:  # else `prepare` found the same slots
+            key = rows.tobytes()
+            if key != self._dec_key:
+                self._dec_serial += 1
+            self._dec_array, self._dec_key = rows, key
+        return plan_decode(self.core, self._dec_array, inputs.num_cached,
+                           input_ids=inputs.input_ids, pad_seqs_to=inputs.pad_to,
+                           width=inputs.width, plan_attention=inputs.pad_to is None,
+                           rows_key=self._dec_serial, changed=self._changed)
+
+    @staticmethod
+    def _take_inputs(inputs: StepInputs, input_ids: torch.Tensor) -> None:
+        """Decode inputs still on the device (``inputs.pending``) from the sampler's last-token
+        table, by slot, straight into the step's device input ids (after their upload)."""
+        assert inputs.source is not None
+        table, slots = inputs.source
+        nd, pending = inputs.num_decodes, inputs.pending
+        if len(pending) == nd:
+            torch.index_select(table, 0, slots, out=input_ids[:nd])
+        else:
+            idx = torch.tensor(pending, dtype=torch.int64)
+            if input_ids.is_cuda:  # pinned and asynchronous: no wait for the device
+                idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
+            input_ids.index_copy_(0, idx, table.index_select(0, slots.index_select(0, idx)))

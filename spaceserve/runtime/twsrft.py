@@ -8,12 +8,27 @@ that lasts about one time window. At the end of a grant (a layer boundary) the c
 retaken, so a long job yields when a shorter one waits, and resumes later at the depth it
 reached.
 
-Which job: any job that has waited ``max_wait_s`` or more since it last ran (or arrived) goes
-first, longest-waiting first (aging: a job waits at most ``max_wait_s`` plus the grant in flight
-when it gets there, plus the grants of jobs that began starving before it); otherwise the least
-remaining work (``cost(patches, layers_left)``, seconds) - or, under the ``fifo`` policy,
-the oldest. Ties go to the earlier arrival. All times come from the injected ``clock``, so a fake
-clock makes every decision reproducible.
+Which job, without a deadline (``deadline_s`` None): any job that has waited ``max_wait_s`` or
+more since it last ran (or arrived) goes first, longest-waiting first (aging: a job waits at most
+``max_wait_s`` plus the grant in flight when it gets there, plus the grants of jobs that began
+starving before it); otherwise the least remaining work (``cost(patches, layers_left)``,
+seconds) - or, under the ``fifo`` policy, the oldest. Ties go to the earlier arrival.
+
+With a deadline (``deadline_s``: the encoder's share of the TTFT SLO), under overload: a job
+that can still finish by ``arrival + deadline_s`` (now + its remaining work) is *live*, one that
+cannot is *late*. Live jobs go first, least remaining work first (SRPT: the most requests meet
+their deadline). Late jobs are demoted: they run when no live job waits, and one aged grant every
+``max_wait_s`` (a shared clock, reset at each aged grant) goes to the late job that arrived
+first (among those that arrived ``max_wait_s`` ago or more), so a late job finishes in bounded
+time without live jobs paying more than one window per ``max_wait_s``. Waits are measured from
+arrival (never reset by a grant), so an old job stays old. All times come from the injected
+``clock``, so a fake clock makes every decision reproducible.
+
+Batching: a waiting job at the chosen job's depth joins its launch only where that cannot delay
+the chosen job - the merged launch costs no more than the chosen job alone (within
+``BATCH_TOLERANCE``) - and within ``token_budget``. Under the curves' cost model (and the
+engine's one-launch-per-image encoder) a merge never qualifies; a cost model with a flat,
+under-occupied region merges small images for free.
 
 Engine loop::
 
@@ -35,6 +50,7 @@ from .curves import CurveSet
 
 Cost = Callable[[int, int], float]
 POLICIES = ("twsrft", "fifo")
+BATCH_TOLERANCE = 1e-9  # a merge may cost this fraction more than the chosen job alone
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,7 @@ class JobView:
     depth: int
     layers_left: int
     running: bool
+    arrival: float = 0.0
 
 
 @dataclass
@@ -66,7 +83,8 @@ class _Job:
     images: list[tuple[Hashable, int]]
     depth: int
     seq: int
-    wait_since: float
+    wait_since: float  # last grant's end (or arrival): the aging clock without a deadline
+    arrival: float  # its oldest image's arrival, never reset: deadlines count from it
     running: bool = False
 
     @property
@@ -89,6 +107,7 @@ class TwsrftScheduler:
 
     def __init__(self, num_layers: int, cost: Cost, *, policy: str = "twsrft",
                  window_s: float = 0.02, max_wait_s: float = 0.5, token_budget: int = 16384,
+                 deadline_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -100,6 +119,10 @@ class TwsrftScheduler:
             raise ValueError(f"max_wait_s must be positive, got {max_wait_s}")
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if deadline_s is not None and not deadline_s > 0:
+            raise ValueError(f"deadline_s must be positive or None, got {deadline_s}")
+        self.deadline_s = deadline_s
+        self._aged_at = -math.inf  # when the last aged grant (deadline mode) was given
         self.num_layers, self.cost, self.policy = num_layers, cost, policy
         self.window_s, self.max_wait_s, self.token_budget = window_s, max_wait_s, token_budget
         self.clock = clock
@@ -120,7 +143,7 @@ class TwsrftScheduler:
     def jobs(self) -> tuple[JobView, ...]:
         """Every unfinished job, running or waiting, in arrival order."""
         return tuple(JobView(j.job_id, tuple(r for r, _ in j.images), j.patches, j.depth,
-                             self.num_layers - j.depth, j.running)
+                             self.num_layers - j.depth, j.running, j.arrival)
                      for j in sorted(self._jobs.values(), key=lambda j: j.seq))
 
     def remaining(self, job: _Job | JobView) -> float:
@@ -129,11 +152,14 @@ class TwsrftScheduler:
         return self.cost(job.patches, self.num_layers - depth)
 
     # -- engine calls ------------------------------------------------------------------------
-    def submit(self, request_id: Hashable, patches: int) -> int:
-        """Queue one image of `patches` ViT tokens; returns its job id."""
+    def submit(self, request_id: Hashable, patches: int, arrival: float | None = None) -> int:
+        """Queue one image of `patches` ViT tokens that arrived at `arrival` (default: now, on
+        the scheduler's clock); returns its job id."""
         if not isinstance(patches, int) or isinstance(patches, bool) or patches < 1:
             raise ValueError(f"patches must be a positive int, got {patches!r}")
-        job = _Job(next(self._ids), [(request_id, patches)], 0, next(self._seq), self.clock())
+        now = self.clock()
+        arrived = now if arrival is None else min(float(arrival), now)
+        job = _Job(next(self._ids), [(request_id, patches)], 0, next(self._seq), now, arrived)
         self._jobs[job.job_id] = job
         return job.job_id
 
@@ -181,23 +207,44 @@ class TwsrftScheduler:
             return (job.seq,)
         return (self.remaining(job), job.seq)
 
+    def late(self, job: _Job | JobView, now: float) -> bool:
+        """Whether `job` can no longer finish by its deadline (never, without one)."""
+        if self.deadline_s is None:
+            return False
+        return now + self.remaining(job) > job.arrival + self.deadline_s
+
     def _pick(self, waiting: list[_Job], now: float) -> _Job:
-        starving = [j for j in waiting if now - j.wait_since >= self.max_wait_s]
-        if starving:
-            return min(starving, key=lambda j: (j.wait_since, j.seq))
-        return min(waiting, key=self._key)
+        if self.deadline_s is None:
+            starving = [j for j in waiting if now - j.wait_since >= self.max_wait_s]
+            if starving:
+                return min(starving, key=lambda j: (j.wait_since, j.seq))
+            return min(waiting, key=self._key)
+        late = [j for j in waiting if self.late(j, now)]
+        live = [j for j in waiting if not self.late(j, now)]
+        if not live:
+            return min(late, key=self._key)
+        starving = [j for j in late if now - j.arrival >= self.max_wait_s]
+        if starving and now - self._aged_at >= self.max_wait_s:
+            self._aged_at = now  # an aged grant: the next one waits max_wait_s again
+            return min(starving, key=lambda j: (j.arrival, j.seq))
+        return min(live, key=self._key)
 
     def _batch(self, chosen: _Job, waiting: list[_Job]) -> _Job:
-        """Merge other waiting jobs at the chosen job's depth into it, up to the token budget."""
+        """Merge waiting jobs at the chosen job's depth into it where that cannot delay it (the
+        merged launch costs no more than the chosen job alone), up to the token budget."""
         total = chosen.patches
+        layers = self.num_layers - chosen.depth
+        alone = self.cost(total, layers) * (1.0 + BATCH_TOLERANCE)
         mates = sorted((j for j in waiting if j is not chosen and j.depth == chosen.depth),
                        key=self._key)
         for j in mates:
-            if total + j.patches > self.token_budget:
+            if total + j.patches > self.token_budget or \
+                    self.cost(total + j.patches, layers) > alone:
                 continue
             total += j.patches
             chosen.images.extend(j.images)
             chosen.seq = min(chosen.seq, j.seq)
             chosen.wait_since = min(chosen.wait_since, j.wait_since)
+            chosen.arrival = min(chosen.arrival, j.arrival)
             del self._jobs[j.job_id]
         return chosen

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server (`spaceserve serve`): FastAPI over an engine client (an
 `AsyncEngine`, or a `replicas.ReplicaClient` over engine replicas on Ray).
 
-Routes: ``POST /v1/chat/completions`` (non-streaming, or SSE with ``stream``), ``GET
-/v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every client mistake is an
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (completions.py; both
+non-streaming, or SSE with ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus text). Every client mistake is an
 OpenAI-style JSON error with a 4xx status: 400 for a malformed body, field or medium, 404 for
 an unknown model, 413 for an oversized body or a request over its pixel budget, 429 when the
 server's pixel budget is taken; 503 when a bound on work in flight is reached (every 503 and
@@ -17,9 +18,10 @@ connection cap and header timeout sit in the uvicorn protocol (`connections`), t
 graceful shutdown in `shutdown.DrainingServer`.
 
 A stream sends its first chunk only once the first token exists (so a request that fails
-before generating anything still gets a JSON error and a 4xx), then one chunk per new text,
-the finish reason on the last content chunk, a usage chunk with empty ``choices`` when
-``stream_options.include_usage``, and ``data: [DONE]``.
+before generating anything still gets a JSON error and a 4xx), then one chunk per new text
+(and per token when logprobs are asked for), the finish reason on the last content chunk, a
+usage chunk with empty ``choices`` when ``stream_options.include_usage``, and
+``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ from . import protocol as P
 from .flags import build_parser
 from .guard import AdmissionMiddleware, GuardLimits, release_body
 from .handles import Cancelled, Handle, QueueFull
+from .logprobs import TokenText, chat_logprobs
 from .preprocess import prepare_chat_request
 from .protocol import APIError
+from .sampling import to_sampling_params
 from .settings import ServerLimits
 from .streams import (
-    Deltas,
     error_of,
     error_response,
     json_response,
@@ -79,7 +82,7 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
     `limits.remote` (``app.state.fetcher``; close it when done)."""
     from fastapi import FastAPI
 
-    from spaceserve.runtime.request import SamplingParams
+    from .completions import add_completions_route
 
     limits = limits or ServerLimits()
     guard = guard or GuardLimits(max_body_bytes=limits.max_body_bytes,
@@ -132,21 +135,14 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
                  f'spaceserve:mode_info{{mode="{client.mode}"}} 1\n')
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def sampling(req: P.ChatCompletionRequest, prompt: dict[str, Any]) -> SamplingParams:
-        n = len(prompt["prompt_token_ids"])
-        ctx = client.engine.max_model_len
-        limit = req.output_limit()
-        if n >= ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens; the "
-                           f"messages take {n}.", param="messages")
-        if limit is not None and n + limit > ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens; you "
-                           f"requested {n + limit} ({n} in the messages, {limit} in the "
-                           "completion).", param="max_tokens")
-        return SamplingParams(max_tokens=limit if limit is not None else ctx - n,
-                              temperature=1.0 if req.temperature is None else req.temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-                              ignore_eos=req.ignore_eos, n=req.n)
+    texts = TokenText(preprocessor.tokenizer if preprocessor is not None else None)
+    add_completions_route(app, client, preprocessor, model_name=model_name, limits=limits,
+                          texts=texts)
+
+    def sampling(req: P.ChatCompletionRequest, prompt: dict[str, Any]) -> Any:
+        return to_sampling_params(req, len(prompt["prompt_token_ids"]),
+                                  client.engine.max_model_len, req.output_limit(),
+                                  req.num_logprobs())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -156,6 +152,7 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
             return Response(status_code=499)
         req = P.parse_request(body)
         del body
+        req.num_logprobs()  # top_logprobs without logprobs is a 400 before any work
         if req.model != model_name:
             raise APIError(404, f"The model `{req.model[:128]}` does not exist.", param="model",
                            type="NotFoundError", code="model_not_found")
@@ -187,21 +184,16 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
                 raise error_of(first)
             created_at = P.now()
             if not req.stream:
-                outs = [first]  # one final output per choice (n > 1: in any order)
-                while not handle.finished:
-                    out = await next_output(handle, gone)
-                    if out is None:
-                        return Response(status_code=499)
-                    outs.append(out)
-                outs.sort(key=lambda o: o.index)
-                for o in outs:
-                    if o.finish_reason == "error":
-                        raise error_of(o)
+                if first.finish_reason == "error":
+                    raise error_of(first)
+                lps = None
+                if req.logprobs and first.logprobs is not None:
+                    lps = chat_logprobs(first.logprobs, texts, req.return_tokens_as_token_ids)
                 return json_response(P.completion_response(
-                    rid, model_name, created_at, first.text or "", outs[0].finish_reason,
-                    first.prompt_token_ids, outs[0].token_ids,
-                    return_token_ids=req.return_token_ids,
-                    more=[(o.text or "", o.finish_reason, o.token_ids) for o in outs[1:]]))
+                    rid, model_name, created_at, first.text or "", first.finish_reason,
+                    first.prompt_token_ids, first.token_ids,
+                    return_token_ids=req.return_token_ids, logprobs=lps,
+                    stop_reason=first.stop_reason))
             streaming = True
             return StreamingResponse(_stream(req, handle, gone, first, created_at),
                                      media_type="text/event-stream",
@@ -213,33 +205,32 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
 
     async def _stream(req: P.ChatCompletionRequest, handle: Handle, gone: asyncio.Task,
                       first: RequestOutput, created_at: int) -> AsyncIterator[bytes]:
-        rid, usage = handle.request_id, bool(req.stream_options and
-                                            req.stream_options.include_usage)
-        deltas = [Deltas() for _ in range(handle.n)]  # per choice (n > 1: interleaved)
+        rid, usage = handle.request_id, req.include_usage()
+        as_ids = req.return_tokens_as_token_ids
         out: RequestOutput | None = first
-        role = [True] * handle.n
-        completion = 0
+        role = True
         try:
             while out is not None:
-                i = out.index
-                text = deltas[i].take(out.text, out.finished)
+                text = out.delta_text
                 ids = out.new_token_ids if req.return_token_ids else None
                 reason = out.finish_reason if out.finished else None
+                lps = chat_logprobs(out.new_logprobs, texts, as_ids) if req.logprobs and \
+                    out.new_logprobs else None
                 if reason == "error":
                     yield P.sse(error_of(out).body())
                     break
-                if role[i] or text or reason or ids:
-                    delta: dict[str, Any] = {"role": "assistant"} if role[i] else {}
-                    if text or role[i]:
+                if role or text or reason or ids or lps:
+                    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                    if text or role:
                         delta["content"] = text
                     yield P.sse(P.chunk(rid, model_name, created_at, delta, reason,
-                                        include_usage=usage, token_ids=ids, index=i))
-                    role[i] = False
-                completion += len(out.token_ids) if out.finished else 0
-                if handle.finished:
+                                        include_usage=usage, token_ids=ids, logprobs=lps,
+                                        stop_reason=out.stop_reason))
+                    role = False
+                if out.finished:
                     if usage:
                         yield P.sse(P.usage_chunk(rid, model_name, created_at,
-                                                  len(out.prompt_token_ids), completion))
+                                                  len(out.prompt_token_ids), len(out.token_ids)))
                     break
                 out = await next_output(handle, gone)
         except Cancelled as exc:  # the server is shutting down: say so, then end the stream

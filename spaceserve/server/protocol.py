@@ -4,9 +4,10 @@ Input processing (`spaceserve.runtime.inputs`) takes a request's messages as pla
 (`chat_messages`); its `InputError`s become OpenAI-style errors here (`input_error`).
 
 Requests are pydantic models validated in strict mode (a string is not a number, a number is
-not a bool), so a malformed field is a 400 that names it. Responses are plain dicts built by the
-functions below: they sit on the per-token path of streaming, where model validation would only
-add latency.
+not a bool), so a malformed field is a 400 that names it; the generation parameters shared with
+/v1/completions live in sampling.py, that endpoint's wire format in completions.py. Responses
+are plain dicts built by the functions below: they sit on the per-token path of streaming,
+where model validation would only add latency.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import json
 import re
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from spaceserve.runtime.inputs import (
     ChatPlan,
@@ -27,14 +28,13 @@ from spaceserve.runtime.inputs import (
     VideoLimits,
 )
 
-from .errors import APIError  # noqa: F401  (re-exported)
+from .errors import APIError
+from .sampling import MAX_LOGPROBS, REFUSED, SamplingFields, StreamOptions, Strict
 
+__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "StreamOptions"]
+_Model = Strict
 MAX_JSON_DEPTH = 32  # an OpenAI request nests about 6 deep
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class ImageURL(_Model):
@@ -70,34 +70,24 @@ class ChatMessage(_Model):
     name: str | None = None
 
 
-class StreamOptions(_Model):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(_Model):
+class ChatCompletionRequest(SamplingFields):
     """The fields SpaceServe honours; unknown fields are ignored, unsupported ones refused."""
 
-    model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(default=None, ge=0, lt=2 ** 63)
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=128)
-    stop: None = None
-    logprobs: Literal[False] | None = None
-    tools: None = None
-    return_token_ids: bool = False  # extension: token ids in the response (as vLLM offers)
-    user: str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def output_limit(self) -> int | None:
         """`max_completion_tokens` wins over the older `max_tokens`."""
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per token for the engine (None: no logprobs)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -142,8 +132,11 @@ def check_json(data: Any) -> None:
                               depth + 1))
 
 
-def parse_request(body: bytes | bytearray) -> ChatCompletionRequest:
-    """Bytes to a validated request; APIError 400 naming the first bad field otherwise."""
+Req = TypeVar("Req", bound=SamplingFields)
+
+
+def parse_body(body: bytes | bytearray, model: type[Req]) -> Req:
+    """Bytes to a validated request of `model`; APIError 400 naming the first bad field."""
     try:
         data = json.loads(body)
     except RecursionError:
@@ -155,18 +148,21 @@ def parse_request(body: bytes | bytearray) -> ChatCompletionRequest:
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:
-        req = ChatCompletionRequest.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as exc:
         err = max(exc.errors(include_url=False), key=lambda e: len(e.get("loc", ())))
         where = _loc(tuple(err.get("loc", ())))
         msg = err.get("msg", "invalid value")
-        if where in ("stop", "tools", "logprobs"):
-            msg = f"{where} is not supported"
+        if where in REFUSED:
+            msg = REFUSED[where]
         raise APIError(400, f"{where or 'body'}: {msg}", param=where or None) from None
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed with stream=true",
-                       param="stream_options")
+    req.check_refused()
     return req
+
+
+def parse_request(body: bytes | bytearray) -> ChatCompletionRequest:
+    """Bytes to a validated chat request; APIError 400 naming the first bad field."""
+    return parse_body(body, ChatCompletionRequest)
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -263,32 +259,31 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str,
                         prompt_ids: list[int], token_ids: list[int], *,
-                        return_token_ids: bool = False,
-                        more: list[tuple[str, str, list[int]]] = ()) -> dict[str, Any]:
-    """A non-streaming ``chat.completion`` object; `more` holds choices 1, 2, ... of a
-    request with ``n`` > 1 as (text, finish reason, token ids). Usage counts the prompt once
-    and every choice's tokens."""
-    choices: list[dict[str, Any]] = []
-    for i, (t, reason, ids) in enumerate([(text, finish_reason, token_ids), *more]):
-        choices.append({"index": i, "message": {"role": "assistant", "content": t},
-                        "logprobs": None, "finish_reason": reason})
-        if return_token_ids:
-            choices[-1]["token_ids"] = list(ids)
-    completion = len(token_ids) + sum(len(ids) for _, _, ids in more)
+                        return_token_ids: bool = False, logprobs: Any = None,
+                        stop_reason: int | str | None = None) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` object (`logprobs`: the choice's ``{"content":
+    [...]}``; `stop_reason`: the stop string or token id that ended it, as vLLM reports)."""
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                              "logprobs": logprobs, "finish_reason": finish_reason,
+                              "stop_reason": stop_reason}
     out: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": created,
-                           "model": model, "choices": choices,
-                           "usage": usage(len(prompt_ids), completion)}
+                           "model": model, "choices": [choice],
+                           "usage": usage(len(prompt_ids), len(token_ids))}
     if return_token_ids:
+        choice["token_ids"] = list(token_ids)
         out["prompt_token_ids"] = list(prompt_ids)
     return out
 
 
 def chunk(rid: str, model: str, created: int, delta: dict[str, Any],
           finish_reason: str | None = None, *, include_usage: bool = False,
-          token_ids: list[int] | None = None, index: int = 0) -> dict[str, Any]:
-    """One ``chat.completion.chunk`` with a single choice (choice `index` of the n)."""
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
+          token_ids: list[int] | None = None, logprobs: Any = None,
+          stop_reason: int | str | None = None) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` with a single choice."""
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
                               "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
     if token_ids is not None:
         choice["token_ids"] = token_ids
     out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,

@@ -11,7 +11,7 @@ from spaceserve import Engine, RequestOutput, SamplingParams
 from spaceserve.runtime.engine import EngineConfig
 from spaceserve.runtime.inputs import process_prompt
 from spaceserve.runtime.runner import NullModelRunner
-from spaceserve.runtime.sampler import fold_seed, sample
+from spaceserve.runtime.sampling_ops import fold_seed, sample
 
 IMG = 3  # the null model's image token id
 CFG = dict(num_kv_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
@@ -337,3 +337,21 @@ def test_sampler_follows_the_softmax_and_top_p() -> None:
     # top_p 0.7: {0: 0.64, 1: 0.24} reach 0.7 first; only those two may be drawn.
     kept = sample(logits, ones, torch.full((n,), 0.7), seeds, torch.arange(n))
     assert set(kept.tolist()) == {0, 1}
+
+
+def test_pipelined_steps_run_one_ahead_and_give_the_same_tokens() -> None:
+    prompts, params = mixed_workload(seed=3, n=10)
+    plain = make_engine(async_scheduling=False)
+    base = tokens(plain.generate(prompts, params))
+    eng = make_engine()
+    assert eng.config.async_scheduling
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    rid = eng.add_request({"prompt_token_ids": [5, 6, 7]}, sp)
+    assert eng.step() == [] and eng._inflight is not None  # launched, not read back yet
+    seen = []
+    while eng.has_unfinished():
+        seen += [o for o in eng.step() if o.request_id == rid]
+    assert eng._inflight is None and seen[-1].finished and len(seen[-1].token_ids) == 5
+    assert eng.num_steps == 5  # a request whose last draw is in flight is not run again
+    assert tokens(eng.generate(prompts, params)) == base
+    eng.check_idle()

@@ -17,6 +17,7 @@ from spaceserve import Engine, SamplingParams
 from spaceserve.runtime.engine import EngineConfig
 from spaceserve.runtime.inputs import process_prompt
 from spaceserve.runtime.runner import NullModelRunner
+from spaceserve.runtime.sampling_ops import reference_logprobs
 
 IMG = 3
 LIFECYCLES_PER_RUN = 400
@@ -35,6 +36,7 @@ def random_config(rng: random.Random) -> dict:
         max_held_embeddings=rng.randint(1, 4),
         max_encoder_tokens_per_step=rng.randint(1, 16),
         max_images_per_prompt=2,
+        async_scheduling=rng.random() < 0.7,
     )
 
 
@@ -75,14 +77,39 @@ def random_prompt(rng: random.Random, gen: torch.Generator, max_prompt: int
 
 
 def random_params(rng: random.Random) -> SamplingParams:
+    max_tokens = rng.randint(1, 16)
     return SamplingParams(
-        max_tokens=rng.randint(1, 16),
+        max_tokens=max_tokens,
         temperature=rng.choice([0.0, 0.0, 0.7, 1.3]),
         top_p=rng.choice([1.0, 1.0, 0.6]),
+        top_k=rng.choice([0, 0, 0, 3, 40]),
+        min_p=rng.choice([0.0, 0.0, 0.0, 0.3]),
+        presence_penalty=rng.choice([0.0, 0.0, 0.0, 0.8, -1.5]),
+        frequency_penalty=rng.choice([0.0, 0.0, 0.0, 0.5, -0.7]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.0, 1.4, 0.7]),
+        logit_bias={t: rng.uniform(-3, 3) for t in rng.sample(range(97), rng.choice([0, 0, 3]))},
+        min_tokens=rng.choice([0, 0, 0, min(3, max_tokens)]),
+        logprobs=rng.choice([None, None, None, 0, 4]),
         seed=rng.randrange(1 << 40),
         ignore_eos=rng.random() < 0.5,
         stop_token_ids=rng.sample(range(4, 97), rng.choice([0, 0, 1, 3])),
     )
+
+
+def check_logprobs(runner: NullModelRunner, ids: list[int], mm, out) -> None:
+    """Every token's logprob entry equals a float64 log-softmax of the same raw logits."""
+    assert len(out.logprobs) == len(out.token_ids)
+    embeds = runner.encode([mm])[0] if mm is not None else None
+    seq = list(ids)
+    for tok, entry in zip(out.token_ids, out.logprobs, strict=True):
+        logits = runner.reference_logits(runner.token_values(seq, mm, embeds))
+        lp, rank, top = reference_logprobs(logits, tok, 4)
+        assert entry.token_id == tok and entry.rank == rank
+        assert abs(entry.logprob - lp) < 1e-5
+        k = len(entry.top)
+        assert [t for t, _ in entry.top] == [t for t, _ in top[:k]] or \
+            max(abs(a - b) for (_, a), (_, b) in zip(entry.top, top, strict=False)) < 1e-6
+        seq.append(tok)
 
 
 @pytest.mark.parametrize("run", range(RUNS))
@@ -121,7 +148,7 @@ def test_random_lifecycles(run: int) -> None:
     images = sum(1 for p, _, e in submitted.values() if "pixel_values" in p and e is None)
     assert runner.num_encoded <= images + sum(1 for *_, e in submitted.values()
                                               if e == "image encoding failed")
-    preempted = 0
+    preempted = checked = 0
     for rid, (prompt, params, expect) in submitted.items():
         out = finals[rid]
         preempted += out.metrics.num_preemptions
@@ -139,4 +166,10 @@ def test_random_lifecycles(run: int) -> None:
             assert rid in aborted and out.token_ids == ref[: len(out.token_ids)]
         else:
             assert (out.token_ids, out.finish_reason) == (ref, reason), rid
+        if params.logprobs is not None:
+            checked += 1
+            check_logprobs(runner, ids, mm, out)
+        else:
+            assert out.logprobs is None
     assert preempted > 0, "the cache never ran out: the run tests too little"
+    assert checked > 0, "no request asked for logprobs"

@@ -23,7 +23,7 @@ from spaceserve.runtime.sim import (
     generate,
     simulate,
 )
-from spaceserve.runtime.sim.cli import main
+from spaceserve.runtime.sim.cli import build_parser, main
 from spaceserve.runtime.sim.metrics import percentile, request_record, summarize
 from spaceserve.runtime.sim.sweep import crossing
 from spaceserve.runtime.sim.workload import Request, arrival_times
@@ -95,14 +95,47 @@ def test_drives_the_real_schedulers(h200) -> None:
     assert sim.curves.encoder_depth == sim.sched.num_layers == 32
 
 
-def test_spatial_keeps_decode_flat_where_temporal_climbs(h200) -> None:
-    w = Workload(10.0, 3.0, seed=5)
+def _goodput(h200, mode: str, w: Workload, slo: Slo, **kw):
+    runs = [simulate(h200, SimConfig(mode=mode, slo=slo, **kw), dataclasses.replace(w, seed=s),
+                     drain_s=5.0) for s in (0, 1)]
+    met = sum(r.goodput(slo).met for r in runs)
+    ttft = [r.first_token - r.arrival for res in runs for r in res.requests
+            if r.kind == "image" and r.first_token is not None]
+    tpot = [summarize(r.requests)["tpot"]["mean_ms"] for r in runs]
+    _goodput.widest = max((e for r in runs for _, e in r.gpus[0].splits), default=0)
+    return met / (2 * w.duration_s), sum(ttft) / len(ttft), sum(tpot) / len(tpot)
+
+
+def test_spatial_serves_more_within_slo_than_time_multiplexing(h200) -> None:
+    itl = Slo.parse("ttft:2000,itl:21")
+    w = Workload(10.0, 4.0)
+    good = {m: _goodput(h200, m, w, itl)[0] for m in ("temporal", "temporal-chunked", "spatial")}
+    assert good["spatial"] > 0.8 * 10.0  # decode steps stay short while images encode
+    assert good["spatial"] > 4 * max(good["temporal"], good["temporal-chunked"])
+    tpot_slo = Slo.parse("ttft:2000,tpot:50")
+    w = Workload(16.0, 5.0)
+    good = {m: _goodput(h200, m, w, tpot_slo)[0] for m in ("temporal", "temporal-chunked",
+                                                           "spatial")}
+    assert good["spatial"] >= 0.95 * max(good["temporal"], good["temporal-chunked"])
+    cap = Simulator(h200, SimConfig(slo=tpot_slo)).policy.splits[-1]
+    assert _goodput.widest == cap  # under pressure the encoder takes all the decode SLO allows
+    # the TPOT-first baseline objective gives the encoder too few SMs for this load
+    assert _goodput(h200, "spatial", w, tpot_slo, sis_objective="tpot")[0] < \
+        0.85 * good["spatial"]
+
+
+def test_light_load_keeps_ttft_and_tpot_near_time_multiplexing(h200) -> None:
+    slo = Slo.parse("ttft:2000,tpot:50")
+    w = Workload(2.0, 8.0)
     idle = summarize(simulate(h200, SimConfig(mode="temporal"), dataclasses.replace(
         w, image_rate=0.0)).requests)["tpot"]["mean_ms"]
-    tpot = {m: summarize(simulate(h200, SimConfig(mode=m), w).requests)["tpot"]["mean_ms"]
-            for m in ("temporal", "spatial")}
-    assert tpot["temporal"] > 1.3 * idle
-    assert tpot["spatial"] < 1.2 * idle
+    _, ttft_t, _ = _goodput(h200, "temporal", w, slo)
+    _, ttft_s, tpot_s = _goodput(h200, "spatial", w, slo)
+    assert 0 < _goodput.widest < Simulator(h200, SimConfig(slo=slo)).policy.splits[-1]  # calm
+    assert ttft_s <= 1.5 * ttft_t
+    assert tpot_s <= 1.25 * idle
+    _, ttft_tpot, tpot_tpot = _goodput(h200, "spatial", w, slo, sis_objective="tpot")
+    assert tpot_tpot <= 1.2 * idle and ttft_tpot > ttft_s  # TPOT first, at a TTFT cost
 
 
 def test_cluster_routers(h200) -> None:
@@ -274,15 +307,26 @@ def test_sweep_rows_carry_goodput_per_mode_and_rate(tmp_path, capsys) -> None:
             main(bad + ["--out", str(tmp_path), "--no-plot"])
 
 
+def test_defaults_are_the_goodput_sweep() -> None:
+    args = build_parser().parse_args([])
+    assert args.duration == 30.0 and args.sis_objective == "goodput"
+    assert args.modes == "temporal,temporal-chunked,spatial"
+    assert [float(r) for r in args.rates.split(",")] == [0.0, *range(2, 21, 2)]
+    assert args.seeds is None and args.seed is None  # seeds 0,1 (DEFAULT_SEEDS)
+    assert str(args.slo) == "ttft:2000,tpot:50"
+
+
 def test_one_command_produces_the_figure(tmp_path, capsys) -> None:
     start = time.perf_counter()
-    rc = main(["--points", "4", "--duration", "2", "--out", str(tmp_path), "--seed", "1"])
+    rc = main(["--rates", "auto", "--points", "4", "--duration", "2", "--out", str(tmp_path),
+               "--seed", "1"])
     took = time.perf_counter() - start
     out = capsys.readouterr().out
     assert rc == 0 and took < 30, took
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["meta"]["device"] == "H200" and results["meta"]["source"] == "modelled"
-    assert set(results["sweep"]) == set(MODES)
+    assert list(results["sweep"]) == ["temporal", "temporal-chunked", "spatial"]
+    assert results["sweep"]["spatial"][0]["seeds"] == [1]
     assert all(len(rows) == 4 for rows in results["sweep"].values())
     assert (tmp_path / "curves_H200.json").exists() and "temporal" in out
     CurveSet.load(tmp_path / "curves_H200.json")

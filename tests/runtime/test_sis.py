@@ -1,4 +1,5 @@
-"""SIS on synthetic curves: the TPOT target, idle decoder, monotone splits, hysteresis."""
+"""SIS's tpot objective on synthetic curves: the TPOT target, idle decoder, monotone splits,
+hysteresis (the goodput objective: test_sis_goodput.py)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class Clock:
 
 
 def sis(clock=None, curves=CURVES, **kw) -> SpaceInferenceScheduler:
+    kw.setdefault("objective", "tpot")
     return SpaceInferenceScheduler(curves, ALLOWED, clock=clock or Clock(), **kw)
 
 

@@ -142,3 +142,136 @@ def test_cuda_modes_with_partitions_and_decode_graphs(tiny, prompts, expected, m
                            (pset.partitions() if mode == "spatial" else [pset.current])}
     finally:
         engine.close()
+
+
+def _paced_curves(path) -> str:
+    """Curves that make the tiny model's work take serving-scale time on a 132-SM device: a
+    vision layer costs 0.2 ms per ViT patch at full width (linear in SMs: a 48-patch image
+    ~0.3 s), decode is memory-bound (5 ms, saturating at 60 SMs), prefill 0.1 ms per token;
+    10% co-running slowdown."""
+    from spaceserve.runtime.curves import Curve, CurveSet
+
+    sms = list(range(4, 133, 4))
+
+    def grid(fn, *axes):
+        def rec(prefix, rest):
+            return fn(*prefix) if not rest else [rec((*prefix, x), rest[1:]) for x in rest[0]]
+        return [rec((n,), list(axes)) for n in sms]
+
+    def enc(n, p):
+        return p * 2e-4 * 132 / n
+
+    def pre(n, t, c):
+        return 1e-3 + t * 1e-4 * 132 / n
+
+    def dec(n, b, c):
+        return 5e-3 * max(1.0, 60 / n) + 1e-5 * b
+
+    p, t, tc, b, dc = [16, 256, 4096], [16, 256, 4096], [0, 4096], [1, 32, 128], [0, 4096]
+    curves = CurveSet(
+        "H200", 132, {"name": "paced-tiny", "vision_depth": 32}, "bfloat16", "measured",
+        Curve(("patches",), {"patches": p}, sms, grid(enc, p),
+              grid(lambda *a: 1.1 * enc(*a), p)),
+        Curve(("tokens", "context"), {"tokens": t, "context": tc}, sms, grid(pre, t, tc),
+              grid(lambda *a: 1.1 * pre(*a), t, tc)),
+        Curve(("batch", "context"), {"batch": b, "context": dc}, sms, grid(dec, b, dc),
+              grid(lambda *a: 1.1 * dec(*a), b, dc)))
+    return str(curves.save(path / "paced.json"))
+
+
+class CurveClock:
+    """The engine's injected clock, advanced after every step by what the curves say the step
+    took on the device: the decode lane and the compute lane (encoder layers, compute
+    prefills) run side by side, so a step lasts the longer of the two."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.t, self.lanes, eng = 0.0, {"decode": 0.0, "compute": 0.0}, engine
+        runner = eng.runner
+        self.curves = eng.spatial.sis.curves
+        depth = self.curves.encoder_depth / runner.encoder_layers
+        execute, advance, step = runner.execute, runner.advance_encode, eng.step
+
+        def timed_execute(batch, *, stage="decoder"):
+            sms = runner.encoder_num_sms if stage == "encoder" else runner.decoder_num_sms
+            lane = "compute" if stage == "encoder" else "decode"
+            if batch.num_decodes == batch.num_seqs:
+                secs = self.curves.decode(batch.num_seqs, 64, sms, True)
+            else:
+                secs = self.curves.prefill(batch.num_tokens, 0, sms, True)
+            self.lanes[lane] += secs
+            return execute(batch, stage=stage)
+
+        def timed_advance(job, layers, *, num_sms=None):
+            ran = advance(job, layers, num_sms=num_sms)
+            self.lanes["compute"] += self.curves.encoder(job.num_patches, ran * depth, num_sms,
+                                                         True)
+            return ran
+
+        def timed_step():
+            self.lanes = {"decode": 0.0, "compute": 0.0}
+            out = step()
+            self.t += max(max(self.lanes.values()), 1e-4)
+            return out
+
+        runner.execute, runner.advance_encode, eng.step = timed_execute, timed_advance, \
+            timed_step
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_sis_widens_the_encoder_for_a_burst_and_gives_it_back(tiny, prompts, expected,
+                                                              tmp_path) -> None:
+    from spaceserve.runtime.engine import EngineConfig
+    from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
+
+    runner = Qwen2VLRunner.from_pretrained(tiny[0], attention_backend="torch", device="cpu")
+    holder: list = []
+    eng = Engine(runner, EngineConfig(mode="spatial", num_kv_blocks=96, block_size=4,
+                                      encoder_launch_budget_s=0.0, encoder_window_s=1e-9,
+                                      curves=_paced_curves(tmp_path)),
+                 clock=lambda: holder[0]() if holder else 0.0)
+    clock = CurveClock(eng)
+    holder.append(clock)
+    policy = eng.spatial.policy
+    calm_cap, slo_cap = policy.splits[-2], policy.splits[-1]
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+
+    def sink(o):
+        if o.finished:
+            assert o.error is None, o.error
+            got[o.request_id] = o.token_ids
+
+    order = [eng.add_request(prompts[1], long, sink=sink)]  # text keeps decoding throughout
+    for _ in range(3):
+        eng.step()
+    order.append(eng.add_request(prompts[3], GREEDY, sink=sink))  # one small image: calm
+    eng.step()
+    calm = set()
+    while eng.spatial.stage.num_pending:
+        calm.add(eng.spatial.partitions.current.requested)
+        eng.step()
+    burst = [0, 2, 3, 0, 2, 3]
+    for i in burst:  # a burst: six images at once
+        order.append(eng.add_request(prompts[i], GREEDY, sink=sink))
+    widest, t_burst = 0, clock.t
+    while eng.has_unfinished():
+        eng.step()
+        if eng.spatial.stage.num_pending:
+            widest = max(widest, eng.spatial.partitions.current.requested)
+    switches = eng.spatial.switches
+    assert 0 < max(calm) <= calm_cap  # a lone image: the calm split, decode near unloaded
+    assert widest == slo_cap > max(calm)  # the burst: the most the decode SLO allows
+    assert [e for t, e in switches if t >= t_burst][-1] == 0  # drained: all back to decode
+    assert got[order[0]] == reference_tokens(tiny, prompts[1], 40)
+    assert [got[r] for r in order[1:]] == [expected[3]] + [expected[i] for i in burst]
+    eng.check_idle()
+
+
+def reference_tokens(tiny, prompt, n: int) -> list[int]:
+    """Greedy tokens of a temporal-mode engine for `prompt` alone."""
+    engine = Engine.from_pretrained(tiny[0], mode="temporal", attention_backend="torch",
+                                    num_kv_blocks=64, **FAST)
+    return engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0,
+                                                    ignore_eos=True))[0].token_ids

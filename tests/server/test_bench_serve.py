@@ -164,6 +164,32 @@ def test_bench_over_http_matches_the_server(live_tiny, tmp_path) -> None:
     assert run["timeline"] and run["timeline"][0]["encoder_sms"] > 0  # scraped from /metrics
 
 
+def test_bench_over_http_on_the_completions_endpoint(live_tiny, tmp_path) -> None:
+    from spaceserve.bench.serve import main
+
+    client, server = live_tiny
+    out = tmp_path / "cmpl"
+    rc = main(["--backend", "http", "--base-url", server.url, "--served-model", "tiny-test",
+               "--endpoint", "/v1/completions", "--rates", "5", "--duration", "1",
+               "--probe-rate", "2", "--output-len", "4", "--image-mix", "text=1",
+               "--out", str(out), "--no-plot"])
+    assert rc == 0
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert run["metrics"]["failed"] == 0
+    done = run["metrics"]["load"]["completed"]
+    assert done >= 1 and run["metrics"]["load"]["total_output_tokens"] == 4 * done
+    assert all(r["output_tokens"] in (4, 8) for r in run["requests"])
+
+
+def test_completions_endpoint_needs_a_text_mix(capsys) -> None:
+    from spaceserve.bench.serve import main
+
+    assert main(["--endpoint", "/v1/completions", "--image-mix", "112x112=1,text=1"]) == 2
+    assert "text prompts only" in capsys.readouterr().err
+    assert main(["--endpoint", "/v1/embeddings"]) == 2
+    assert "--endpoint" in capsys.readouterr().err
+
+
 def test_bench_fails_fast_against_an_unreachable_server(tmp_path, capsys) -> None:
     import time
 

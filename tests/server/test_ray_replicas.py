@@ -261,6 +261,35 @@ def test_forty_requests_on_both_replicas_and_greedy_equals_single(dp, single) ->
     assert health == {"status": "ok", "mode": "temporal", "note": None}
 
 
+def test_completions_and_generation_parameters_through_the_replicas(dp, single) -> None:
+    """/v1/completions and the generation parameters (seeded sampling, penalties, stop strings,
+    logprobs) cross Ray to a replica and back as the single server answers them."""
+    c = client_of(dp)
+    kw = dict(model=MODEL, max_tokens=8, temperature=0.9, seed=3, logprobs=2,
+              presence_penalty=0.5, extra_body={"ignore_eos": True, "top_k": 40})
+    want = single.completions.create(prompt=["The birds", "Count them"], **kw)
+    got = c.completions.create(prompt=["The birds", "Count them"], **kw)
+    assert [ch.text for ch in got.choices] == [ch.text for ch in want.choices]
+    assert [ch.logprobs.tokens for ch in got.choices] == \
+        [ch.logprobs.tokens for ch in want.choices]
+    stop = want.choices[0].text[2:4]  # in the output: the same seed draws the same tokens
+
+    def streamed(cl) -> tuple[str, str]:
+        chunks = list(cl.completions.create(prompt="The birds", stream=True,
+                                            **(kw | {"stop": [stop]})))
+        return ("".join(ch.choices[0].text for ch in chunks if ch.choices),
+                chunks[-1].choices[0].finish_reason)
+
+    assert streamed(c) == streamed(single)
+    assert streamed(single)[1] == "stop"
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                temperature=0.8, seed=9, logprobs=True, top_logprobs=2)
+    a, b = c.chat.completions.create(**chat), single.chat.completions.create(**chat)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert [t.token for t in a.choices[0].logprobs.content] == \
+        [t.token for t in b.choices[0].logprobs.content]
+
+
 def test_killing_a_replica_mid_load(dp) -> None:
     before = pids(dp.metrics())
     assert set(before) == {"0", "1"}

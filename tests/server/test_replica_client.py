@@ -38,6 +38,7 @@ class FakeReplicas:
         self.raise_other = False
         self.error_item: tuple | None = None
         self.served: list[str] = []
+        self.params: list = []
         self.cancelled = 0
         self.delay = 0.002  # seconds per token
 
@@ -55,6 +56,7 @@ class FakeReplicas:
         self.tracker.on_routed(key, route, stream=kwargs["stream"])
         label = str(self.tracker.info_of(key)["rank"])
         self.served.append(label)
+        self.params.append(kwargs["params"])
         if self.error_item is not None:
             yield self.error_item
             return
@@ -73,13 +75,13 @@ class FakeReplicas:
                 if budget is not None and budget <= 0:
                     raise Died("The actor died unexpectedly before finishing this task.")
                 budget = None if budget is None else budget - 1
-                for k in range(params.n):  # n > 1: the sequences' outputs interleave
-                    yield ("out", label, RequestOutput(
-                        rid, prompt, [t + k for t in tokens], [tokens[-1] + k],
-                        "xyz"[k % 3] * len(tokens), last, "length" if last else None, None,
-                        RequestMetrics(now, now + 0.001, tuple(now + 0.001 * (j + 1) for j in
-                                                              range(len(tokens))),
-                                       now + 0.01 if last else None), index=k))
+                yield ("out", label, RequestOutput(
+                    rid, prompt, list(tokens), [tokens[-1]], last,
+                    "length" if last else None, None,
+                    RequestMetrics(now, now + 0.001, tuple(now + 0.001 * (j + 1) for j in
+                                                          range(len(tokens))),
+                                   now + 0.01 if last else None),
+                    delta_text="x", text_source="x" * len(tokens)))
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -156,19 +158,20 @@ def test_requests_spread_and_metrics_carry_each_replica(fake) -> None:
     assert text.rstrip().endswith('spaceserve:mode_info{mode="temporal"} 1')
 
 
-def test_n_choices_come_back_through_the_replica_client(fake) -> None:
-    reps, url, client = fake
+def test_completions_go_through_the_replicas(fake) -> None:
+    """/v1/completions over the replica set: a list of prompts is one request per prompt, each
+    routed; plain and streamed; its sampling parameters reach the replica."""
+    reps, url, _ = fake
     c = oai(url)
-    r = chat(c, n=3)
-    assert [(ch.index, ch.message.content) for ch in r.choices] == [
-        (0, "xxxx"), (1, "yyyy"), (2, "zzzz")]
-    assert r.usage.completion_tokens == 12
-    text = ["", "", ""]
-    for ch in chat(c, True, n=3):
-        for choice in ch.choices:
-            text[choice.index] += choice.delta.content or ""
-    assert text == ["xxxx", "yyyy", "zzzz"]
-    wait_until(lambda: client._pending == 0)
+    r = c.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=3,
+                             stop=["zz"], seed=5, extra_body={"top_k": 4})
+    assert [ch.text for ch in r.choices] == ["xxx"] * 3
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 9
+    assert len(reps.served) == 3 and sorted(set(reps.served)) == ["0", "1"]
+    assert {(p.stop, p.seed, p.top_k) for p in reps.params} == {(("zz",), 5, 4)}
+    chunks = list(c.completions.create(model=MODEL, prompt="four", max_tokens=2, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "xx"
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_a_replica_that_dies_before_answering_is_retried_once(fake) -> None:

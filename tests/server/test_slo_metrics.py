@@ -12,7 +12,7 @@ from spaceserve.server.metrics import ServerMetrics
 def _out(reason: str, first: float | None, times: tuple[float, ...]) -> RequestOutput:
     m = RequestMetrics(0.0, first, times, times[-1] if times else 0.5)
     n = len(times)
-    return RequestOutput("r", [1, 2], list(range(n)), [], None, True, reason, None, m)
+    return RequestOutput("r", [1, 2], list(range(n)), [], True, reason, None, m)
 
 
 def test_metrics_count_slo_met_and_missed() -> None:

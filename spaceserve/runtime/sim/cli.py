@@ -1,10 +1,11 @@
 """`spaceserve sim` / `python -m spaceserve.runtime.sim`: sweep image rates, write the figure.
 
 Default: analytic (modelled) curves of Qwen2-VL-7B on an H200 preset, a background batch of 32
-decoding requests, all five modes, image rates from 0 to 85% of the GPU's encode+prefill
-capacity. Every point reports goodput under --slo (default ttft:2000,tpot:50): image requests
-per second of the arrival window that met it, and the fraction that did; a request still
-unfinished --drain seconds after arrivals stop counts as a miss. Writes curves, results.json,
+decoding requests, modes temporal, temporal-chunked and spatial (SIS maximising goodput), image
+rates 0, 2, ..., 20 per second, 30 s of Poisson arrivals, seeds 0 and 1 pooled. Every point
+reports goodput under --slo (default ttft:2000,tpot:50): image requests per second of the
+arrival window that met it, and the fraction that did; a request still unfinished --drain
+seconds after arrivals stop counts as a miss. Writes curves, results.json,
 requests.json, tpot_vs_rate.png and goodput_vs_rate.png under --out. ``--model qwen2-vl-72b
 --tp 8`` simulates one rank of a tensor-parallel group (per-rank curves with the collectives'
 costs over the preset's NVLink figures; the vision encoder data-parallel or, with
@@ -30,15 +31,19 @@ from ..analytic import (
 )
 from ..contention import Contention
 from ..curves import CurveSet
+from ..policy import OBJECTIVES
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler
 from ..slo import DEFAULT_SLO_TEXT, Slo
 from . import multiturn_cli
 from .cluster import ROUTERS
-from .engine import MODES, PLACEMENTS, SimConfig, default_allowed
+from .engine import MODES, PLACEMENTS, SimConfig, sim_policy
 from .plots import plot, plot_goodput
 from .sweep import capacity_rate, default_rates, headline, run_sweep, table, write_outputs
 from .workload import DEFAULT_MIX, Workload
 
+DEFAULT_MODES = ("temporal", "temporal-chunked", "spatial")
+DEFAULT_RATES = "0,2,4,6,8,10,12,14,16,18,20"
+DEFAULT_SEEDS = (0, 1)
 MODELS = {"qwen2-vl-7b": ("Qwen2-VL-7B", qwen2_vl_7b_config),
           "qwen2.5-vl-7b": ("Qwen2.5-VL-7B", qwen2_5_vl_7b_config),
           "qwen2-vl-72b": ("Qwen2-VL-72B", qwen2_vl_72b_config)}
@@ -87,11 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mm-encoder-tp-mode", default="data", choices=("data", "weights"),
                    help="with --tp > 1: the vision encoder data-parallel (each rank encodes "
                         "whole images) or sharded like the decoder (vLLM's names)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
-    p.add_argument("--rates", help="comma-separated image rates/s (default: auto)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated modes out of {', '.join(MODES)}")
+    p.add_argument("--rates", default=DEFAULT_RATES,
+                   help="comma-separated image rates/s, or 'auto' (--points from 0 to 85%% of "
+                        "the encode+prefill capacity)")
     p.add_argument("--points", type=int, default=9, help="auto rates: how many")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
-    p.add_argument("--seed", type=int, default=0, help="workload random seed")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
+    p.add_argument("--seed", type=int,
+                   help="one workload seed, same as --seeds N (default: --seeds' default)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--mix", type=_mix, default=dict(DEFAULT_MIX),
                    help="image mix, e.g. 448x448=0.25,1920x1080=0.75 (default: "
@@ -105,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--static-encoder-sms", type=int, default=64,
                    help="encoder SMs of the spatial-static split")
     p.add_argument("--tpot-factor", type=float, default=1.15,
-                   help="SIS's TPOT target: this x the decode step on the whole device")
+                   help="--sis-objective tpot: the decode step it protects, x the decode step "
+                        "on the whole device")
+    p.add_argument("--sis-objective", default="goodput", choices=OBJECTIVES,
+                   help="SIS maximises predicted goodput (default) or protects TPOT at any "
+                        "TTFT cost (tpot: the paper-like baseline)")
     p.add_argument("--prefill-on", default="auto", choices=PLACEMENTS,
                    help="partition prefill runs on (auto: SIS decides in spatial mode)")
     p.add_argument("--encoder-policy", choices=("twsrft", "fifo"),
@@ -128,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "TWSRFT's grant elsewhere (temporal runs whole jobs)")
     p.add_argument("--drain", type=float, default=10.0,
                    help="seconds a run goes on after arrivals stop; unfinished requests miss")
-    p.add_argument("--seeds", type=_seeds, help="comma-separated seeds pooled per point "
-                   "(default: --seed)")
+    p.add_argument("--seeds", type=_seeds,
+                   help="comma-separated seeds pooled per point (default: 0,1)")
     p.add_argument("--out", type=Path, default=Path("runs/sim"), help="output directory")
     p.add_argument("--no-plot", action="store_true", help="skip the figures")
     multiturn_cli.add_args(p)
@@ -175,26 +188,35 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--contention: {exc}") from None
     if args.curves is None or args.contention is not None:
         curves.save(args.out / f"curves_{curves.device}.json")
+    seeds = args.seeds or ([args.seed] if args.seed is not None else list(DEFAULT_SEEDS))
     workload = Workload(0.0, args.duration, burstiness=args.burstiness, image_mix=args.mix,
                         text_rate=args.text_rate, text_tokens=args.text_tokens,
-                        output_tokens=args.output_tokens, seed=args.seed)
+                        output_tokens=args.output_tokens, seed=seeds[0])
     base = SimConfig(static_encoder_sms=args.static_encoder_sms, tpot_factor=args.tpot_factor,
+                     sis_objective=args.sis_objective, slo=args.slo,
                      prefill_on=args.prefill_on, encoder_policy=args.encoder_policy,
                      background=args.batch, background_context=args.context,
                      shared_decode_share=args.shared_decode_share,
                      window_s=args.encoder_window_ms / 1e3)
     cap = capacity_rate(curves, workload, args.gpus)
-    sis = SpaceInferenceScheduler(curves, base.allowed_encoder_sms or
-                                  default_allowed(curves.num_sms), tpot_factor=args.tpot_factor)
-    busy = SisState((PendingEncode(4 * 2691, curves.encoder_depth),), (), args.batch,
+    policy = sim_policy(curves, base)
+    sis = SpaceInferenceScheduler(curves, policy.splits, tpot_factor=args.tpot_factor,
+                                  objective=policy.objective, slo=policy.slo,
+                                  decode_margin=policy.decode_margin,
+                                  comfort_factor=policy.comfort_factor)
+    age = (args.slo.ttft or 0.0) / 1e3  # a request at its TTFT bound: SIS under pressure
+    busy = SisState((PendingEncode(4 * 2691, curves.encoder_depth, age_s=age),), (), args.batch,
                     args.context + base.background_output / 2)
     sis_sms = sis.propose(busy).encoder_sms
     sis_cap = capacity_rate(curves, workload, args.gpus, sis_sms, corun=True)
-    if args.rates:
-        rates = sorted(float(r) for r in args.rates.split(","))
+    if args.rates.strip() != "auto":
+        try:
+            rates = sorted(float(r) for r in args.rates.split(",") if r.strip())
+        except ValueError:
+            raise SystemExit(f"--rates {args.rates!r}: want numbers like 0,2,4 or 'auto'"
+                             ) from None
     else:
         rates = default_rates(cap, args.points)
-    seeds = args.seeds or [args.seed]
     sweep = run_sweep(curves, modes, rates, workload, base, num_gpus=args.gpus,
                       router=args.router, slo=args.slo, seeds=seeds, drain_s=args.drain)
     head, runs = headline(curves, sweep, workload, base, factor=args.factor,
@@ -206,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             "tp": curves.model.get("tp", 1),
             "mm_encoder_tp_mode": curves.model.get("mm_encoder_tp_mode"),
             "capacity_rate": cap, "sis_encoder_sms": sis_sms, "sis_capacity_rate": sis_cap,
+            "splits": list(policy.splits), "sis_objective": policy.objective,
             "workload": dataclasses.asdict(workload),
             "config": dataclasses.asdict(base), "gpus": args.gpus, "router": args.router,
             "slo": args.slo.to_dict(), "seeds": seeds, "drain_s": args.drain,

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..curves import CurveSet
+from ..policy import OBJECTIVES, SchedulingPolicy, scheduling_policy
+from ..slo import Slo
+
 MODES = ("temporal", "temporal-chunked", "spatial-static", "spatial", "shared")
 TEMPORAL_MODES = ("temporal", "temporal-chunked")
 PLACEMENTS = ("auto", "compute", "decode")
@@ -15,12 +19,18 @@ class SimConfig:
 
     mode: str = "spatial"
     static_encoder_sms: int = 64
-    allowed_encoder_sms: tuple[int, ...] | None = None  # default: multiples of 8
+    allowed_encoder_sms: tuple[int, ...] | None = None  # default: `policy.choose_splits`
     encoder_policy: str | None = None  # default: fifo for temporal, twsrft otherwise
     window_s: float | None = None  # encoder window; default 20 ms (temporal: whole jobs)
     max_wait_s: float = 0.5
     token_budget: int = 16384
-    tpot_factor: float = 1.15
+    tpot_factor: float = 1.15  # the tpot objective's target (x unloaded decode step)
+    sis_objective: str = "goodput"  # or "tpot": the paper-like TPOT-first baseline
+    slo: Slo | None = None  # what the goodput objective and TWSRFT's deadline aim at
+    comfort_factor: float = 2.5  # goodput objective: calm decode step (x unloaded)
+    decode_margin: float = 0.8  # goodput objective: decode step within this x its SLO
+    launch_budget_s: float = 0.003  # the engine's cooperative encoder driver, per decode step
+    layer_launch_s: float = 0.00024  # host time to launch one vision layer (0: unbounded)
     min_gain: float = 0.1
     min_dwell_s: float = 0.05
     prefill_on: str = "auto"  # auto: SIS (spatial), decode steps (temporal-chunked), else compute
@@ -44,6 +54,9 @@ class SimConfig:
         if not 0 < self.shared_decode_share < 1:
             raise ValueError(f"shared_decode_share must be in (0, 1), got "
                              f"{self.shared_decode_share}")
+        if self.sis_objective not in OBJECTIVES:
+            raise ValueError(f"sis_objective must be one of {OBJECTIVES}, got "
+                             f"{self.sis_objective!r}")
         if self.window_s is not None and not self.window_s > 0:
             raise ValueError(f"window_s must be positive, got {self.window_s}")
 
@@ -51,3 +64,15 @@ class SimConfig:
 def default_allowed(total_sms: int, step: int = 8) -> tuple[int, ...]:
     """Encoder SM counts a Hopper green-context partition offers (multiples of 8)."""
     return tuple(range(step, total_sms - step + 1, step))
+
+
+def sim_policy(curves: CurveSet, c: SimConfig) -> SchedulingPolicy:
+    """The scheduling policy a simulated GPU runs: what `epd.build_spatial` builds for an engine
+    with the same curves, SLO and knobs, at the background batch as the reference decode load."""
+    return scheduling_policy(
+        curves, c.slo, objective=c.sis_objective, splits=c.allowed_encoder_sms,
+        batch=c.background, context=c.background_context + c.background_output / 2,
+        decode_margin=c.decode_margin, comfort_factor=c.comfort_factor,
+        tpot_factor=c.tpot_factor, window_s=c.window_s or 0.02, max_wait_s=c.max_wait_s,
+        token_budget=c.token_budget, launch_budget_s=c.launch_budget_s,
+        layer_launch_s=c.layer_launch_s)

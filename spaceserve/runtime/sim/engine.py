@@ -42,33 +42,16 @@ from dataclasses import dataclass, field
 
 from ..curves import CurveSet
 from ..encoder_dp import RoundTwsrft
+from ..policy import RateEstimator
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
 from ..twsrft import Grant, TwsrftScheduler, curve_cost
-from .config import MODES, PLACEMENTS, TEMPORAL_MODES, SimConfig, default_allowed
+from .config import MODES, PLACEMENTS, TEMPORAL_MODES, SimConfig, default_allowed, sim_policy
+from .op import Op
 from .workload import Request
 
 __all__ = ["MODES", "PLACEMENTS", "TEMPORAL_MODES", "Op", "SimConfig", "Simulator",
-           "default_allowed"]
+           "default_allowed", "sim_policy"]
 
-
-@dataclass
-class Op:
-    """A launch in flight on one lane: remaining work fraction and its latency model
-    ``fn(sms, other)`` (whole-op seconds; `other` False alone, else the other lane's SMs)."""
-
-    lane: str
-    kind: str
-    sms: int
-    fn: Callable[[int, int | bool], float]
-    payload: object
-    remaining: float = 1.0
-    _lat: dict = field(default_factory=dict, repr=False)
-
-    def latency(self, sms: int, other: int | bool) -> float:
-        key = (sms, other)
-        if key not in self._lat:
-            self._lat[key] = self.fn(sms, other)
-        return self._lat[key]
 
 
 @dataclass
@@ -84,26 +67,35 @@ class Simulator:
     def __post_init__(self) -> None:
         c, self.total = self.config, self.curves.num_sms
         self.now = 0.0
-        self.allowed = c.allowed_encoder_sms or default_allowed(self.total)
         temporal = c.mode in TEMPORAL_MODES
         if c.mode == "spatial-static" and not 0 < c.static_encoder_sms < self.total:
             raise ValueError(f"static_encoder_sms must be in 1..{self.total - 1}")
+        self.policy = sim_policy(self.curves, c)
+        self.allowed = self.policy.splits
         policy = c.encoder_policy or ("fifo" if c.mode == "temporal" else "twsrft")
-        window = math.inf if c.mode == "temporal" else (c.window_s or 0.02)
+        window = math.inf if c.mode == "temporal" else self.policy.window_s
         self.window_s = window
         clock: Callable[[], float] = lambda: self.now
         cost = curve_cost(self.curves, self._encoder_target, corun=not temporal)
+        deadline = self.policy.deadline_s if policy == "twsrft" else None
         kw = dict(policy=policy, window_s=window, max_wait_s=c.max_wait_s,
-                  token_budget=c.token_budget, clock=clock)
+                  token_budget=c.token_budget, deadline_s=deadline, clock=clock)
         ranks = int(self.curves.model.get("encoder_ranks", 1))  # a data-parallel encoder
         self.sched = TwsrftScheduler(self.curves.encoder_depth, cost, **kw) if ranks == 1 \
             else RoundTwsrft(ranks, self.curves.encoder_depth, cost, **kw)
         self.sis = None
         if c.mode == "spatial":
+            p = self.policy
             self.sis = SpaceInferenceScheduler(
                 self.curves, self.allowed, total_sms=self.total, tpot_factor=c.tpot_factor,
                 min_gain=c.min_gain, min_dwell_s=c.min_dwell_s, chunk_tokens=c.chunk_tokens,
-                clock=clock)
+                objective=p.objective, slo=p.slo, decode_margin=p.decode_margin,
+                ttft_margin=p.ttft_margin, comfort_factor=p.comfort_factor, clock=clock)
+        # the engine's cooperative driver launches at most this many layers per decode step
+        self._launch_model = c.mode in ("spatial", "spatial-static")
+        self.layers_per_step = self.policy.layers_per_step() if self._launch_model else 1 << 30
+        self._launched = 0
+        self.arrivals = RateEstimator()
         self.split: Split | None = None
         self.requests: dict[int, Request] = {}
         self.prefill_q: deque[Request] = deque()
@@ -140,8 +132,9 @@ class Simulator:
         self.requests[req.rid] = req
         self._open += 1
         req.prefilled = req.cached_tokens  # a prefix-cache hit: prefill only the rest
-        if req.patches > 0:
-            self.sched.submit(req.rid, req.patches)
+        if req.patches > 0:  # a cached image is no encoder work
+            self.sched.submit(req.rid, req.patches, req.arrival)
+            self.arrivals.add(self.now, req.patches, req.prompt_tokens)
         else:
             self.prefill_q.append(req)
 
@@ -239,16 +232,20 @@ class Simulator:
 
     def sis_state(self) -> SisState:
         """What SIS observes: waiting encoder jobs, prompts to prefill, the decode load."""
-        reqs = self.requests
+        reqs, now = self.requests, self.now
         encode = tuple(PendingEncode(j.patches, j.layers_left,
                                      sum(reqs[r].prompt_tokens - reqs[r].prefilled
-                                         for r in j.request_ids))
+                                         for r in j.request_ids),
+                                     now - j.arrival, len(j.request_ids))
                        for j in self.sched.jobs() if not j.running)
         prefill = tuple(r.prompt_tokens - r.prefilled for r in self.prefill_q)
+        ages = tuple(now - r.arrival for r in self.prefill_q)
         batch = len(self.decoding)
         ctx = sum(r.context for r in self.decoding) / batch if batch else 0.0
         bucket = self.config.context_bucket
-        return SisState(encode, prefill, batch, round(ctx / bucket) * bucket)
+        rate, patches, prompt = self.arrivals.estimate(now)
+        return SisState(encode, prefill, batch, round(ctx / bucket) * bucket, ages, rate,
+                        patches, prompt)
 
     def _dispatch(self) -> None:
         if self.config.mode in TEMPORAL_MODES:
@@ -264,6 +261,8 @@ class Simulator:
             self._start_compute(self._budget("compute"))
         if "decode" not in self.ops:
             self._start_decode(self._budget("decode"))
+            if "compute" not in self.ops and "decode" in self.ops:  # a fresh launch budget
+                self._start_compute(self._budget("compute"))
 
     def _dispatch_temporal(self) -> None:
         """One stage at a time on the whole GPU. ``temporal``: a whole encoder job or prefill,
@@ -302,20 +301,27 @@ class Simulator:
         c = self.curves
         chunking = self.ops["decode"].payload[1] if "decode" in self.ops else None
         ready = [r for r in self.prefill_q if r is not chunking]
+        if "decode" not in self.ops and self._launched:  # an engine step without decode
+            self._launched = 0
+            if self._launch_model:
+                self.layers_per_step = self.policy.layers_per_step()
         if ready and self._placement() == "compute":
             req = ready[0]
             self.prefill_q.remove(req)
             tokens, ctx = req.prompt_tokens - req.prefilled, req.prefilled
             self.ops["compute"] = Op("compute", "prefill", sms,
                                      lambda n, o: c.prefill(tokens, ctx, n, o), req)
-        elif self._encoder_waiting():
+        elif self._encoder_waiting() and self._launched < self.layers_per_step:
             g = self.sched.next_grant()
             assert g is not None
+            if g.layers > self.layers_per_step - self._launched:  # the launch budget binds
+                g = dataclasses.replace(g, layers=self.layers_per_step - self._launched)
             if self.config.mode == "temporal-chunked":  # the rest of the window, >= 1 layer
                 per_layer = c.encoder(g.patches, 1, sms)
                 left = self.window_s - self._window_spent
                 layers = max(1, min(g.layers, math.ceil(left / per_layer - 1e-9)))
                 g = dataclasses.replace(g, layers=layers)
+            self._launched += g.layers
             self.ops["compute"] = Op("compute", "encode", sms,
                                      lambda n, o: c.encoder(g.patches, g.layers, n, o), g)
         else:
@@ -340,6 +346,11 @@ class Simulator:
                                 (batch, chunk_req, chunk))
         self._last_kind = "decode"
         self._window_spent = 0.0
+        self._launched = 0
+        if self._launch_model:
+            op = self.ops["decode"]
+            self.layers_per_step = self.policy.layers_per_step(
+                op.latency(op.sms, self._held("compute") or False))
 
     # -- completions -------------------------------------------------------------------------
     def _complete(self, op: Op) -> None:

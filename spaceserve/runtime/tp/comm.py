@@ -8,7 +8,8 @@ run on the compute partition beside the decoder's steps): two streams never shar
 communicator, whose operations must be issued in the same order on every rank.
 
 `GroupComm` is the models' `Communicator`: in-place all-reduce, all-gather along dim 0 and
-broadcast (a data-parallel encoder's embeddings), issued synchronously (``asyncOp = False``).
+broadcast (a data-parallel encoder's embeddings; a pipelined step's decode inputs, from rank
+0's device), issued synchronously (``asyncOp = False``).
 With NCCL (torch >= 2.8) a synchronous collective runs on the *current* stream, so it lands on
 the stage's partition stream and is captured into the decode CUDA graphs like any kernel; the
 communicator is connected eagerly at start-up (`connect` runs one all-reduce per group), never

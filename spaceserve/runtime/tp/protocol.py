@@ -11,7 +11,10 @@ ids, need-logits flags, graph padding, and the block ids / rope state the step's
 since the last step), the stage and SM budget it runs under, the graph size it replays, and its
 image pieces as (embeddings key, first row, end row). A decode step of B sequences is a few
 arrays of B integers plus the new block ids: kilobytes. Rank 0 samples from the gathered
-logits alone, so nothing about sampling crosses the pipe, and no reply is awaited.
+logits alone, so nothing about sampling crosses the pipe, and no reply is awaited. In a
+pipelined step (``EngineConfig.async_scheduling``) the inputs of decodes whose previous token is
+still on rank 0's device are listed in ``StepInputs.pending``; rank 0 broadcasts them over the
+stage's group inside the step (`GroupComm.broadcast`), so no rank waits for a read-back.
 
 The vision tower runs data-parallel (``mm_encoder_tp_mode="data"``, the default): rank 0
 assigns each encoder job (a request's media items its encoder cache lacks) to one rank, the

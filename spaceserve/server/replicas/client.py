@@ -67,8 +67,8 @@ def error_output(request_id: str, status: int, message: str) -> RequestOutput:
     from spaceserve.runtime.request import RequestMetrics, RequestOutput
 
     now = time.monotonic()
-    return RequestOutput(request_id, [], [], [], None, True, "error", message,
-                         RequestMetrics(now, None, (), now), {"status": status})
+    return RequestOutput(request_id, [], [], [], True, "error", message,
+                         RequestMetrics(now, None, (), now), extra={"status": status})
 
 
 class ReplicaRequestHandle(Handle):

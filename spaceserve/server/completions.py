@@ -1,0 +1,283 @@
+"""``POST /v1/completions``: OpenAI's (legacy) text completions, as vLLM serves them.
+
+`prompt` is a string, a list of strings, a list of token ids or a list of token-id lists; each
+prompt is one engine request and one choice (``index`` = the prompt's position). Prompt text is
+tokenised with special-token text kept plain (`runtime.inputs.encode_plain`, the rule of chat
+text), in the preprocessing pool's light lane under the request's deadline, after its size is
+checked against what the context can hold; token ids go in as they are. `echo` puts the
+prompt's text before the completion;
+`logprobs` N returns the completions-format logprobs (the sampled token and the N most likely
+at every position, with text offsets). Streaming sends ``text_completion`` chunks per choice as
+text appears, the finish reason on a choice's last chunk, a usage chunk (the sum over the
+prompts) when ``stream_options.include_usage``, then ``data: [DONE]``; nothing is sent until
+every prompt has its first token, so a bad prompt is still a JSON error with a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from . import protocol as P
+from .errors import APIError
+from .guard import release_body
+from .handles import Cancelled, QueueFull
+from .logprobs import TokenText, completion_logprobs
+from .sampling import MAX_LOGPROBS, REFUSED, SamplingFields, to_sampling_params
+from .streams import error_of, json_response, read_body, shutdown_error, until_disconnect
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from spaceserve.runtime.request import RequestOutput
+
+    from .engine_client import AsyncEngine
+    from .handles import Handle
+
+MAX_PROMPTS = 64  # prompts in one request at most (each is an engine request)
+
+
+class CompletionRequest(SamplingFields):
+    """The fields of /v1/completions SpaceServe honours (see sampling.py for the shared ones)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one per choice; APIError 400 when there are none or too
+        many, or one is empty."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[str | list[int]] = [p]
+        elif not p:
+            raise APIError(400, "prompt: must not be empty", param="prompt")
+        elif isinstance(p[0], int):
+            out = [p]  # type: ignore[list-item]
+        else:
+            out = list(p)  # type: ignore[arg-type]
+        if len(out) > MAX_PROMPTS:
+            raise APIError(400, f"prompt: {len(out)} prompts, at most {MAX_PROMPTS} per request",
+                           param="prompt")
+        for i, one in enumerate(out):
+            if isinstance(one, list) and not one:
+                raise APIError(400, f"prompt[{i}]: empty token list", param="prompt")
+        if self.suffix is not None:
+            raise APIError(400, f"suffix: {REFUSED['suffix']}", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, f"echo: {REFUSED['echo']}", param="echo")
+        return out
+
+
+def _usage(outs: list[RequestOutput]) -> dict[str, int]:
+    return P.usage(sum(len(o.prompt_token_ids) for o in outs),
+                   sum(len(o.token_ids) for o in outs))
+
+
+class _Choice:
+    """One prompt's choice: its handle, its prompt text for `echo`, its logprob offset."""
+
+    def __init__(self, index: int, handle: Handle) -> None:
+        self.index, self.handle = index, handle
+        self.prompt_text = ""
+        self.offset = 0
+        self.first: RequestOutput | None = None
+        self.last: RequestOutput | None = None
+
+
+def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, *,
+                          model_name: str, limits: Any, texts: TokenText) -> None:
+    """Register ``POST /v1/completions`` on `app` (module docstring)."""
+    from spaceserve.runtime.inputs import (
+        DeadlineExceeded,
+        InputError,
+        check_text_size,
+        encode_plain,
+        text_byte_limit,
+    )
+    from spaceserve.runtime.inputs import QueueFull as PoolFull
+
+    tokenizer = getattr(preprocessor, "tokenizer", None)
+    ctx = client.engine.max_model_len
+    max_text = text_byte_limit(tokenizer, ctx) if tokenizer is not None else None
+
+    def prepare(prompt: str | list[int], i: int) -> dict[str, Any]:
+        if isinstance(prompt, list):
+            return {"prompt_token_ids": prompt}
+        try:
+            if tokenizer is None:
+                raise InputError("prompt: this checkpoint has no tokenizer; send token ids",
+                                 kind="unsupported", param="prompt")
+            if max_text is not None:
+                check_text_size([prompt], max_text, context_len=ctx, param=f"prompt[{i}]")
+            return {"prompt_token_ids": encode_plain(tokenizer, prompt)}
+        except InputError as exc:
+            raise P.input_error(exc) from None
+
+    def sampling(req: CompletionRequest, prompt: dict[str, Any]) -> Any:
+        return to_sampling_params(req, len(prompt["prompt_token_ids"]),
+                                  client.engine.max_model_len, req.max_tokens, req.logprobs,
+                                  what="prompt")
+
+    def echo_text(prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else ""
+
+    def choice_body(c: _Choice, out: RequestOutput, text: str, req: CompletionRequest,
+                    final: bool) -> dict[str, Any]:
+        lps = None
+        if req.logprobs is not None:
+            entries = (out.logprobs or []) if final and c.first is None else \
+                (out.new_logprobs or [])
+            lps, c.offset = completion_logprobs(entries, texts, c.offset,
+                                                req.return_tokens_as_token_ids)
+        body: dict[str, Any] = {"index": c.index, "text": text, "logprobs": lps,
+                                "finish_reason": out.finish_reason if out.finished else None}
+        if out.finished:
+            body["stop_reason"] = out.stop_reason
+        if req.return_token_ids:
+            body["token_ids"] = list(out.token_ids if final else out.new_token_ids)
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            body = await read_body(request, limits.max_body_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        req = P.parse_body(body, CompletionRequest)
+        del body
+        prompts = req.prompts()
+        if req.model != model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
+                           type="NotFoundError", code="model_not_found")
+        if not client.alive or client.draining:
+            raise APIError(503, "the engine is not running", type="server_error")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        choices: list[_Choice] = []
+        try:
+            for i in range(len(prompts)):
+                choices.append(_Choice(i, client.reserve(f"{rid}-{i}")))
+        except QueueFull as exc:
+            for c in choices:
+                c.handle.close()
+            raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
+                           code="queue_full") from None
+        gone = asyncio.ensure_future(until_disconnect(request))
+        streaming = False
+        deadline = time.monotonic() + limits.preprocess_timeout_s
+        try:
+            try:
+                await asyncio.gather(*(
+                    c.handle.start(lambda p=p, i=i: prepare(p, i), lambda x: sampling(req, x),
+                                   stream=req.stream, lane="light", deadline=deadline)
+                    for i, (c, p) in enumerate(zip(choices, prompts, strict=True))))
+            except DeadlineExceeded:
+                raise APIError(503, f"preprocessing did not finish within "
+                               f"{limits.preprocess_timeout_s:g} s; retry later",
+                               type="server_error", code="preprocess_timeout") from None
+            except PoolFull as exc:
+                raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
+                               code="queue_full", retry_after=exc.retry_after) from None
+            except Cancelled as exc:
+                raise shutdown_error(exc) from None
+            for c, p in zip(choices, prompts, strict=True):
+                c.prompt_text = echo_text(p) if req.echo else ""
+            req.prompt = ""  # the engine holds the prompts: drop the body's text
+            release_body(request.scope.get("state", {}))
+            firsts = await _firsts(choices, gone)
+            if firsts is None:
+                return Response(status_code=499)
+            for out in firsts:
+                if out.finish_reason == "error" or (out.finish_reason == "abort"
+                                                    and not out.token_ids):
+                    raise error_of(out)
+            created_at = P.now()
+            if not req.stream:
+                body = [choice_body(c, out, c.prompt_text + (out.text or ""), req, True)
+                        for c, out in zip(choices, firsts, strict=True)]
+                return json_response({"id": rid, "object": "text_completion",
+                                      "created": created_at, "model": model_name,
+                                      "choices": body, "usage": _usage(firsts)})
+            streaming = True
+            for c, out in zip(choices, firsts, strict=True):
+                c.first = out
+            return StreamingResponse(_stream(req, rid, choices, gone, created_at),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        finally:
+            if not streaming:
+                gone.cancel()
+                for c in choices:
+                    c.handle.close()
+
+    async def _stream(req: CompletionRequest, rid: str, choices: list[_Choice],
+                      gone: asyncio.Task, created_at: int) -> AsyncIterator[bytes]:
+        def chunk(body: dict[str, Any]) -> bytes:
+            obj = {"id": rid, "object": "text_completion", "created": created_at,
+                   "model": model_name, "choices": [body]}
+            if req.include_usage():
+                obj["usage"] = None
+            return P.sse(obj)
+
+        waiting: dict[int, asyncio.Future] = {}
+        try:
+            for c in choices:  # the first outputs, already here
+                out = c.first
+                assert out is not None
+                c.last = out
+                yield chunk(choice_body(c, out, c.prompt_text + out.delta_text, req, False))
+                if not out.finished:
+                    waiting[c.index] = asyncio.ensure_future(c.handle.next())
+            while waiting:
+                done, _ = await asyncio.wait((*waiting.values(), gone),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if gone in done:
+                    return
+                for i, fut in list(waiting.items()):
+                    if fut not in done:
+                        continue
+                    c, out = choices[i], fut.result()
+                    c.last = out
+                    if out.finish_reason == "error":
+                        yield P.sse(error_of(out).body())
+                        return
+                    if out.delta_text or out.finished or (req.logprobs is not None
+                                                          and out.new_logprobs):
+                        yield chunk(choice_body(c, out, out.delta_text, req, False))
+                    if out.finished:
+                        del waiting[i]
+                    else:
+                        waiting[i] = asyncio.ensure_future(c.handle.next())
+            if req.include_usage():
+                yield P.sse({"id": rid, "object": "text_completion", "created": created_at,
+                             "model": model_name, "choices": [],
+                             "usage": _usage([c.last for c in choices if c.last])})
+            yield b"data: [DONE]\n\n"
+        finally:
+            for fut in waiting.values():
+                fut.cancel()
+            gone.cancel()
+            for c in choices:
+                c.handle.close()
+
+
+async def _firsts(choices: list[_Choice], gone: asyncio.Task) -> list[RequestOutput] | None:
+    """Every choice's first output (its final one when not streaming), or None once the
+    client has gone."""
+    gets = [asyncio.ensure_future(c.handle.next()) for c in choices]
+    everything = asyncio.ensure_future(asyncio.gather(*gets))
+    done, _ = await asyncio.wait((everything, gone), return_when=asyncio.FIRST_COMPLETED)
+    if everything in done:
+        return list(everything.result())
+    everything.cancel()
+    return None
