@@ -267,6 +267,18 @@ class ChunkedEncoderStage:
         return []
 
 
+def encoder_cost(runner: Any, config: Any) -> Callable[[int], float] | None:
+    """A data-parallel encoder's cost model (TWSRFT's: the curves' encoder time of a whole
+    pass on the device); None for a runner that encodes on one rank."""
+    if getattr(runner, "encoder_ranks", 1) <= 1:
+        return None
+    from .epd import load_curves
+
+    curves = load_curves(config.curves, runner)
+    depth, sms = curves.encoder_depth, curves.num_sms
+    return lambda patches: curves.encoder(patches, depth, sms)
+
+
 def temporal_stage(runner: Any, config: Any, *, clock: Callable[[], float] = time.monotonic,
                    cache: EncoderCache | None = None,
                    cost: Callable[[int], float] | None = None

@@ -29,7 +29,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ import torch
 from .block_manager import BlockManager
 from .config import ATTENTION_BACKENDS, DEFAULT_GRAPH_SIZES, MODES, EngineConfig
 from .encoder_cache import EncoderCache, default_capacity
-from .encoder_chunked import TEMPORAL_MODES, temporal_stage
+from .encoder_chunked import TEMPORAL_MODES, encoder_cost, temporal_stage
 from .frontends import EngineFrontends
 from .inputs.processor import load_processor
 from .inputs.prompt import process_prompt
@@ -45,32 +44,13 @@ from .memory import max_sequence_len, plan_kv_cache
 from .outputs import OutputProcessor
 from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, StepLimits
-from .sampler import Sampled, Sampler
+from .sampler import Launched, Sampler
+from .sampling_params import check_for_model
 from .scheduler import ScheduledBatch, Scheduler
 
 # Public names of this module (the config's live in config.py, load_processor in inputs/).
 __all__ = ["ATTENTION_BACKENDS", "DEFAULT_GRAPH_SIZES", "MODES", "Engine", "EngineConfig",
            "load_processor"]
-
-
-@dataclass
-class Launched:
-    """A step on the device: its batch and its draws on their way to the host."""
-
-    batch: ScheduledBatch
-    sampled: Sampled | None
-
-
-def _encoder_cost(runner: Any, config: EngineConfig) -> Callable[[int], float] | None:
-    """A data-parallel encoder's cost model (TWSRFT's: the curves' encoder time of a whole
-    pass on the device); None for a runner that encodes on one rank."""
-    if getattr(runner, "encoder_ranks", 1) <= 1:
-        return None
-    from .epd import load_curves
-
-    curves = load_curves(config.curves, runner)
-    depth, sms = curves.encoder_depth, curves.num_sms
-    return lambda patches: curves.encoder(patches, depth, sms)
 
 
 class Engine(EngineFrontends):
@@ -122,7 +102,7 @@ class Engine(EngineFrontends):
             self.graph_batch_sizes = runner.capture_decode_graphs(sizes)
             self.encoder = temporal_stage(runner, config, clock=clock or time.monotonic,
                                           cache=self.encoder_cache,
-                                          cost=_encoder_cost(runner, config))
+                                          cost=encoder_cost(runner, config))
         else:
             from .epd import build_spatial
 
@@ -185,8 +165,7 @@ class Engine(EngineFrontends):
                     None = None, stream: bool = False) -> str:
         """Queue a prompt; returns its id. A bad prompt does not raise: the request ends with
         finish reason "error" and a message. A bad `sampling_params` or a duplicate
-        `request_id` raises ValueError (caller mistakes, not request data), and so does
-        ``n`` > 1 (parallel sampling is not supported yet)."""
+        `request_id` raises ValueError (caller mistakes, not request data), as ``n`` > 1 does."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
@@ -223,19 +202,8 @@ class Engine(EngineFrontends):
         return rid
 
     def check_params(self, params: SamplingParams) -> None:
-        """What a `SamplingParams` cannot check alone: token ids inside this model's vocabulary,
-        a tokenizer for stop strings, a single choice. ValueError names the field."""
-        if params.n != 1:
-            raise ValueError(f"n={params.n}: parallel sampling (n > 1) is not supported; send n "
-                             "requests (with seeds seed, seed + 1, ...) instead")
-        vocab = self.runner.info.vocab_size
-        for tok, _ in params.logit_bias:
-            if tok >= vocab:
-                raise ValueError(f"logit_bias: token id {tok} is outside the vocabulary "
-                                 f"({vocab})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer, and this engine has none; "
-                             "use stop_token_ids")
+        """What a `SamplingParams` cannot check alone (`check_for_model`); ValueError."""
+        check_for_model(params, self.runner.info.vocab_size, self.tokenizer is not None)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (takes effect at the next step); False when it is not active."""
@@ -390,10 +358,9 @@ class Engine(EngineFrontends):
                     self._end(req, "error", message, now)
 
     def counters(self) -> dict[str, int]:
-        """Monotonic counters of the caches and of the work done: media items looked up in the
-        encoder cache and those that needed no encoder pass (cached, or all their tokens in the
-        prefix cache), encoder jobs run, prompt tokens looked up in the prefix cache and those
-        it held, and tokens prefilled (every computed token but a decoding request's newest)."""
+        """Monotonic counters: media items looked up in the encoder cache and those needing no
+        encoder pass, encoder jobs, prompt tokens looked up in / held by the prefix cache, and
+        tokens prefilled (every computed token but a decode's newest) - see the README."""
         cache, sched = self.encoder_cache, self.scheduler
         return {"encoder_cache_queries": cache.queries, "encoder_cache_hits": cache.hits,
                 "encoder_jobs": self.encoder.media.num_jobs,

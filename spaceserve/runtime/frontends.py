@@ -4,8 +4,7 @@ Both sit on the engine's request API (``add_request`` with a per-request sink, `
 ``abort``, ``fail_all``), so they run the same code paths as the server's engine thread.
 `generate` runs steps on the caller's thread until its prompts are done; `stream` drives steps
 from an asyncio task (each step in a worker thread, so the event loop stays responsive) and
-yields incremental outputs. A prompt with ``n`` > 1 gives n sequences (the engine forks them
-after one prefill); both front ends wait for all of them.
+yields incremental outputs.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ class EngineFrontends:
 
     def generate(self, prompts: Any, sampling_params: SamplingParams |
                  Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order (a prompt with ``n`` > 1 gives
-        its n final outputs in `index` order)."""
+        """Run prompts to completion; outputs in prompt order."""
         if isinstance(prompts, (dict, str)):
             prompts = [prompts]
         prompts = list(prompts)

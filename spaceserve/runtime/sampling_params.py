@@ -141,6 +141,22 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
 
+def check_for_model(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -> None:
+    """What a `SamplingParams` cannot check alone: token ids inside the model's vocabulary, a
+    tokenizer for stop strings, a single choice (parallel sampling, ``n`` > 1, is not supported
+    yet). ValueError names the field."""
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: parallel sampling (n > 1) is not supported; send n "
+                         "requests (with seeds seed, seed + 1, ...) instead")
+    for tok, _ in params.logit_bias:
+        if tok >= vocab_size:
+            raise ValueError(f"logit_bias: token id {tok} is outside the vocabulary "
+                             f"({vocab_size})")
+    if params.stop and not has_tokenizer:
+        raise ValueError("stop: stop strings need a tokenizer, and this engine has none; "
+                         "use stop_token_ids")
+
+
 def _check_bias(bias: Any) -> tuple[tuple[int, float], ...]:
     """`logit_bias` as sorted (token id, bias) pairs; keys may be ints or decimal strings (as
     JSON carries them). The vocabulary bound is the engine's to check."""

@@ -46,12 +46,11 @@ from ..policy import RateEstimator
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
 from ..twsrft import Grant, TwsrftScheduler, curve_cost
 from .config import MODES, PLACEMENTS, TEMPORAL_MODES, SimConfig, default_allowed, sim_policy
-from .op import Op
+from .op import Op, lane_latencies
 from .workload import Request
 
 __all__ = ["MODES", "PLACEMENTS", "TEMPORAL_MODES", "Op", "SimConfig", "Simulator",
            "default_allowed", "sim_policy"]
-
 
 
 @dataclass
@@ -185,17 +184,8 @@ class Simulator:
             raise RuntimeError(f"simulation stalled with unfinished requests {left[:10]}")
 
     def _latencies(self) -> dict[str, float]:
-        """Whole-op seconds of each running op at the current co-running state."""
-        if len(self.ops) < 2:
-            return {lane: op.latency(op.sms, False) for lane, op in self.ops.items()}
-        comp, dec = self.ops["compute"], self.ops["decode"]
-        if self.config.mode == "shared":  # both on all SMs: each gets its share's throughput
-            share = self.config.shared_decode_share
-            d = max(1, round(self.total * share))
-            e = max(1, round(self.total * (1 - share)))
-        else:
-            e, d = comp.sms, dec.sms
-        return {"compute": comp.latency(e, d), "decode": dec.latency(d, e)}
+        c = self.config
+        return lane_latencies(self.ops, c.mode == "shared", self.total, c.shared_decode_share)
 
     def _progress(self, dt: float, lat: dict[str, float]) -> None:
         for lane, op in self.ops.items():
