@@ -37,6 +37,14 @@ class KVCache:
     v: list[Tensor]
     block_size: int
 
+    def copy_blocks(self, pairs: Any) -> None:
+        """Copy blocks ``pairs[:, 0]`` onto ``pairs[:, 1]`` in every layer (copy on write of a
+        block shared by forked sequences); `pairs` is ``[C, 2]`` int (host)."""
+        idx = torch.as_tensor(pairs, dtype=torch.int64).to(self.k[0].device, non_blocking=True)
+        src, dst = idx[:, 0], idx[:, 1]
+        for t in (*self.k, *self.v):
+            t.index_copy_(0, dst, t.index_select(0, src))
+
     @property
     def num_blocks(self) -> int:
         """Blocks available to sequences (the scratch block excluded)."""

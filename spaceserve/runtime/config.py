@@ -56,6 +56,10 @@ class EngineConfig:
     comparison says where it would pay).
     `collective_sms` bounds a collective's thread blocks (NCCL_MAX_CTAS; None: 16, or the
     smallest partition when smaller).
+
+    `encoder_cache_bytes` is the encoder output cache's budget (None: sized from free device
+    memory, a fixed default on CPU; see `encoder_cache.default_capacity`; 0 turns it off);
+    `enable_prefix_caching` shares computed KV blocks between requests with a common prefix.
     """
 
     mode: str = "temporal"
@@ -85,6 +89,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     mm_encoder_tp_mode: str = "data"
     collective_sms: int | None = None
+    encoder_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
     slo: Slo | str = DEFAULT_SLO
     sis_objective: str = "goodput"
     sis_load: tuple[int, int] = (32, 1152)
@@ -121,6 +127,13 @@ class EngineConfig:
                                                 isinstance(self.collective_sms, int) or
                                                 self.collective_sms < 1):
             raise ValueError(f"collective_sms={self.collective_sms!r} must be an int >= 1")
+        cache = self.encoder_cache_bytes
+        if cache is not None and (isinstance(cache, bool) or not isinstance(cache, int)
+                                  or cache < 0):
+            raise ValueError(f"encoder_cache_bytes={cache!r} must be an int >= 0 or None")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a "
+                             "bool")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in "
                              "(0, 1]")

@@ -29,12 +29,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from .block_manager import BlockManager
 from .config import ATTENTION_BACKENDS, DEFAULT_GRAPH_SIZES, MODES, EngineConfig
-from .encoder_chunked import TEMPORAL_MODES, temporal_stage
+from .encoder_cache import EncoderCache, default_capacity
+from .encoder_chunked import TEMPORAL_MODES, encoder_cost, temporal_stage
 from .frontends import EngineFrontends
 from .inputs.processor import load_processor
 from .inputs.prompt import process_prompt
@@ -42,32 +44,13 @@ from .memory import max_sequence_len, plan_kv_cache
 from .outputs import OutputProcessor
 from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, StepLimits
-from .sampler import Sampled, Sampler
+from .sampler import Launched, Sampler
+from .sampling_params import check_for_model
 from .scheduler import ScheduledBatch, Scheduler
 
 # Public names of this module (the config's live in config.py, load_processor in inputs/).
 __all__ = ["ATTENTION_BACKENDS", "DEFAULT_GRAPH_SIZES", "MODES", "Engine", "EngineConfig",
            "load_processor"]
-
-
-@dataclass
-class Launched:
-    """A step on the device: its batch and its draws on their way to the host."""
-
-    batch: ScheduledBatch
-    sampled: Sampled | None
-
-
-def _encoder_cost(runner: Any, config: EngineConfig) -> Callable[[int], float] | None:
-    """A data-parallel encoder's cost model (TWSRFT's: the curves' encoder time of a whole
-    pass on the device); None for a runner that encodes on one rank."""
-    if getattr(runner, "encoder_ranks", 1) <= 1:
-        return None
-    from .epd import load_curves
-
-    curves = load_curves(config.curves, runner)
-    depth, sms = curves.encoder_depth, curves.num_sms
-    return lambda patches: curves.encoder(patches, depth, sms)
 
 
 class Engine(EngineFrontends):
@@ -93,10 +76,17 @@ class Engine(EngineFrontends):
         limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
                             self.context_len, bs, lens)
         peak = runner.profile_peak_bytes(limits, config.max_encoder_tokens_per_step)
+        cache_bytes = config.encoder_cache_bytes
+        if cache_bytes is None:
+            cache_bytes = default_capacity(runner.device)
+        self.encoder_cache = EncoderCache(cache_bytes,
+                                          on_drop=getattr(runner, "release_encoding", None))
+        on_gpu = torch.device(runner.device).type == "cuda"
         self.memory = plan_kv_cache(
             block_size=bs, block_bytes=runner.kv_block_bytes(bs), device=runner.device,
             num_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
-            activation_bytes=peak, reserve_bytes=config.graph_reserve_bytes)
+            activation_bytes=peak,
+            reserve_bytes=config.graph_reserve_bytes + (cache_bytes if on_gpu else 0))
         self.max_model_len = max_sequence_len(self.context_len, self.memory)
         self.limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens,
                                  self.max_model_len, bs, lens, config.graph_reserve_bytes)
@@ -104,18 +94,21 @@ class Engine(EngineFrontends):
         sizes = config.graph_batch_sizes
         if sizes is None:
             sizes = tuple(s for s in DEFAULT_GRAPH_SIZES if s <= config.max_num_seqs)
-        self.block_manager = BlockManager(self.memory.num_blocks, bs)
+        self.block_manager = BlockManager(self.memory.num_blocks, bs,
+                                          enable_caching=config.enable_prefix_caching)
         self.spatial: Any = None  # the co-located modes' step runtime (epd.py)
         self.encoder: Any
         if config.mode in TEMPORAL_MODES:
             self.graph_batch_sizes = runner.capture_decode_graphs(sizes)
             self.encoder = temporal_stage(runner, config, clock=clock or time.monotonic,
-                                          cost=_encoder_cost(runner, config))
+                                          cache=self.encoder_cache,
+                                          cost=encoder_cost(runner, config))
         else:
             from .epd import build_spatial
 
             self.encoder, self.spatial = build_spatial(runner, config, sizes,
-                                                       clock=clock or time.monotonic)
+                                                       clock=clock or time.monotonic,
+                                                       cache=self.encoder_cache)
             self.graph_batch_sizes = self.spatial.graph_batch_sizes
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
@@ -172,7 +165,7 @@ class Engine(EngineFrontends):
                     None = None, stream: bool = False) -> str:
         """Queue a prompt; returns its id. A bad prompt does not raise: the request ends with
         finish reason "error" and a message. A bad `sampling_params` or a duplicate
-        `request_id` raises ValueError (caller mistakes, not request data)."""
+        `request_id` raises ValueError (caller mistakes, not request data), as ``n`` > 1 does."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
@@ -192,6 +185,8 @@ class Engine(EngineFrontends):
             error = None
         except ValueError as exc:
             ids, mm, error = [], None, str(exc)
+        if mm is not None and (self.encoder_cache.enabled or self.block_manager.enable_caching):
+            _ = mm.content_hashes  # hashed here, on the caller's thread, not in the step loop
         req = Request(rid, seq_no, ids, params, seed, mm, arrival_time=now)
         req.sink, req.stream = sink, stream
         with self._lock:
@@ -207,16 +202,8 @@ class Engine(EngineFrontends):
         return rid
 
     def check_params(self, params: SamplingParams) -> None:
-        """What a `SamplingParams` cannot check alone: token ids inside this model's vocabulary,
-        a tokenizer for stop strings. ValueError names the field."""
-        vocab = self.runner.info.vocab_size
-        for tok, _ in params.logit_bias:
-            if tok >= vocab:
-                raise ValueError(f"logit_bias: token id {tok} is outside the vocabulary "
-                                 f"({vocab})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer, and this engine has none; "
-                             "use stop_token_ids")
+        """What a `SamplingParams` cannot check alone (`check_for_model`); ValueError."""
+        check_for_model(params, self.runner.info.vocab_size, self.tokenizer is not None)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (takes effect at the next step); False when it is not active."""
@@ -331,7 +318,8 @@ class Engine(EngineFrontends):
                 except ValueError as exc:
                     self._end(item, "error", str(exc), now)
                     continue
-                self.encoder.submit(item)
+                item.prefix_hint = self.scheduler.peek_cached(item)
+                self.encoder.submit(item, item.prefix_hint)
                 self.scheduler.add(item)
             else:
                 req = self._active.get(item)
@@ -366,7 +354,19 @@ class Engine(EngineFrontends):
                 self._inbox.clear()
                 reqs = list(self._active.values())
             for req in reqs:
-                self._end(req, "error", message, now)
+                if req.status is not Status.FINISHED:
+                    self._end(req, "error", message, now)
+
+    def counters(self) -> dict[str, int]:
+        """Monotonic counters: media items looked up in the encoder cache and those needing no
+        encoder pass, encoder jobs, prompt tokens looked up in / held by the prefix cache, and
+        tokens prefilled (every computed token but a decode's newest) - see the README."""
+        cache, sched = self.encoder_cache, self.scheduler
+        return {"encoder_cache_queries": cache.queries, "encoder_cache_hits": cache.hits,
+                "encoder_jobs": self.encoder.media.num_jobs,
+                "prefix_cache_queried_tokens": sched.prefix_queried_tokens,
+                "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
+                "prefill_tokens": sched.prefill_tokens}
 
     def check_idle(self) -> None:
         """Raise AssertionError unless nothing (request, KV block, embedding) is held (after
@@ -375,6 +375,7 @@ class Engine(EngineFrontends):
             assert not self._active and not self._inbox, f"{len(self._active)} requests active"
             assert self._inflight is None, "a pipelined step was never read back"
             self.scheduler.check_idle()
+            self.encoder_cache.check_idle()
             assert self.encoder.num_held == 0, f"{self.encoder.num_held} embeddings still held"
             assert self.encoder.num_pending == 0, "encoder work still pending"
             if self.spatial is not None:

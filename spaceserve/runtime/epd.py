@@ -127,16 +127,18 @@ def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, Scheduled
     """(decode part, prefill part) of a batch; either is None when empty."""
     nd, n = batch.num_decodes, batch.num_seqs
     dec = pre = None
+    copies = batch.block_copies  # copy on write happens only to decoding requests' blocks
     if nd:
         dec = ScheduledBatch(batch.reqs[:nd], batch.num_cached[:nd], batch.num_new[:nd],
                              batch.need_logits[:nd], batch.sample_reqs[:nd], nd, nd,
-                             batch.preempted, pending=batch.pending, grown=batch.grown,
-                             admissions=batch.admissions)
+                             batch.preempted, block_copies=copies, pending=batch.pending,
+                             grown=batch.grown, admissions=batch.admissions)
     if n > nd:
         pre = ScheduledBatch(batch.reqs[nd:], batch.num_cached[nd:], batch.num_new[nd:],
                              batch.need_logits[nd:], batch.sample_reqs[nd:], 0,
                              batch.num_tokens - nd, [] if dec else batch.preempted,
-                             grown=batch.grown, admissions=batch.admissions)
+                             block_copies=[] if dec else copies, grown=batch.grown,
+                             admissions=batch.admissions)
     return dec, pre
 
 
@@ -269,8 +271,10 @@ class SpatialRuntime:
     def sis_state(self, sched: Scheduler) -> SisState:
         """Waiting encoder jobs, prompts ready to prefill (with their ages), the decode load and
         the image arrival rate, for SIS."""
-        ready = [r for r in sched.waiting if r.mm is None or r.mm.embeds is not None]
-        prefill = [len(r.token_ids) + r.num_placeholders - r.num_computed for r in ready]
+        media = self.stage.media  # cached items (encoder or prefix cache) are no encoder work
+        ready = [r for r in sched.waiting if media.ready(r, r.prefix_hint)]
+        prefill = [len(r.token_ids) + r.num_placeholders - max(r.num_computed, r.prefix_hint)
+                   for r in ready]
         ages = [self.stage.age(r) for r in ready]
         decoding = 0
         context = 0
@@ -348,7 +352,7 @@ def make_partitions(config: Any, device: torch.device, splits: Sequence[int] | N
 
 
 def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
-                  clock: Callable[[], float] = time.monotonic
+                  clock: Callable[[], float] = time.monotonic, cache: Any = None
                   ) -> tuple[SpatialEncoderStage, SpatialRuntime]:
     """Partitions, decode graphs per partition, the encoder stage and the step runtime of a
     co-located mode from an `EngineConfig`; ValueError names a bad setting."""
@@ -378,7 +382,7 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
                                 window_s=config.encoder_window_s,
                                 launch_budget_s=config.encoder_launch_budget_s,
                                 max_held=config.max_held_embeddings, clock=clock,
-                                plan=policy)
+                                plan=policy, cache=cache)
     sis = None
     if policy is not None:
         sis = SpaceInferenceScheduler(

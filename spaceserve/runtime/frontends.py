@@ -4,7 +4,7 @@ Both sit on the engine's request API (``add_request`` with a per-request sink, `
 ``abort``, ``fail_all``), so they run the same code paths as the server's engine thread.
 `generate` runs steps on the caller's thread until its prompts are done; `stream` drives steps
 from an asyncio task (each step in a worker thread, so the event loop stays responsive) and
-yields incremental outputs. Fanning one prompt out to n samples belongs here.
+yields incremental outputs.
 """
 
 from __future__ import annotations
@@ -37,24 +37,26 @@ class EngineFrontends:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for "
                                  f"{len(prompts)} prompts")
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, list[RequestOutput]] = {}
 
         def collect(out: RequestOutput) -> None:
             if out.finished:
-                results[out.request_id] = out
+                results.setdefault(out.request_id, []).append(out)
 
         rids = [self.add_request(p, sp, sink=collect)
                 for p, sp in zip(prompts, params, strict=True)]
-        while len(results) < len(rids):
+        want = {r: 1 if sp is None else sp.n for r, sp in zip(rids, params, strict=True)}
+        while any(len(results.get(r, ())) < want[r] for r in rids):
             if not self.has_unfinished():
                 raise RuntimeError("engine went idle with requests unfinished")
             self.step()
-        return [results[r] for r in rids]
+        return [o for r in rids for o in sorted(results[r], key=lambda o: o.index)]
 
     async def stream(self, prompt: Any, sampling_params: SamplingParams | None = None, *,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per new token, the last one with ``finished`` set. Leaving
-        the iterator early aborts the request."""
+        """Yield a RequestOutput per new token, the last one with ``finished`` set (with
+        ``n`` > 1: until every sequence has yielded its finished one). Leaving the iterator
+        early aborts the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -69,11 +71,13 @@ class EngineFrontends:
                                       request_id=request_id, sink=sink, stream=True)
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive())
+        left = 1 if sampling_params is None else sampling_params.n
         done = False
         try:
             while not done:
                 out = await queue.get()
-                done = out.finished
+                left -= out.finished
+                done = left == 0
                 yield out
         finally:
             if not done:

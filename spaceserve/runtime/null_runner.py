@@ -168,6 +168,10 @@ class NullModelRunner:
 
     def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
         assert self.planner is not None and self.cache is not None, "allocate_kv_cache first"
+        if batch.block_copies:  # copy on write of blocks shared by forked sequences
+            blocks = self.cache.view(-1, self.block_size)
+            src, dst = zip(*batch.block_copies, strict=True)
+            blocks[list(dst)] = blocks[list(src)]
         plan = self.planner.plan(batch)
         self.num_executes += 1
         t, s = plan.num_tokens, plan.num_logits

@@ -208,8 +208,8 @@ class OutputProcessor:
             return RequestOutput(req.request_id, req.prompt_ids, ids[p:], new, True,
                                  req.finish_reason, req.error, req.metrics(True), delta,
                                  None if lps is None else list(lps), new_lps, req.stop_reason,
-                                 text_source=text)
+                                 text_source=text, index=req.index)
         return RequestOutput(req.request_id, req.prompt_ids, SeqView(ids, p, n), new, False,
                              None, None, req.metrics(False), delta,
                              None if lps is None else SeqView(lps, 0, len(lps)), new_lps,
-                             text_source=text)
+                             text_source=text, index=req.index)

@@ -32,7 +32,8 @@ from .runner import ModelInfo, StepLimits, StepPlanner
 from .scheduler import ScheduledBatch
 from .step_plan import StepInputs
 
-# Where media-token embedding rows come from: (source, lo, hi), see `image_pieces`.
+# Where media-token embedding rows come from: (source, lo, hi), see `image_pieces`: a media
+# item's encoder-cache entry (`encoder_cache.CacheEntry`) and rows of it.
 ImagePiece = tuple[Any, int, int]
 
 
@@ -211,9 +212,9 @@ class Qwen2VLRunner:
 
     def image_pieces(self, batch: ScheduledBatch, ids: np.ndarray) -> list[ImagePiece]:
         """Where the embedding row of each image- or video-token id among the step's token ids
-        `ids` comes from, in token order: rows ``lo..hi-1`` of a prompt's media embeddings
-        (source: its `MultiModalData`), or, for media-token ids the model generated (plain text
-        then), ``hi`` copies of token ``lo``'s own embedding row (source None). A decode's
+        `ids` comes from, in token order: rows ``lo..hi-1`` of one media item's embeddings
+        (source: its encoder-cache entry), or, for media-token ids the model generated (plain
+        text then), ``hi`` copies of token ``lo``'s own embedding row (source None). A decode's
         token is its entry of `ids` (its input, which may have been read from the device)."""
         if not np.isin(ids, self._media_ids).any():
             return []
@@ -225,7 +226,7 @@ class Qwen2VLRunner:
             if mm is not None and s < p:
                 lo, hi = np.searchsorted(mm.positions, [s, min(s + n, p)])
                 if hi > lo:
-                    pieces.append((mm, int(lo), int(hi)))
+                    pieces += mm.pieces(int(lo), int(hi))
             if s + n > p:
                 for tok in [int(ids[i])] if i < nd else req.token_ids[max(s, p):s + n]:
                     if tok not in self._media_set:
@@ -240,7 +241,7 @@ class Qwen2VLRunner:
                    embeds_of: Callable[[Any], torch.Tensor] | None = None
                    ) -> torch.Tensor | None:
         """The embedding rows of `pieces` (see `image_pieces`) in one tensor, or None;
-        `embeds_of(source)` gives a source's embeddings (default: ``source.embeds``)."""
+        `embeds_of(source)` gives a source's embeddings (default: ``source.tensor``)."""
         if not pieces:
             return None
         rows: list[torch.Tensor] = []
@@ -249,7 +250,7 @@ class Qwen2VLRunner:
                 row = self.model.language.media_token_rows[lo]
                 rows.append(row.expand(hi, row.shape[0]))
             else:
-                rows.append((embeds_of(src) if embeds_of is not None else src.embeds)[lo:hi])
+                rows.append((embeds_of(src) if embeds_of is not None else src.tensor)[lo:hi])
         return torch.cat(rows)
 
     def prepare_step(self, batch: ScheduledBatch, *, stage: str = "decoder") -> PreparedStep:
@@ -301,6 +302,8 @@ class Qwen2VLRunner:
         if apply_sync:
             planner.apply(step.inputs.sync)
         ctx = planner.plan_inputs(step.inputs).context
+        if step.inputs.block_copies is not None:  # copy on write, before anything is stored
+            self.kv.copy_blocks(step.inputs.block_copies)
         if step.inputs.pending and comm is not None:  # rank 0's device inputs to every rank
             comm.broadcast(ctx.input_ids[:step.inputs.num_decodes], 0)
         if step.graph is not None:  # the graph captured the planner's buffers: nothing to copy

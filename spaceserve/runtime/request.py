@@ -33,10 +33,17 @@ class Status(enum.Enum):
     FINISHED = 2
 
 
+@dataclass(eq=False)
+class ItemEmbeds:
+    """One media item's embeddings ``[tokens, hidden]`` held outside the encoder cache."""
+
+    tensor: torch.Tensor
+
+
 @dataclass
 class MultiModalData:
     """A prompt's media: patches, grids, the prompt index of every media token, and (once
-    encoded) one embedding row per media token, kept until the request ends.
+    encoded or found in the encoder cache) one embedding entry per item.
 
     Images and videos are items in prompt order: `pixel_values` holds their patches and
     `image_grid_thw` one (t, h, w) row each, so the encoder runs a request's media as one job
@@ -45,15 +52,20 @@ class MultiModalData:
     `second_per_grid_ts` their seconds per temporal patch (Qwen2.5-VL's M-RoPE).
     `content_hashes` has one hash per item (decoded pixels and processor settings); the input
     module gives them, else they are computed from the patches when first asked for.
+
+    `items` holds, per item, the encoder-cache entry (anything with a ``tensor`` of
+    ``[item tokens, hidden]`` rows) whose embeddings the item's tokens take, or None while the
+    item has none (not encoded yet, or not needed: its tokens are in the prefix cache).
     """
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
-    positions: np.ndarray  # sorted prompt indices of the media tokens; row i of embeds <-> [i]
-    embeds: torch.Tensor | None = None
+    positions: np.ndarray  # sorted prompt indices of the media tokens; item rows in order
     video_items: tuple[int, ...] = ()
     second_per_grid_ts: tuple[float, ...] = ()
     hashes: tuple[str, ...] | None = None
+    items: list[Any] | None = None
+    _bounds: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def num_items(self) -> int:
@@ -71,6 +83,93 @@ class MultiModalData:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    @property
+    def item_bounds(self) -> np.ndarray:
+        """``[num_items + 1]`` cumulative token counts: item i owns embedding rows (and media
+        tokens) ``bounds[i] .. bounds[i + 1] - 1``."""
+        if self._bounds is None:
+            patches = self.image_grid_thw.prod(dim=1).to(torch.int64)
+            total = int(patches.sum())
+            group = total // self.num_tokens if self.num_tokens else 1
+            self._bounds = np.concatenate([[0], np.cumsum(patches.numpy() // max(group, 1))])
+        return self._bounds
+
+    def item_span(self, i: int) -> tuple[int, int]:
+        """Prompt indices (first, last) of item `i`'s tokens."""
+        b = self.item_bounds
+        return int(self.positions[b[i]]), int(self.positions[b[i + 1] - 1])
+
+    def items_from(self, start: int) -> list[int]:
+        """Items with a token at prompt index `start` or later (those a prefill from `start`
+        needs)."""
+        row = int(np.searchsorted(self.positions, start))
+        if row >= self.num_tokens:
+            return []
+        first = int(np.searchsorted(self.item_bounds, row, side="right")) - 1
+        return list(range(first, self.num_items))
+
+    def items_between(self, lo: int, hi: int) -> range:
+        """Items with a token at a prompt index in ``lo .. hi - 1``."""
+        a, b = np.searchsorted(self.positions, [lo, hi])
+        if b <= a:
+            return range(0)
+        bounds = self.item_bounds
+        return range(int(np.searchsorted(bounds, a, side="right")) - 1,
+                     int(np.searchsorted(bounds, b - 1, side="right")))
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[Any, int, int]]:
+        """Embedding rows ``lo .. hi - 1`` (over all items) as (entry, first row, end row) per
+        item they touch, rows relative to the item; raises RuntimeError for a row whose item
+        has no embeddings."""
+        out: list[tuple[Any, int, int]] = []
+        bounds = self.item_bounds
+        i = int(np.searchsorted(bounds, lo, side="right")) - 1
+        while lo < hi:
+            end = min(hi, int(bounds[i + 1]))
+            entry = self.items[i] if self.items is not None else None
+            if entry is None:
+                raise RuntimeError(f"media item {i} has no embeddings but its tokens are "
+                                   "being computed")
+            out.append((entry, lo - int(bounds[i]), end - int(bounds[i])))
+            lo, i = end, i + 1
+        return out
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Embedding rows ``lo .. hi - 1`` in one tensor (a view when one item holds them)."""
+        parts = [e.tensor[a:b] for e, a, b in self.pieces(lo, hi)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    @property
+    def embeds(self) -> torch.Tensor | None:
+        """All embedding rows in one tensor when every item has them (None otherwise)."""
+        if self.items is None or not self.items or any(e is None for e in self.items):
+            return None
+        return self.rows(0, self.num_tokens) if self.num_tokens else None
+
+    def set_embeds(self, embeds: torch.Tensor) -> None:
+        """Give every item its rows of `embeds` (``[num_tokens, hidden]``), outside any cache."""
+        if embeds.shape[0] != self.num_tokens:
+            raise ValueError(f"embeds has {embeds.shape[0]} rows for {self.num_tokens} tokens")
+        b = self.item_bounds
+        self.items = [ItemEmbeds(embeds[int(b[i]):int(b[i + 1])]) for i in range(self.num_items)]
+
+    def subset(self, items: Sequence[int]) -> MultiModalData:
+        """A media object of only `items` (patches and grids; no prompt positions; their item
+        keys as its content hashes): what an encoder job over them takes."""
+        items = list(items)
+        if items == list(range(self.num_items)):
+            pv, grid = self.pixel_values, self.image_grid_thw
+        else:
+            starts = np.concatenate([[0], np.cumsum(self.image_grid_thw.prod(dim=1).numpy())])
+            pv = torch.cat([self.pixel_values[int(starts[i]):int(starts[i + 1])] for i in items])
+            grid = self.image_grid_thw[items]
+        videos = set(self.video_items)
+        bounds = self.item_bounds
+        n = sum(int(bounds[i + 1] - bounds[i]) for i in items)
+        return MultiModalData(pv, grid, np.arange(n, dtype=np.int64),
+                              video_items=tuple(j for j, i in enumerate(items) if i in videos),
+                              hashes=tuple(self.item_key(i) for i in items))
+
     def grid_of(self, kind: str) -> torch.Tensor | None:
         """The grid rows of the images or of the videos (``kind`` "image" / "video"), in prompt
         order, or None when there are none."""
@@ -78,22 +177,22 @@ class MultiModalData:
         rows = [i for i in range(self.num_items) if (i in videos) == (kind == "video")]
         return self.image_grid_thw[rows] if rows else None
 
+    def item_key(self, i: int) -> str:
+        """What identifies item `i`'s encoder output and the K/V of its tokens: its content
+        hash, and for a video its seconds per temporal patch (M-RoPE spacing)."""
+        key = self.content_hashes[i]
+        if i in self.video_items and self.second_per_grid_ts:
+            key += f"@{self.second_per_grid_ts[self.video_items.index(i)]!r}"
+        return key
+
     @property
     def content_hashes(self) -> tuple[str, ...]:
-        """One content hash per item, in prompt order."""
+        """One content hash per item, in prompt order: the input module's, else a hash of its
+        patches and grid - the one the replica router keys an image by (`route_keys`)."""
         if self.hashes is None:
-            import hashlib
+            from .route_keys import image_hashes
 
-            out, start = [], 0
-            for row in self.image_grid_thw.tolist():
-                n = row[0] * row[1] * row[2]
-                h = hashlib.blake2b(digest_size=16, person=b"ss-patches")
-                h.update(repr((row, str(self.pixel_values.dtype))).encode())
-                h.update(self.pixel_values[start:start + n].detach().cpu().contiguous()
-                         .view(torch.uint8).numpy().tobytes())
-                out.append(h.hexdigest())
-                start += n
-            self.hashes = tuple(out)
+            self.hashes = image_hashes(self.pixel_values, self.image_grid_thw)
         return self.hashes
 
 
@@ -150,13 +249,15 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Monotonic-clock timestamps (seconds): arrival, first token, every token, finish."""
+    """Monotonic-clock timestamps (seconds): arrival, first token, every token, finish; and
+    how many prompt tokens the prefix cache held when the request was first admitted."""
 
     arrival_time: float
     first_token_time: float | None
     token_times: tuple[float, ...]
     finished_time: float | None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
 
 
 class TextSnapshot:
@@ -184,7 +285,8 @@ class RequestOutput:
     still change (an incomplete UTF-8 character, a possible start of a stop string) is held
     back until it cannot. `logprobs` / `new_logprobs` hold a `TokenLogprob` per token when the
     request asked for them. `stop_reason` is the stop string or stop token id that ended it
-    (None for the model's end-of-sequence token or another reason).
+    (None for the model's end-of-sequence token or another reason). `index` is the choice's
+    index (always 0 while ``n`` > 1 is refused).
     """
 
     request_id: str
@@ -201,6 +303,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     text_source: str | TextSnapshot | None = field(default=None, repr=False)
+    index: int = 0  # which of the request's choices
 
     @property
     def text(self) -> str | None:
@@ -218,7 +321,8 @@ class Request:
         "error", "arrival_time", "first_token_time", "token_times", "finished_time",
         "num_preemptions", "num_emitted", "sink", "stream", "model_state", "stop_ids",
         "limit_len", "prompt_ids", "num_placeholders", "admit_serial", "logprobs", "detok",
-        "stop_reason", "min_len",
+        "stop_reason", "min_len", "block_hashes", "num_hashed", "prefix_hint",
+        "num_cached_tokens", "index",
     )
 
     def __init__(self, request_id: str, seq_no: int, prompt_token_ids: list[int],
@@ -250,6 +354,11 @@ class Request:
         self.model_state: Any = None  # per-request data a model runner precomputes
         self.stop_ids: frozenset[int] = frozenset()  # tokens that end it (set on queueing)
         self.limit_len = 0  # sequence length at which it ends with "length"
+        self.block_hashes: list[bytes] = []  # prefix-cache hashes of its full blocks so far
+        self.num_hashed = 0  # leading blocks of block_ids offered to the prefix cache
+        self.prefix_hint = 0  # prompt tokens the prefix cache held when it arrived
+        self.num_cached_tokens = -1  # prompt tokens it held at the first admission (-1: none)
+        self.index = 0  # its choice index (n > 1 is refused, so always 0)
         # Tokens drawn by steps not yet read back (they follow token_ids; the scheduler counts
         # them as known, the planner takes them from the device).
         self.num_placeholders = 0
@@ -280,7 +389,8 @@ class Request:
         times = self.token_times
         return RequestMetrics(self.arrival_time, self.first_token_time,
                               tuple(times) if final else SeqView(times, 0, len(times)),
-                              self.finished_time, self.num_preemptions)
+                              self.finished_time, self.num_preemptions,
+                              max(0, self.num_cached_tokens))
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens},"

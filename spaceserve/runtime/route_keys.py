@@ -6,6 +6,11 @@ the same pixels, hashes the same. A prompt block's hash covers its parent block'
 token ids and the hashes of the images whose tokens it holds (image tokens are one placeholder
 id, so the ids alone cannot tell two pictures apart): two prompts share their first k block
 hashes exactly when they share their first k blocks, images included, as a prefix cache sees it.
+
+When the input module gave the prompt its ``mm_hashes`` (the chat preprocessor always does),
+an image's key is that hash - the very key the replica's encoder output cache files the image's
+embeddings under - so "this replica has seen the picture" means "its encoder cache may hold
+it"; `image_hashes` (a hash of the patches) is the fallback for prompts without them.
 """
 
 from __future__ import annotations
@@ -100,7 +105,11 @@ def route_request(request_id: str, prompt: Mapping[str, Any], *, image_token_id:
     if grid is not None and prompt.get("pixel_values") is not None:
         g = _as_numpy(grid).astype(np.int64).reshape(-1, 3)
         tokens = tuple(int(t * h * w) // merge_size ** 2 for t, h, w in g.tolist())
-        hashes = image_hashes(prompt["pixel_values"], g)
+        given = (prompt.get("mm_hashes") or {}).get("image")
+        if given is not None and len(given) == len(tokens):
+            hashes = tuple(str(h) for h in given)  # the engine's encoder-cache keys
+        else:
+            hashes = image_hashes(prompt["pixel_values"], g)
     spans = image_spans(ids, image_token_id, tokens)
     return RouteRequest(request_id, len(ids), tokens, hashes,
                         prefix_block_hashes(ids, block_tokens, spans, hashes),

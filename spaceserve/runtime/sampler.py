@@ -102,6 +102,15 @@ class Sampled:
         return self._host
 
 
+@dataclass
+class Launched:
+    """A step on the device: its batch (a `ScheduledBatch`) and its draws on their way to the
+    host (None when it samples nothing)."""
+
+    batch: Any
+    sampled: Sampled | None
+
+
 class Sampler:
     """Samples one token per logits row for the requests of a step (module docstring).
 

@@ -81,10 +81,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1  # choices per prompt; the engine refuses n > 1 for now (parallel sampling)
 
     def __post_init__(self) -> None:
         put = object.__setattr__
         check_int("max_tokens", self.max_tokens, 1)
+        check_int("n", self.n, 1)
         put(self, "temperature", check_float("temperature", self.temperature, 0.0, math.inf))
         put(self, "top_p", check_float("top_p", self.top_p, 0.0, 1.0, low_open=True))
         put(self, "min_p", check_float("min_p", self.min_p, 0.0, 1.0))
@@ -137,6 +139,22 @@ class SamplingParams:
         """Whether any penalty applies (the sampler then keeps token counts for the request)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def check_for_model(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -> None:
+    """What a `SamplingParams` cannot check alone: token ids inside the model's vocabulary, a
+    tokenizer for stop strings, a single choice (parallel sampling, ``n`` > 1, is not supported
+    yet). ValueError names the field."""
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: parallel sampling (n > 1) is not supported; send n "
+                         "requests (with seeds seed, seed + 1, ...) instead")
+    for tok, _ in params.logit_bias:
+        if tok >= vocab_size:
+            raise ValueError(f"logit_bias: token id {tok} is outside the vocabulary "
+                             f"({vocab_size})")
+    if params.stop and not has_tokenizer:
+        raise ValueError("stop: stop strings need a tokenizer, and this engine has none; "
+                         "use stop_token_ids")
 
 
 def _check_bias(bias: Any) -> tuple[tuple[int, float], ...]:

@@ -9,6 +9,19 @@ and it goes back to the front of the waiting queue with its prompt and generated
 image embeddings), to be prefilled again later. Sampling draws depend only on (seed, index), so
 recomputation reproduces the same tokens.
 
+With prefix caching (the block manager's), a request being admitted first takes the longest
+chain of committed blocks its tokens name (`prefix_cache.block_hashes`), always leaving at least
+its last token to compute, and prefills only the rest; M-RoPE positions come from the whole
+prompt's table, so a chunk starting past the prefix gets the same positions it would have had.
+It is admitted only when its media from that point on have embeddings (`is_ready(req, start)`;
+items wholly inside the prefix need none). After every step the blocks it filled are committed
+to the cache, so they outlive it: a preempted, finished or aborted request's computed blocks
+stay for the next request with the same prefix until evicted.
+
+Parallel sampling (``n`` > 1) is refused by the engine for now; the block manager's fork and
+copy-on-write (`ScheduledBatch.block_copies`, applied by the runner before a step's forward
+pass) are what it will use.
+
 Scheduling runs ahead of the device by one step (the engine pipelines steps): `schedule`
 advances every scheduled request's cached count at once and counts the token each sampled
 request will draw as a *placeholder* (``Request.num_placeholders``), known for scheduling but
@@ -25,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .block_manager import BlockManager
+from .prefix_cache import block_hashes, max_match_blocks
 from .request import Request, Status
 
 
@@ -43,6 +57,8 @@ class ScheduledBatch:
     num_decodes: int = 0
     num_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    # KV blocks to copy (source, destination) before the step runs (copy on write)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # decodes whose input is on the device
     # requests given KV blocks (or a slot) this step; None: unknown, look at every request
     grown: list[Request] | None = None
@@ -68,7 +84,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
-        is_ready: Callable[[Request], bool] | None = None,
+        is_ready: Callable[[Request, int], bool] | None = None,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -80,11 +96,41 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos = frozenset(eos_token_ids)
-        self.is_ready = is_ready or (lambda req: True)
+        self.is_ready = is_ready or (lambda req, start: True)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.prefix_queried_tokens = 0  # tokens of admitted requests looked up in the cache
+        self.prefix_hit_tokens = 0  # of which the cache held (not computed)
+        self.prefill_tokens = 0  # tokens computed other than a decoding request's newest one
         self.num_admitted = 0  # admissions so far (a request re-taking a slot counts again)
+
+    def peek_cached(self, req: Request) -> int:
+        """Tokens of `req` the prefix cache holds now (nothing taken; 0 with caching off)."""
+        bm = self.bm
+        if not bm.enable_caching:
+            return 0
+        bs = bm.block_size
+        limit = max_match_blocks(req, bs)
+        return bm.peek(block_hashes(req, bs, limit * bs), limit) * bs
+
+    def _match(self, req: Request) -> None:
+        """Give a waiting request (nothing computed) its cached prefix blocks."""
+        bm = self.bm
+        if not bm.enable_caching or req.num_computed:
+            return
+        bs = bm.block_size
+        limit = max_match_blocks(req, bs)
+        got = bm.match(block_hashes(req, bs, limit * bs), limit)
+        if got:
+            req.block_ids = got
+            req.num_hashed = len(got)
+            req.num_computed = len(got) * bs
+
+    def _unmatch(self, req: Request) -> None:
+        if req.block_ids:
+            self.bm.free(req.block_ids)
+        req.num_computed = req.num_hashed = 0
 
     def add(self, req: Request) -> None:
         """Queue a validated request (its prompt fits the context and the cache)."""
@@ -140,6 +186,8 @@ class Scheduler:
                     pending.append(len(dec))
                 dec.append(req)
                 cached.append(c)
+                if c < req.num_prompt_tokens:  # a prompt token: prefill work
+                    self.prefill_tokens += 1
                 req.num_computed = total
                 req.num_placeholders += 1
             else:
@@ -159,13 +207,20 @@ class Scheduler:
         j = 0
         while j < len(waiting) and budget > 0 and self._free_rows:
             req = waiting[j]
-            if not self.is_ready(req):
+            self._match(req)
+            if not self.is_ready(req, req.num_computed):
+                self._unmatch(req)
                 j += 1
                 continue
             known = len(req.token_ids) + req.num_placeholders
             n = min(known - req.num_computed, budget)
             if not bm.ensure(req.block_ids, req.num_computed + n):
+                self._unmatch(req)
                 break
+            self.prefix_queried_tokens += known
+            self.prefix_hit_tokens += req.num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed
             del waiting[j]
             req.status = Status.RUNNING
             req.row = self._free_rows.pop()
@@ -177,6 +232,8 @@ class Scheduler:
             if n == 1 and req.num_computed + 1 == known:  # its input is known: not pending
                 dec.append(req)
                 cached.append(req.num_computed)
+                if req.num_computed < req.num_prompt_tokens:
+                    self.prefill_tokens += 1
                 req.num_computed += 1
                 req.num_placeholders += 1
             else:
@@ -192,14 +249,18 @@ class Scheduler:
         nd = len(dec)
         sample = list(dec)
         need = [True] * nd
+        computed = 0  # prefill work: every computed token but a decoding request's newest
         for req, n in zip(pre, pre_n, strict=True):
             cached.append(req.num_computed)
             req.num_computed += n
-            last = req.num_computed == len(req.token_ids) + req.num_placeholders
+            known = len(req.token_ids) + req.num_placeholders
+            last = req.num_computed == known
             need.append(last)
+            computed += n - (last and known > req.num_prompt_tokens)
             if last:
                 sample.append(req)
                 req.num_placeholders += 1
+        self.prefill_tokens += computed
         return ScheduledBatch(
             reqs=dec + pre,
             num_cached=cached,
@@ -219,10 +280,12 @@ class Scheduler:
         req.synced_blocks = 0
 
     def _preempt(self, req: Request) -> None:
-        """Recompute-preemption: drop the KV blocks, keep tokens and embeddings."""
+        """Recompute-preemption: drop the KV blocks (those its launched steps fill stay in the
+        prefix cache), keep tokens and embeddings."""
+        self._keep(req)
         self.bm.free(req.block_ids)
         self._release_row(req)
-        req.num_computed = 0
+        req.num_computed = req.num_hashed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.insert(0, req)
@@ -231,7 +294,10 @@ class Scheduler:
                now: float) -> list[Request]:
         """Account a step's drawn tokens (one per `batch.sample_reqs`, in order): each takes
         its placeholder's place; the requests that stop are finished (a stop token counts only
-        past `min_tokens`). Requests finished meanwhile are skipped. Returns the finished."""
+        past `min_tokens`). Requests finished meanwhile are skipped. Blocks the step filled are
+        first offered to the prefix cache. Returns the finished."""
+        if self.bm.enable_caching:
+            self._commit(batch)
         done: list[Request] = []
         for req, tok in zip(batch.sample_reqs, sampled, strict=True):
             if not req.num_placeholders:  # finished (or preempted and ended) meanwhile
@@ -257,6 +323,27 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
         return done
 
+    def _commit(self, batch: ScheduledBatch) -> None:
+        """Offer the blocks each request of a finished step filled to the prefix cache."""
+        for req, c, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
+            if req.status is Status.RUNNING:  # else its blocks are gone (or were offered)
+                self._commit_upto(req, c + n)
+
+    def _commit_upto(self, req: Request, tokens: int) -> None:
+        """Offer `req`'s full blocks among its first `tokens` (known ones only) to the cache."""
+        bm = self.bm
+        bs = bm.block_size
+        full = min(min(tokens, len(req.token_ids)) // bs, len(req.block_ids))
+        if full > req.num_hashed:
+            bm.commit(req.block_ids, block_hashes(req, bs, full * bs), req.num_hashed, full)
+            req.num_hashed = full
+
+    def _keep(self, req: Request) -> None:
+        """Before `req` lets its blocks go: offer every block its launched steps fill (steps
+        not read back yet included: any later reader runs after them) to the prefix cache."""
+        if self.bm.enable_caching and req.status is Status.RUNNING and req.block_ids:
+            self._commit_upto(req, req.num_computed)
+
     def finish(self, req: Request, reason: str, error: str | None = None, *,
                prune: bool = True) -> None:
         """End `req` (any state): free its blocks and slot, drop it from the queues."""
@@ -268,6 +355,8 @@ class Scheduler:
             elif req in self.waiting:
                 self.waiting.remove(req)
         if req.block_ids:
+            if reason != "error":  # a failed step may not have written its blocks
+                self._keep(req)
             self.bm.free(req.block_ids)
         self._release_row(req)
         req.num_placeholders = 0  # draws still in flight are dropped

@@ -13,19 +13,23 @@ launch goes on the current partition's encoder stream under its encoder budget, 
 event. Hand-off: embeddings are attached to the request (admitting it to prefill) only once that
 event has completed - `event.query()`, never a wait - and are marked with ``record_stream`` on
 every decoder stream; they stay with the request (recompute needs them) until `release`.
+Media items the encoder cache already has, or whose tokens all lie in the prefix cache, never
+become a job: TWSRFT sees only the items that need the encoder (`encoder_cache.MediaTracker`).
+
+Data-parallel encoder (a tensor-parallel runner with ``encoder_ranks`` > 1): each job (a
+request's items neither cache holds) is assigned at admission to the rank whose TWSRFT queue has
+the least predicted work left, which encodes it; when its last flight completes, the hand-off
+first has every rank take the embeddings from that rank (`share_encoding`, a broadcast on the
+decoder stream), then stores them as above: the encoder cache splits them into one entry per
+item, on every rank.
 
 The launches themselves (TWSRFT grants, one event each, under the ``cooperative`` or the
 ``thread`` driver, and why cooperative is the default) are `spatial_launch.py`.
-
-Data-parallel encoder (a tensor-parallel runner with ``encoder_ranks`` > 1): each request is
-assigned at admission to the rank whose TWSRFT queue has the least predicted work left, which
-encodes it; when its last flight completes, the hand-off first has every rank take the
-embeddings from that rank (`share_encoding`, a broadcast on the decoder stream), then attaches
-them as above.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -33,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .curves import CurveSet
+from .encoder_cache import EncoderCache, MediaTracker
 from .encoder_dp import EncodingFailed, RankedTwsrft
 from .encoder_stage import release_encoding
 from .partition import PartitionSet
@@ -52,6 +57,7 @@ class SpatialEncoderStage(EncoderLaunches):
     `event_factory` replaces CUDA events (tests and the host-side experiment model an
     asynchronous device with it). `max_held` bounds the requests holding or computing
     embeddings; `max_inflight` the launches (each a few layers and one event) not complete.
+    `cache` is the encoder output cache (None: none).
     """
 
     def __init__(self, runner: ModelRunner, partitions: PartitionSet, curves: CurveSet, *,
@@ -60,6 +66,7 @@ class SpatialEncoderStage(EncoderLaunches):
                  max_inflight: int = 2, launch_budget_s: float = 0.003,
                  clock: Callable[[], float] = time.monotonic,
                  event_factory: Callable[[], Any] | None = None,
+                 cache: EncoderCache | None = None,
                  plan: SchedulingPolicy | None = None) -> None:
         if driver not in DRIVERS:
             raise ValueError(f"driver={driver!r} is not one of {', '.join(DRIVERS)}")
@@ -71,6 +78,7 @@ class SpatialEncoderStage(EncoderLaunches):
         self.runner = runner
         self.partitions = partitions
         self.max_held = max_held
+        self.media = MediaTracker(cache if cache is not None else EncoderCache(0), runner)
         self.preemptible = all(hasattr(runner, m) for m in (
             "encoder_layers", "start_encode", "advance_encode", "finish_encode"))
         self.num_layers = int(runner.encoder_layers) if self.preemptible else 1
@@ -91,8 +99,10 @@ class SpatialEncoderStage(EncoderLaunches):
             deadline_s=plan.deadline_s if plan else None, clock=clock)
         self.clock = clock
         self.arrivals = RateEstimator()
-        self._arrived: dict[int, float] = {}  # request seq_no -> arrival on `clock`
-        self._encodings: dict[int, Encoding] = {}  # request seq_no -> encoding, until release
+        self._arrived: dict[int, float] = {}  # job key -> arrival on `clock`
+        self._encodings: dict[int, Encoding] = {}  # job key -> encoding, until release
+        self._by_req: dict[int, int] = {}  # request seq_no -> key of its latest encoding
+        self._keys = itertools.count()
         self._backlog: deque[Encoding] = deque()  # waiting for a max_held slot
         self._active = 0  # encodings set up (or being set up) and not finished
         self._held: set[int] = set()
@@ -112,20 +122,38 @@ class SpatialEncoderStage(EncoderLaunches):
         with self._lock:
             return len(self._backlog) + self._active
 
-    def submit(self, req: Request) -> None:
-        if req.mm is None or req.mm.embeds is not None:
-            return
-        enc = Encoding(req.seq_no, req, int(req.mm.pixel_values.shape[0]))
+    def submit(self, req: Request, covered: int = 0) -> None:
+        missing = self.media.open(req, covered)
+        if missing:
+            self._queue(req, missing)
+
+    def _queue(self, req: Request, items: list[int]) -> None:
+        mm = self.media.job(req, items)
+        enc = Encoding(next(self._keys), req, int(mm.pixel_values.shape[0]), items=items, mm=mm)
         now = self.clock()
         with self._lock:
+            first = req.seq_no not in self._by_req  # a re-queue is not a new arrival
+            self._arrived.pop(self._by_req.get(req.seq_no, -1), None)
+            self._encodings.pop(self._by_req.get(req.seq_no, -1), None)  # a finished one
             self._encodings[enc.key] = enc
+            self._by_req[req.seq_no] = enc.key
             self._backlog.append(enc)
             self._arrived[enc.key] = now
-            self.arrivals.add(now, max(1, enc.patches), len(req.token_ids))
+            if first:
+                self.arrivals.add(now, max(1, enc.patches), len(req.token_ids))
         self._admit()
 
-    def ready(self, req: Request) -> bool:
-        return req.mm is None or req.mm.embeds is not None
+    def ready(self, req: Request, start: int = 0) -> bool:
+        if self.media.ready(req, start):
+            return True
+        with self._lock:
+            enc = self._encodings.get(self._by_req.get(req.seq_no, -1))
+            if enc is not None and enc.state in ("backlog", "active"):
+                return False
+        missing = self.media.missing(req, start)
+        if missing:
+            self._queue(req, missing)
+        return self.media.ready(req, start)
 
     def step(self) -> list[tuple[Request, str]]:
         """Attach the embeddings of completed grants, start backlogged jobs; returns failures."""
@@ -137,20 +165,22 @@ class SpatialEncoderStage(EncoderLaunches):
 
     def release(self, req: Request) -> None:
         with self._lock:
-            enc = self._encodings.pop(req.seq_no, None)
+            key = self._by_req.pop(req.seq_no, -1)
+            enc = self._encodings.pop(key, None)
+            self._arrived.pop(key, None)
             if enc is not None:
                 if enc.state == "backlog":
                     self._backlog.remove(enc)
                 elif enc.state == "active":
                     self._active -= 1
+                if enc.state != "held":
+                    self.media.done(enc.mm)
+                    release_encoding(self.runner, enc.mm)
                 enc.state = "released"
                 enc.embeds = enc.job = None
             self._held.discard(req.seq_no)
-            self._arrived.pop(req.seq_no, None)
             self._cond.notify_all()
-        if req.mm is not None:
-            req.mm.embeds = None
-            release_encoding(self.runner, req)
+        self.media.drop(req)
 
     # -- completion and hand-off --------------------------------------------------------------
     def poll(self) -> int:
@@ -207,22 +237,23 @@ class SpatialEncoderStage(EncoderLaunches):
         self._active -= 1
         enc.state = "failed"
         enc.job = enc.embeds = None
+        self.media.done(enc.mm)
+        release_encoding(self.runner, enc.mm)
         self._failures.append((enc.req, msg))
 
     def _attach(self, enc: Encoding) -> bool:
-        mm, emb = enc.req.mm, enc.embeds
+        emb = enc.embeds
         enc.embeds = None
-        if emb is None or emb.dim() != 2 or emb.shape[0] != mm.num_tokens:
-            shape = None if emb is None else tuple(emb.shape)
-            self._fail(enc, f"encoder returned shape {shape} for {mm.num_tokens} image tokens")
-            return False
-        if emb.is_cuda:
+        if emb is not None and emb.is_cuda:
             for stream in self.partitions.decoder_streams():
                 emb.record_stream(stream)
-        mm.embeds = emb
+        msg = self.media.store(enc.req, enc.items, enc.mm, emb)
+        if msg is not None:
+            self._fail(enc, msg)
+            return False
         self._active -= 1
         enc.state = "held"
-        self._held.add(enc.key)
+        self._held.add(enc.req.seq_no)
         return True
 
     def _admit(self) -> None:
@@ -255,7 +286,7 @@ class SpatialEncoderStage(EncoderLaunches):
         (`PartitionSet.staged`): the pixels are pinned and copied non-blocking, and the job's
         small blocking uploads (rotary tables, attention plan) synchronise only that idle
         stream, never the encoder's queue. Another rank's job uploads nothing here."""
-        mm, pset = enc.req.mm, self.partitions
+        mm, pset = enc.mm, self.partitions
         if self.ranks > 1 and rank != 0:
             return self.runner.start_encode(mm, rank=rank)
         if not pset.cuda:
@@ -270,7 +301,7 @@ class SpatialEncoderStage(EncoderLaunches):
     # -- for SIS, and an engine with nothing else to do ----------------------------------------
     def age(self, req: Request) -> float:
         """Seconds since `req` reached the stage (0 for a request without images)."""
-        arrived = self._arrived.get(req.seq_no)
+        arrived = self._arrived.get(self._by_req.get(req.seq_no, -1))
         return 0.0 if arrived is None else max(0.0, self.clock() - arrived)
 
     def pending_work(self, curve_depth: int) -> list[PendingEncode]:
@@ -281,7 +312,7 @@ class SpatialEncoderStage(EncoderLaunches):
         out = []
         with self._lock:
             for job in self.sched.jobs():
-                prompt = sum(len(e.req.token_ids) for k in job.request_ids
+                prompt = sum(_prefill(e.req) for k in job.request_ids
                              if (e := self._encodings.get(k)) is not None)
                 out.append(PendingEncode(job.patches, max(1, round(job.layers_left * scale)),
                                          prompt, max(0.0, now - job.arrival),
@@ -289,7 +320,7 @@ class SpatialEncoderStage(EncoderLaunches):
             for enc in self._backlog:
                 out.append(PendingEncode(max(1, enc.patches), max(1, round(self.num_layers
                                                                            * scale)),
-                                         len(enc.req.token_ids),
+                                         _prefill(enc.req),
                                          max(0.0, now - self._arrived.get(enc.key, now))))
         return out
 
@@ -303,3 +334,8 @@ class SpatialEncoderStage(EncoderLaunches):
         elif self._thread is not None and self.num_pending:
             with self._cond:
                 self._cond.wait(timeout_s)
+
+
+def _prefill(req: Request) -> int:
+    """Tokens a waiting request will prefill: those the prefix cache did not hold."""
+    return len(req.token_ids) - max(req.num_computed, req.prefix_hint)

@@ -53,7 +53,7 @@ DRIVERS = ("cooperative", "thread")
 
 @dataclass
 class Encoding:
-    """One request's images inside the stage."""
+    """One encoder job of a request: the media `items` it computes (`mm`, their patches)."""
 
     key: int
     req: Request
@@ -62,6 +62,8 @@ class Encoding:
     job: Any = None
     layers_done: int = 0
     embeds: torch.Tensor | None = None
+    items: list[int] = field(default_factory=list)
+    mm: Any = None
 
     @property
     def released(self) -> bool:
@@ -234,7 +236,7 @@ class EncoderLaunches:
                     flight.done.append(enc)
                     g.live.remove(enc)
             else:
-                enc.embeds = self.runner.encode([enc.req.mm])[0]
+                enc.embeds = self.runner.encode([enc.mm])[0]
                 enc.layers_done = 1
                 flight.done.append(enc)
                 g.live.remove(enc)

@@ -146,6 +146,7 @@ class StepInputs:
     mm_parts: tuple[list[np.ndarray], list[torch.Tensor]] = ((), ())
     pending: list[int] = field(default_factory=list)
     source: tuple[torch.Tensor, torch.Tensor] | None = None
+    block_copies: np.ndarray | None = None  # [C, 2] KV blocks (source, destination) to copy
 
     @property
     def num_seqs(self) -> int:
@@ -158,7 +159,7 @@ class StepInputs:
         return StepInputs(self.rows.astype(i32), self.num_cached.astype(i32),
                           self.num_new.astype(i32), self.need_logits, ids,
                           self.num_decodes, self.pad_to, self.width, self.sync,
-                          pending=self.pending)
+                          pending=self.pending, block_copies=self.block_copies)
 
 
 class StepPlanner:
@@ -270,11 +271,13 @@ class StepPlanner:
             self._row_list, self._row_array = row_list, np.array(row_list, dtype=np.int64)
         rows = self._row_array
         cached = np.array(batch.num_cached, dtype=np.int64)
+        copies = np.array(batch.block_copies, dtype=np.int64) if batch.block_copies else None
         if nd == nb:  # decode-only: one token each, logits for all
             ids = None if len(pending) == nd else \
                 np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
             return StepInputs(rows, cached, self._ones[:nb], None, ids, nd, pad_to,
-                              width, sync, pending=list(pending), source=batch.input_source)
+                              width, sync, pending=list(pending), source=batch.input_source,
+                              block_copies=copies)
         ids_l = [r.token_ids[-1] for r in reqs[:nd]]
         t = nd
         idx_parts: list[np.ndarray] = []
@@ -287,12 +290,12 @@ class StepPlanner:
                 lo, hi = np.searchsorted(mm.positions, [s, s + n])
                 if hi > lo:
                     idx_parts.append(mm.positions[lo:hi] - s + t)
-                    emb_parts.append(mm.embeds[lo:hi])
+                    emb_parts.append(mm.rows(int(lo), int(hi)))
             t += n
         return StepInputs(rows, cached, np.array(batch.num_new, dtype=np.int64),
                           np.array(batch.need_logits, dtype=bool),
                           np.array(ids_l, dtype=np.int64), nd, pad_to, width, sync,
-                          (idx_parts, emb_parts), list(pending), batch.input_source)
+                          (idx_parts, emb_parts), list(pending), batch.input_source, copies)
 
     def apply(self, sync: RowSync) -> None:
         """Apply another planner's row-state changes (a tensor-parallel worker's rows follow

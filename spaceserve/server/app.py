@@ -130,7 +130,7 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        text = client.metrics.render(client.gauges())
+        text = client.metrics.render(client.gauges(), client.counters())
         text += (f'# HELP spaceserve:mode_info Engine mode.\n# TYPE spaceserve:mode_info gauge\n'
                  f'spaceserve:mode_info{{mode="{client.mode}"}} 1\n')
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -279,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             max_images_per_prompt=args.max_images_per_request,
             tensor_parallel_size=args.tensor_parallel_size,
             mm_encoder_tp_mode=args.mm_encoder_tp_mode, slo=args.slo,
-            encoder_window_s=args.encoder_window_ms / 1e3)
+            encoder_window_s=args.encoder_window_ms / 1e3,
+            encoder_cache_bytes=args.encoder_cache_bytes,
+            enable_prefix_caching=args.prefix_caching)
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2

@@ -38,6 +38,21 @@ if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
     from spaceserve.runtime.engine import Engine
     from spaceserve.runtime.request import RequestOutput, SamplingParams
 
+# Engine.counters() key -> (metric name, help)
+ENGINE_COUNTERS = (
+    ("encoder_cache_queries", "encoder_cache_queries_total",
+     "Media items (images, videos) looked up in the encoder cache."),
+    ("encoder_cache_hits", "encoder_cache_hits_total",
+     "Media items that needed no encoder pass (cached, or all their tokens prefix-cached)."),
+    ("encoder_jobs", "encoder_jobs_total", "Encoder jobs run (one per request needing one)."),
+    ("prefix_cache_queried_tokens", "prefix_cache_queried_tokens_total",
+     "Tokens of admitted requests looked up in the prefix cache."),
+    ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens_total",
+     "Tokens whose KV blocks the prefix cache held (not computed)."),
+    ("prefill_tokens", "prefill_tokens_computed_total",
+     "Tokens computed in prefill (every computed token but a decode's newest)."),
+)
+
 KNOWN_MODES = ("temporal", "temporal-chunked", "spatial", "spatial-static", "shared")
 
 
@@ -71,6 +86,7 @@ class RequestHandle(Handle):
         """Add the prepared `prompt` to the engine now (any thread; blocking: validation),
         unless the request was closed or cancelled meanwhile."""
         sp = params(prompt) if callable(params) else params
+        self.expect(sp.n)
         with self._lock:
             if self.closed or self.cancelled.is_set():
                 return
@@ -214,7 +230,17 @@ class AsyncEngine(Admission):
             ("decoder_sms", "SMs of the decoder stage.", dec),
             ("device_sms", "SMs of the device.", self._device_sms),
             ("engine_steps_total", "Engine steps run.", self.engine.num_steps),
+            ("encoder_cache_usage_bytes", "Bytes of embeddings the encoder cache keeps.",
+             int(getattr(getattr(self.engine, "encoder_cache", None), "bytes_cached", 0))),
+            ("prefix_cache_blocks", "KV blocks committed to the prefix cache (in use or free).",
+             int(getattr(getattr(self.engine, "block_manager", None), "num_cached", 0))),
         ]
+
+    def counters(self) -> list[tuple[str, str, int]]:
+        """The engine's cache and work counters, as Prometheus counters (name, help, value)."""
+        fn = getattr(self.engine, "counters", None)
+        c = fn() if callable(fn) else {}
+        return [(name, help_text, c[key]) for key, name, help_text in ENGINE_COUNTERS if key in c]
 
     def close(self) -> None:
         with self._cond:

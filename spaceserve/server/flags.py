@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context length (default: the model's, capped by the KV cache)")
     p.add_argument("--seed", type=int, default=0,
                    help="engine seed for requests that bring none")
+    p.add_argument("--encoder-cache-bytes", type=int,
+                   help="encoder output cache budget in bytes; 0 turns it off (default: 5%% "
+                        "of free GPU memory, at most 8 GiB; 512 MiB on CPU)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="turn automatic prefix caching of KV blocks off")
     p.add_argument("--max-pending", type=int, default=ServeSettings.max_pending,
                    help="requests in flight before answering 503 (per replica with replicas)")
     p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes,

@@ -45,8 +45,10 @@ class Handle:
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.added = False
-        self.finished = False
+        self.finished = False  # every one of its n sequences has ended (or it failed)
         self.closed = False
+        self.n = 1  # sequences (``n`` > 1: parallel sampling), set by ``add``
+        self._left = 1  # sequences whose final output has not been taken yet
         self.cancelled = asyncio.Event()
         self.cancel_reason = ""
         self._held: list[Any] = []  # pixel leases until the media are encoded
@@ -106,9 +108,15 @@ class Handle:
         for lease in held:
             lease.release()
 
+    def expect(self, n: int) -> None:
+        """The request runs `n` sequences: it has finished after n final outputs."""
+        self.n = self._left = n
+
     async def next(self) -> RequestOutput:
         out = await self.queue.get()
-        self.finished = out.finished
+        self._left -= out.finished
+        # an error the client answers itself (its HTTP status in ``extra``) ends them all
+        self.finished = self._left <= 0 or (out.finished and "status" in out.extra)
         return out
 
     def cancel(self, reason: str) -> None:

@@ -80,12 +80,14 @@ class ServerMetrics:
         self.generation_tokens = 0
 
     def observe(self, out: RequestOutput) -> None:
-        """Record a finished request (engine clock timestamps)."""
+        """Record a finished sequence (engine clock timestamps); a request with ``n`` > 1
+        counts its prompt once."""
         m = out.metrics
         with self._lock:
             reason = out.finish_reason or "unknown"
             self.finished[reason] = self.finished.get(reason, 0) + 1
-            self.prompt_tokens += len(out.prompt_token_ids)
+            if out.index == 0:
+                self.prompt_tokens += len(out.prompt_token_ids)
             self.generation_tokens += len(out.token_ids)
             if m.first_token_time is not None:
                 self.ttft.observe(m.first_token_time - m.arrival_time)
@@ -103,13 +105,18 @@ class ServerMetrics:
         with self._lock:
             self.http_errors[status] = self.http_errors.get(status, 0) + 1
 
-    def render(self, gauges: Iterable[tuple[str, str, float]]) -> str:
-        """The exposition text; `gauges` are (name without prefix, help, value)."""
+    def render(self, gauges: Iterable[tuple[str, str, float]],
+               counters: Iterable[tuple[str, str, int]] = ()) -> str:
+        """The exposition text; `gauges` and `counters` (the engine's own, read from it) are
+        (name without prefix, help, value)."""
         p = self.PREFIX
         lines: list[str] = []
         for name, help_text, value in gauges:
             lines += [f"# HELP {p}{name} {help_text}", f"# TYPE {p}{name} gauge",
                       f"{p}{name} {float(value)!r}"]
+        for name, help_text, count in counters:
+            lines += [f"# HELP {p}{name} {help_text}", f"# TYPE {p}{name} counter",
+                      f"{p}{name} {int(count)}"]
         with self._lock:
             lines += [f"# HELP {p}request_success_total Finished requests by finish reason.",
                       f"# TYPE {p}request_success_total counter"]

@@ -19,7 +19,7 @@ MAX_LOGPROBS = 20  # = spaceserve.runtime.request.MAX_LOGPROBS (no torch import 
 
 # parameter -> the message of the 400 it gets (when set to anything but its neutral value)
 REFUSED: dict[str, str] = {
-    "n": "only n=1 is supported (parallel sampling comes with shared prompt blocks)",
+    "n": "only n=1 is supported (parallel sampling is not available yet)",
     "best_of": "only best_of=1 is supported",
     "tools": "tool calling is not supported",
     "tool_choice": "tool calling is not supported",

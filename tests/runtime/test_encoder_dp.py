@@ -2,7 +2,8 @@
 (longest first onto the least loaded rank), one TWSRFT queue per rank, and the encoder stages
 (temporal, temporal-chunked, spatial) driving a runner whose images of ranks > 0 complete
 elsewhere and out of order - outputs equal the one-request reference, images are spread over
-the ranks, an image that fails on its owner fails alone. The real worker processes are
+the ranks, an image that fails on its owner fails alone, and images the encoder cache holds
+reach no rank. The real worker processes are
 `test_tensor_parallel.py`'s."""
 
 import itertools
@@ -142,6 +143,7 @@ class DataParallelNull(NullModelRunner):
         self.encoder_ranks = ranks
         self.encoded = [0] * ranks
         self.shared: list[int] = []
+        self.jobs: list[int] = []  # the patches of every job given to a rank
 
     @staticmethod
     def poisoned(mm) -> bool:
@@ -151,6 +153,7 @@ class DataParallelNull(NullModelRunner):
         job = super().start_encode(mm, pixel_values)
         job.owner, job.result = rank, None
         self.encoded[rank] += 1
+        self.jobs.append(int(mm.pixel_values.shape[0]))
         return job
 
     def finish_encode(self, job, *, num_sms=None):
@@ -177,6 +180,7 @@ class DataParallelNull(NullModelRunner):
         out = []
         for mm, r in zip(mms, ranks, strict=True):
             self.encoded[r] += 1
+            self.jobs.append(int(mm.pixel_values.shape[0]))
             out.append(EncodingFailed(f"rank {r}: out of memory") if r and self.poisoned(mm)
                        else super().encode([mm])[0])
         return out
@@ -227,6 +231,49 @@ def test_an_image_failing_on_its_owner_fails_alone(mode) -> None:
         ok = [(p, sp, o) for p, sp, o in zip(prompts, params, outs, strict=True)
               if o.error is None]
         check_outputs(eng, *map(list, zip(*ok, strict=True)))
+        eng.check_idle()
+    finally:
+        eng.close()
+
+
+def _media(gen: torch.Generator, head: list[int], grids: list[tuple], pvs=None) -> dict:
+    """A prompt of `head` then one image per grid (patches `pvs`, or fresh ones)."""
+    pvs = pvs or [torch.randn(t * h * w, 8, generator=gen) for t, h, w in grids]
+    ids = list(head)
+    for t, h, w in grids:
+        ids += [IMG] * (t * h * w // 4) + [1]
+    return {"prompt_token_ids": ids, "pixel_values": torch.cat(pvs),
+            "image_grid_thw": torch.tensor(grids)}
+
+
+@pytest.mark.parametrize("mode", ["temporal", "temporal-chunked", "spatial-static"])
+def test_cached_images_reach_no_rank_and_jobs_cover_only_the_rest(mode) -> None:
+    """With the encoder cache, a rank is assigned only the images no cache holds: a request
+    whose images are all cached is encoded nowhere, one with a cached and a new image gives a
+    rank a job of the new image alone, and every output still equals the reference (the
+    shared embeddings split into per-image entries)."""
+    runner = DataParallelNull(2)
+    eng = Engine(runner, EngineConfig(mode=mode, enable_prefix_caching=False, **CFG))
+    try:
+        gen = torch.Generator().manual_seed(21)
+        grids = [(1, 4, 4), (1, 8, 4), (1, 4, 4), (1, 4, 8)]
+        pvs = [torch.randn(t * h * w, 8, generator=gen) for t, h, w in grids]
+        greedy = [SamplingParams(max_tokens=4, temperature=0.0)]
+        first = [_media(gen, [5 + i], grids[i:i + 1], pvs[i:i + 1]) for i in range(3)]
+        check_outputs(eng, first, greedy * 3, eng.generate(first, greedy * 3))
+        assert sorted(runner.jobs) == [16, 16, 32] and all(runner.encoded), runner.encoded
+        # two of them again, in one request, after other text: no rank encodes anything
+        again = [_media(gen, [9, 10, 11], [grids[1], grids[0]], [pvs[1], pvs[0]])]
+        check_outputs(eng, again, greedy, eng.generate(again, greedy))
+        assert len(runner.jobs) == 3
+        # a cached image beside a new one: the job (and the rank's share) is the new one alone
+        # (on rank 1 in the stages that pick the rank given the fewest images when idle)
+        mixed = [_media(gen, [12], [grids[0], grids[3]], [pvs[0], pvs[3]])]
+        check_outputs(eng, mixed, greedy, eng.generate(mixed, greedy))
+        assert runner.jobs[3:] == [32]
+        c = eng.counters()
+        assert c["encoder_jobs"] == 4
+        assert (c["encoder_cache_queries"], c["encoder_cache_hits"]) == (7, 3)
         eng.check_idle()
     finally:
         eng.close()

@@ -111,6 +111,57 @@ def test_cuda_engine_with_decode_graphs_matches_transformers(checkpoint, prompts
     assert [o.token_ids for o in engine.generate(prompts, sampled)] == alone
 
 
+def test_multi_turn_reuses_blocks_and_embeddings(checkpoint, prompts, expected, hf_greedy,
+                                                  qwen2_vl_image_prompt) -> None:
+    """The second turn of a two-image conversation (the first turn, its answer and a new
+    question) runs no encoder job and prefills only what the prefix cache lacks, yet equals
+    transformers' greedy tokens for the whole prompt: M-RoPE positions (the images' 3-D ones,
+    then the text's shifted by the rope delta) are right past the reused blocks. A prompt with
+    the first image and another second one encodes only the new image."""
+    engine = Engine.from_pretrained(checkpoint[0], attention_backend="torch", device="cpu",
+                                    num_kv_blocks=64, block_size=4)
+    turn1 = prompts[2]
+    (out1,) = engine.generate([turn1], GREEDY)
+    assert out1.token_ids == expected[2]
+    ids1 = turn1["prompt_token_ids"] + out1.token_ids
+    turn2 = dict(turn1, prompt_token_ids=ids1 + [5, 64, 27])
+    before = engine.counters()
+    seen: dict[int, list[int]] = {}  # token index -> its M-RoPE position column, as run
+    plan = engine.runner.planner.core.plan
+
+    def spy(rows, cached, new, **kw):
+        ctx = plan(rows, cached, new, **kw)
+        cols = ctx.positions[:, :int(sum(new))].T.tolist()
+        seen.update(zip(range(int(cached[0]), int(cached[0]) + int(new[0])), cols, strict=True))
+        return ctx
+
+    engine.runner.planner.core.plan = spy
+    (out2,) = engine.generate([turn2], GREEDY)
+    engine.runner.planner.core.plan = plan
+    assert out2.token_ids == hf_greedy(checkpoint[1], turn2, MAX_TOKENS)
+    full, delta = engine.runner.model.mrope_positions(turn2["prompt_token_ids"],
+                                                      turn2["image_grid_thw"])
+    want = {i: (full[:, i].tolist() if i < full.shape[1] else [i + delta] * 3) for i in seen}
+    assert min(seen) > 0 and seen == want  # computed from mid-prompt, positions as if cold
+    d = {k: v - before[k] for k, v in engine.counters().items()}
+    hit = (len(ids1) - 1) // 4 * 4  # the last generated token was never computed
+    assert d["prefix_cache_hit_tokens"] == hit and d["prefill_tokens"] == len(ids1) + 3 - hit
+    assert d["encoder_jobs"] == 0 and d["encoder_cache_hits"] == d["encoder_cache_queries"] == 2
+    # the first image again, another second one (same size): only that one is encoded
+    other = qwen2_vl_image_prompt(np.random.default_rng(9), [(28, 56)], [], 0, IDS)
+    n1 = int(turn1["image_grid_thw"][0].prod())
+    mixed = dict(turn1, pixel_values=torch.cat([turn1["pixel_values"][:n1],
+                                                other["pixel_values"]]))
+    before = engine.counters()
+    (out3,) = engine.generate([mixed], GREEDY)
+    assert out3.token_ids == hf_greedy(checkpoint[1], mixed, MAX_TOKENS)
+    d = {k: v - before[k] for k, v in engine.counters().items()}
+    assert d["encoder_jobs"] == 1
+    assert (d["encoder_cache_queries"], d["encoder_cache_hits"]) == (2, 1)
+    assert d["prefix_cache_hit_tokens"] > 0
+    engine.check_idle()
+
+
 def test_decode_steps_take_the_narrowest_graph_bucket(checkpoint, prompts, expected) -> None:
     """Graphs are eager on CPU: a stand-in 'graph' runs the step it is handed, so the runner's
     bucket choice and the planner's padding run as on a GPU, and the tokens stay the same."""

@@ -260,3 +260,25 @@ def test_tracker_accounts_return_to_zero(model, seed) -> None:
     for s in tracker.states():
         assert (s.waiting, s.decoding, s.decode_context) == (0, 0, 0)
         assert s.queued_encoder_s == 0.0 and s.queued_prefill_s == 0.0
+
+
+def test_the_router_keys_an_image_as_the_encoder_cache_does() -> None:
+    """A replica's encoder cache files an image under the input module's content hash (or, for
+    a prompt without one, a hash of its patches); the router's image key is the same string."""
+    import torch
+
+    from spaceserve.runtime.inputs import process_prompt
+    from spaceserve.runtime.runner import NullModelRunner
+
+    info = NullModelRunner().info
+    g = torch.Generator().manual_seed(1)
+    prompt = {"prompt_token_ids": [5] + [3] * 4 + [6] + [3] * 2 + [7],
+              "pixel_values": torch.randn(24, 8, generator=g),
+              "image_grid_thw": torch.tensor([[1, 4, 4], [1, 2, 4]])}
+    for given in (None, {"image": ["a" * 32, "b" * 32]}):
+        p = prompt if given is None else prompt | {"mm_hashes": given}
+        route = route_request("r", p, image_token_id=3)
+        _, mm = process_prompt(p, info, context_len=100, capacity=1000, max_images=4)
+        assert route.image_hashes == (mm.item_key(0), mm.item_key(1))
+        if given is not None:
+            assert route.image_hashes == tuple(given["image"])

@@ -123,7 +123,7 @@ def test_newest_request_preempts_itself() -> None:
 
 def test_not_ready_requests_are_skipped_not_blocking() -> None:
     blocked = {"r0"}
-    s = make_sched(is_ready=lambda r: r.request_id not in blocked)
+    s = make_sched(is_ready=lambda r, start: r.request_id not in blocked)
     a, b = make_req(0, 3), make_req(1, 3)
     s.add(a)
     s.add(b)
@@ -219,7 +219,8 @@ def test_plan_places_image_embeddings() -> None:
     req = make_req(0, 7)
     emb = torch.arange(3 * 2, dtype=torch.float32).view(3, 2)
     req.mm = MultiModalData(torch.zeros(12, 8), torch.tensor([[1, 2, 6]]),
-                            np.array([2, 3, 4]), emb)
+                            np.array([2, 3, 4]))
+    req.mm.set_embeds(emb)
     s.add(req)
     batch = s.schedule()
     plan = planner.plan(batch)  # tokens 0..3 hold image tokens 2 and 3

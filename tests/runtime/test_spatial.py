@@ -172,29 +172,40 @@ def test_prefill_is_admitted_only_once_the_embeddings_event_completes() -> None:
     eng.check_idle()
 
 
-def test_embeddings_are_freed_exactly_when_the_request_ends() -> None:
-    eng = engine("spatial-static", prefill_on="decode")
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 20])
+def test_embeddings_are_freed_exactly_when_the_request_ends(cache_bytes: int) -> None:
+    """Without an encoder cache the embeddings die with the request; with one they stay
+    cached but unpinned (evictable)."""
+    eng = engine("spatial-static", prefill_on="decode", encoder_cache_bytes=cache_bytes)
     gen = torch.Generator().manual_seed(5)
     finished = []
     rid = eng.add_request(image_prompt(gen, 3), SamplingParams(max_tokens=6, ignore_eos=True),
                           sink=lambda o: finished.append(o.finished))
-    ref = None
+    ref = entry = None
     while not any(finished):
         if ref is not None:
-            assert ref() is not None and eng.encoder.num_held == 1
+            assert ref() is not None and eng.encoder.num_held == 1 and entry.refs == 1
         eng.step()
         req = eng._active.get(rid)
         if ref is None and req is not None and req.mm.embeds is not None:
-            ref = weakref.ref(req.mm.embeds)
-    assert ref is not None and ref() is None and eng.encoder.num_held == 0
+            entry = req.mm.items[0]
+            ref = weakref.ref(entry.tensor)
+    assert ref is not None and eng.encoder.num_held == 0 and entry.refs == 0
+    assert (ref() is None) == (cache_bytes == 0) and entry.cached == bool(cache_bytes)
+    eng.encoder_cache.clear()
+    assert ref() is None
     # an abort frees them too
     rid = eng.add_request(image_prompt(gen, 3), SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(3):
         eng.step()
-    ref = weakref.ref(eng._active[rid].mm.embeds)
+    entry = eng._active[rid].mm.items[0]
+    ref = weakref.ref(entry.tensor)
     eng.abort(rid)
     eng.step()
-    assert ref() is None and eng.encoder.num_held == 0
+    assert entry.refs == 0 and eng.encoder.num_held == 0
+    eng.encoder_cache.clear()
+    del entry
+    assert ref() is None
     eng.check_idle()
 
 

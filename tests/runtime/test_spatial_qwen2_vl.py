@@ -227,9 +227,11 @@ def test_sis_widens_the_encoder_for_a_burst_and_gives_it_back(tiny, prompts, exp
 
     runner = Qwen2VLRunner.from_pretrained(tiny[0], attention_backend="torch", device="cpu")
     holder: list = []
+    # the burst repeats images: both caches off, so each is encoder work (cached ones are not)
     eng = Engine(runner, EngineConfig(mode="spatial", num_kv_blocks=96, block_size=4,
                                       encoder_launch_budget_s=0.0, encoder_window_s=1e-9,
-                                      curves=_paced_curves(tmp_path)),
+                                      curves=_paced_curves(tmp_path), encoder_cache_bytes=0,
+                                      enable_prefix_caching=False),
                  clock=lambda: holder[0]() if holder else 0.0)
     clock = CurveClock(eng)
     holder.append(clock)

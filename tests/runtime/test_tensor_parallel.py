@@ -3,7 +3,9 @@ backend. At TP 2 the `--model tiny` checkpoint and a 6-query / 2-KV-head Qwen2-V
 image and video prompts through `Engine.generate`, the greedy tokens of TP 1 and of transformers,
 in the temporal (pipelined), temporal-chunked and co-located modes, and TP 1's seeded draws
 with penalties and logprobs in temporal mode, with the images encoded on different
-ranks (data-parallel encoder) or on every rank (replicated); TP 4 replicates the tiny model's
+ranks (data-parallel encoder) or on every rank (replicated), the workers holding the encoder
+cache's entries so that cached images reach no rank and no step ships embeddings; TP 4
+replicates the tiny model's
 2 KV heads; a worker killed mid-generate ends `generate` with an error naming it within 30 s;
 no worker outlives its engine. Every rank's launch record shows its collectives, bounded by
 NCCL_MAX_CTAS, inside the budget of the stage that issues them, beside that stage's Triton
@@ -123,7 +125,9 @@ def six(tmp_path_factory, qwen2_vl_image_prompt, hf_greedy):
     ("tiny", "temporal", {}),
     ("tiny", "spatial", dict(max_num_batched_tokens=8)),  # chunked prefill, SIS placing it
     ("six", "temporal", dict(num_kv_blocks=9, max_num_batched_tokens=8)),  # + preemption
-    ("six", "spatial-static", dict(prefill_on="compute", encoder_driver="thread")),
+    # the prefix cache off: the later generates take every image from the encoder cache
+    ("six", "spatial-static", dict(prefill_on="compute", encoder_driver="thread",
+                                   enable_prefix_caching=False)),
     # every rank encodes every image, in layer chunks (the data-parallel chunked stage runs
     # on the null model in test_encoder_dp.py)
     ("tiny", "temporal-chunked", dict(mm_encoder_tp_mode="replicate")),
@@ -154,16 +158,26 @@ def test_tp2_matches_tp1_and_transformers(request, model, mode, extra):
         two.check_idle()
         stats = two.runner.worker_stats()
         assert stats[0]["steps"] > 0
+        # workers mirror rank 0's encoder cache: one set of rows per cached media item ...
+        assert (stats[0]["embeds"], stats[0]["jobs"]) == (two.encoder_cache.num_live, 0)
+        items = sum(len(p.get(k, ())) for p in prompts
+                    for k in ("images", "image_grid_thw", "video_grid_thw"))
+        assert two.encoder_cache.num_live == items  # every image and video, once
+        media = sum(1 for p in prompts if {"images", "image_grid_thw", "video_grid_thw"} & set(p))
+        assert two.counters()["encoder_jobs"] == media  # the first generate's, never again
+        two.encoder_cache.clear()  # ... and drop them with it
+        stats = two.runner.worker_stats()
         assert (stats[0]["embeds"], stats[0]["jobs"]) == (0, 0), "a worker kept image state"
-        images = sum(any(k in p for k in ("images", "pixel_values", "pixel_values_videos"))
-                     for p in prompts)  # requests with media: one encoder job each
-        runs = (3 if "num_kv_blocks" in extra else 2) + pipelined  # + the seeded run
+        # requests with media: one encoder job each, all in the first generate
         if extra.get("mm_encoder_tp_mode") == "replicate":
-            assert stats[0]["encoded"] == images * runs, "rank 1 skipped images"
-        else:  # data-parallel: each image on one rank, both ranks used
+            assert stats[0]["encoded"] == media, "rank 1 skipped images"
+        else:  # data-parallel: each job on one rank, both ranks used, cached items on none
             assert two.runner.assigned[0] > 0 and two.runner.assigned[1] > 0
-            assert sum(two.runner.assigned) == images * runs
+            assert sum(two.runner.assigned) == media
             assert stats[0]["encoded"] == two.runner.assigned[1]
+        # every step found its media rows on the workers (the owner's broadcast, split into
+        # the cache's entries): none went through the pipe
+        assert two.runner.num_shipped == 0
 
 
 def test_tp4_replicates_kv_heads_and_a_killed_worker_ends_generate(tiny):

@@ -34,6 +34,7 @@ from ..curves import CurveSet
 from ..policy import OBJECTIVES
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler
 from ..slo import DEFAULT_SLO_TEXT, Slo
+from . import multiturn_cli
 from .cluster import ROUTERS
 from .engine import MODES, PLACEMENTS, SimConfig, sim_policy
 from .plots import plot, plot_goodput
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated seeds pooled per point (default: 0,1)")
     p.add_argument("--out", type=Path, default=Path("runs/sim"), help="output directory")
     p.add_argument("--no-plot", action="store_true", help="skip the figures")
+    multiturn_cli.add_args(p)
     return p
 
 
@@ -159,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("encoder_window_ms", "drain"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"--{name.replace('_', '-')}: must be positive")
+    if args.workload == "multiturn":
+        return multiturn_cli.main(args, modes)
     if args.curves is not None:
         try:
             curves = CurveSet.load(args.curves)

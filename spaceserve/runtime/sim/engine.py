@@ -46,12 +46,11 @@ from ..policy import RateEstimator
 from ..sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
 from ..twsrft import Grant, TwsrftScheduler, curve_cost
 from .config import MODES, PLACEMENTS, TEMPORAL_MODES, SimConfig, default_allowed, sim_policy
-from .op import Op
+from .op import Op, lane_latencies
 from .workload import Request
 
 __all__ = ["MODES", "PLACEMENTS", "TEMPORAL_MODES", "Op", "SimConfig", "Simulator",
            "default_allowed", "sim_policy"]
-
 
 
 @dataclass
@@ -62,6 +61,7 @@ class Simulator:
     config: SimConfig = field(default_factory=SimConfig)
     gpu: int = 0
     horizon: float = math.inf  # the background batch stops once this passes and work is done
+    on_finish: Callable[[Request], None] | None = None  # told of every request that finishes
 
     def __post_init__(self) -> None:
         c, self.total = self.config, self.curves.num_sms
@@ -103,6 +103,7 @@ class Simulator:
         self.timeline: list[tuple[float, int, int]] = [(0.0, 0, 0)]
         self.splits: list[tuple[float, int]] = []
         self._last_kind = "decode"
+        self.wake_at = math.inf
         self._window_spent = 0.0  # temporal-chunked: encoder seconds since the last decode step
         self._open = 0
         self._bg_ids = itertools.count()
@@ -129,7 +130,8 @@ class Simulator:
         req.gpu = self.gpu
         self.requests[req.rid] = req
         self._open += 1
-        if req.image_tokens > 0:
+        req.prefilled = req.cached_tokens  # a prefix-cache hit: prefill only the rest
+        if req.patches > 0:  # a cached image is no encoder work
             self.sched.submit(req.rid, req.patches, req.arrival)
             self.arrivals.add(self.now, req.patches, req.prompt_tokens)
         else:
@@ -141,10 +143,13 @@ class Simulator:
 
     # -- time --------------------------------------------------------------------------------
     def advance_to(self, t: float) -> None:
-        """Run events up to time `t` (math.inf: until nothing is left to run)."""
+        """Run events up to time `t` (math.inf: until nothing is left to run), or up to
+        `wake_at` if an `on_finish` callback sets it meanwhile (a closed-loop client's next
+        request); the caller resets `wake_at`."""
         if t < self.now:
             raise ValueError(f"t={t} is before the simulation clock {self.now}")
         while True:
+            t = min(t, self.wake_at)
             self._dispatch()
             self._record()
             if not self.ops:
@@ -179,17 +184,8 @@ class Simulator:
             raise RuntimeError(f"simulation stalled with unfinished requests {left[:10]}")
 
     def _latencies(self) -> dict[str, float]:
-        """Whole-op seconds of each running op at the current co-running state."""
-        if len(self.ops) < 2:
-            return {lane: op.latency(op.sms, False) for lane, op in self.ops.items()}
-        comp, dec = self.ops["compute"], self.ops["decode"]
-        if self.config.mode == "shared":  # both on all SMs: each gets its share's throughput
-            share = self.config.shared_decode_share
-            d = max(1, round(self.total * share))
-            e = max(1, round(self.total * (1 - share)))
-        else:
-            e, d = comp.sms, dec.sms
-        return {"compute": comp.latency(e, d), "decode": dec.latency(d, e)}
+        c = self.config
+        return lane_latencies(self.ops, c.mode == "shared", self.total, c.shared_decode_share)
 
     def _progress(self, dt: float, lat: dict[str, float]) -> None:
         for lane, op in self.ops.items():
@@ -228,7 +224,8 @@ class Simulator:
         """What SIS observes: waiting encoder jobs, prompts to prefill, the decode load."""
         reqs, now = self.requests, self.now
         encode = tuple(PendingEncode(j.patches, j.layers_left,
-                                     sum(reqs[r].prompt_tokens for r in j.request_ids),
+                                     sum(reqs[r].prompt_tokens - reqs[r].prefilled
+                                         for r in j.request_ids),
                                      now - j.arrival, len(j.request_ids))
                        for j in self.sched.jobs() if not j.running)
         prefill = tuple(r.prompt_tokens - r.prefilled for r in self.prefill_q)
@@ -394,3 +391,5 @@ class Simulator:
     def _finish(self, r: Request) -> None:
         r.finish = self.now
         self._open -= 1
+        if self.on_finish is not None:
+            self.on_finish(r)

@@ -25,3 +25,18 @@ class Op:
         if key not in self._lat:
             self._lat[key] = self.fn(sms, other)
         return self._lat[key]
+
+
+def lane_latencies(ops: dict[str, Op], shared: bool, total: int,
+                   share: float) -> dict[str, float]:
+    """Whole-op seconds of each running op (by lane) at the current co-running state; `shared`:
+    both on all `total` SMs, decode getting `share` of their throughput."""
+    if len(ops) < 2:
+        return {lane: op.latency(op.sms, False) for lane, op in ops.items()}
+    comp, dec = ops["compute"], ops["decode"]
+    if shared:
+        d = max(1, round(total * share))
+        e = max(1, round(total * (1 - share)))
+    else:
+        e, d = comp.sms, dec.sms
+    return {"compute": comp.latency(e, d), "decode": dec.latency(d, e)}

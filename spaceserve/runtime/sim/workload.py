@@ -42,6 +42,10 @@ class Request:
     finish: float | None = None
     gpu: int = 0
     itls: list[float] = field(default_factory=list)
+    # caching (multi-turn chat): image tokens the encoder cache holds, and leading prompt
+    # tokens whose K/V the prefix cache holds (prefill starts after them)
+    cached_image_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -49,7 +53,8 @@ class Request:
 
     @property
     def patches(self) -> int:
-        return self.image_tokens * PATCHES_PER_TOKEN
+        """ViT patches to encode (cached images are zero encoder work)."""
+        return (self.image_tokens - self.cached_image_tokens) * PATCHES_PER_TOKEN
 
     @property
     def context(self) -> int:

@@ -1,7 +1,8 @@
 """Rank 0's side of the vision encoder in a tensor-parallel group (`TensorParallelRunner`'s
 encoder methods).
 
-``mm_encoder_tp_mode="data"`` (the default): the ViT is whole on every rank and each image is
+``mm_encoder_tp_mode="data"`` (the default): the ViT is whole on every rank and each encoder
+job (a request's media items that neither the encoder cache nor the prefix cache holds) is
 encoded by one rank, its *owner*, which an encoder stage picks (`runtime/encoder_dp.py`
 balances the predicted work). Rank 0 checks the input first (a bad image never reaches a
 worker), then sends the owner alone its pixels and commands, each numbered; rank 0's own images
@@ -16,6 +17,12 @@ request: slower, never wrong.
 
 ``mm_encoder_tp_mode="replicate"``: every rank runs every encoder command on the same pixels
 (the embeddings are then everywhere without a collective); kept as the reference.
+
+Either way rank 0's encoder cache then splits a finished job's embeddings into one entry per
+media item, and `split_encoding` has every rank do the same (`protocol.Split`): each entry's
+rows live on every rank under the entry's key, readable after the job's broadcast, until
+`release_encoding` drops them with rank 0's entry. A step names an item by its entry's key, so
+an item found in the cache needs no encoder command and no broadcast on any rank.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import torch
 from ..encoder_dp import EncodingFailed
 from ..request import MultiModalData
 from . import protocol as P
-from .group import RemoteEvent
+from .group import RemoteEvent, TensorParallelError
 
 MM_ENCODER_TP_MODES = ("data", "replicate")
 
@@ -58,6 +65,9 @@ class EncoderMethods:
     mm_encoder_tp_mode: str
     _seq: list[int]
     _owner_lock: Any
+    _lock: Any  # guards _keys
+    _keys: dict[int, tuple[int, Any]]  # id(job or entry) -> (workers' key, it)
+    _dead: bool
     _ready: dict[int, Any]
     _shared: set[int]  # keys whose embeddings every rank holds (data-parallel)
     assigned: list[int]  # requests' images given to each rank to encode (data-parallel)
@@ -80,6 +90,55 @@ class EncoderMethods:
             cmd.seq = self._seq[rank]
             self._send_to(rank, cmd)
         return cmd.seq
+
+    # -- per-item embeddings (the encoder cache) ----------------------------------------------
+    def split_encoding(self, job: MultiModalData, parts: Sequence[tuple[Any, int, int]]) -> None:
+        """Rows ``lo..hi-1`` of `job`'s embeddings become those of each part's encoder-cache
+        entry, on every rank (`Split`); the job's own key is dropped. Entries of a job every
+        rank holds (shared from its data-parallel owner) are held everywhere too, readable
+        after the same broadcast."""
+        key = self._key(job, create=False)
+        if key is None:
+            return
+        event, shared = self._ready.get(key), key in self._shared
+        self._forget(job)
+        if self._dead:
+            return
+        keys = [self._key(e) for e, _, _ in parts]
+        for k in keys:
+            if shared:
+                self._shared.add(k)
+            if event is not None:
+                self._ready[k] = event
+        try:
+            self._send(P.Split(key, [(k, lo, hi) for k, (_, lo, hi) in zip(keys, parts,
+                                                                              strict=True)]))
+        except TensorParallelError:
+            pass  # reported by the next call that needs the workers
+
+    def release_encoding(self, obj: Any) -> None:
+        """Forget the embeddings of a job (`MultiModalData`) or an encoder-cache entry on every
+        rank (the job failed or was dropped; the entry is gone)."""
+        if obj is None or self._dead:
+            return
+        key = self._forget(obj)
+        if key is None:
+            return
+        try:
+            self._send(P.Release([key]))
+        except TensorParallelError:
+            pass  # reported by the next call that needs the workers
+
+    def _forget(self, obj: Any) -> int | None:
+        """Drop `obj`'s key (and what rank 0 knows of its embeddings on the workers)."""
+        with self._lock:
+            entry = self._keys.get(id(obj))
+            if entry is None or entry[1] is not obj:
+                return None
+            del self._keys[id(obj)]
+            self._ready.pop(entry[0], None)
+            self._shared.discard(entry[0])
+            return entry[0]
 
     # -- whole images (the temporal stage) -------------------------------------------------------
     def encode(self, mms: Sequence[MultiModalData], ranks: Sequence[int] | None = None

@@ -17,17 +17,20 @@ still on rank 0's device are listed in ``StepInputs.pending``; rank 0 broadcasts
 stage's group inside the step (`GroupComm.broadcast`), so no rank waits for a read-back.
 
 The vision tower runs data-parallel (``mm_encoder_tp_mode="data"``, the default): rank 0
-assigns each request's images to one rank, the *owner*, and sends that rank alone its pixels and
-its encoder commands, each numbered (`seq`). A worker writes the number of the last one it
-finished (on a GPU: once the device has) into a shared progress counter, so rank 0 knows without
-a message when an owner is done (`group.RemoteEvent`); a worker whose encoding fails first puts
-``(key, message)`` on the group's notice queue. Rank 0 then sends `Share`: every rank takes
-part in a broadcast from the owner, on its decoder stream, and keeps the embeddings under the
-key rank 0 gave them until a `Release`. With ``mm_encoder_tp_mode="replicate"`` every rank runs
-every encoder command on the same pixels instead (no `seq`, no `Share`). Encoder commands carry
-no collectives, so their order relative to steps matters only in that a step comes after the
-`Share` (or, replicated, the `FinishEncode`) of the embeddings it uses - which the pipe's
-order guarantees.
+assigns each encoder job (a request's media items its encoder cache lacks) to one rank, the
+*owner*, and sends that rank alone its pixels and its encoder commands, each numbered (`seq`). A
+worker writes the number of the last one it finished (on a GPU: once the device has) into a
+shared progress counter, so rank 0 knows without a message when an owner is done
+(`group.RemoteEvent`); a worker whose encoding fails first puts ``(key, message)`` on the
+group's notice queue. Rank 0 then sends `Share`: every rank takes part in a broadcast from the
+owner, on its decoder stream, and keeps the embeddings under the key rank 0 gave the job. With
+``mm_encoder_tp_mode="replicate"`` every rank runs every encoder command on the same pixels
+instead (no `seq`, no `Share`). Encoder commands carry no collectives, so their order relative
+to steps matters only in that a step comes after the `Share` (or, replicated, the
+`FinishEncode`) of the embeddings it uses - which the pipe's order guarantees.
+Either way a finished job's output is then split into one set of rows per media item (`Split`),
+kept under the key of rank 0's encoder-cache entry for that item until a `Release` of it: a
+cache hit on rank 0 is a hit on every rank, and needs no encoder command anywhere.
 
 Every command that launches work carries `budgets`: rank 0's runner's (encoder, decoder) SM
 budgets when it was sent. A worker runs the command under the same budget and, in the
@@ -173,6 +176,15 @@ class Release:
 
 
 @dataclass
+class Split:
+    """Rows ``lo..hi-1`` of the embeddings under `key` (a finished job) are kept under each
+    part's own key (an encoder-cache entry); `key` itself is dropped."""
+
+    key: int
+    parts: list[tuple[int, int, int]]  # (entry key, lo, hi)
+
+
+@dataclass
 class Step:
     """One engine step (module docstring); `pieces` are (key or None, lo, hi)."""
 
@@ -200,7 +212,7 @@ class Stop:
 
 
 COMMANDS = (Profile, Allocate, Capture, Encode, StartEncode, AdvanceEncode, FinishEncode,
-            Share, Embeds, Release, Step, Stats, Stop)
+            Share, Embeds, Release, Split, Step, Stats, Stop)
 REPLIES = (Profile, Capture, Stats)  # the commands a worker answers
 
 

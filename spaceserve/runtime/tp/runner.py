@@ -9,8 +9,12 @@ It holds rank 0's shard in an ordinary `Qwen2VLRunner` (`local`) and the other r
   is encoded by one rank and then broadcast to all (data-parallel), or every rank encodes every
   image (replicated); either way input is validated on rank 0 before any worker sees it;
 - host-only calls (`prepare_request`, `kv_block_bytes`) stay on rank 0.
-Image embeddings are known to the workers by a key per `MultiModalData`, dropped again through
-`release_encoding` (the encoder stages call it when a request ends).
+Encoder jobs are known to the workers by a key per job (`MultiModalData`). When a job is done,
+rank 0's encoder cache splits its output into one entry per media item and `split_encoding`
+has every worker do the same (`Split`), so each item's embeddings live on every rank under a key
+of their own, as long as rank 0's entry lives: `release_encoding` drops a job or an entry
+(the encoder cache calls it when an entry is evicted or its last request ends). A step's image
+pieces name entries by those keys; one no worker has (never encoded there) is sent once.
 
 SM budgets: every command carries rank 0's stage budgets, so each rank's kernels run under the
 same ones, and the collectives' thread blocks are bounded by `collective_sms` (NCCL_MAX_CTAS in
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 
 from ..encoder_chunked import TEMPORAL_MODES
-from ..request import MultiModalData, Request
+from ..request import Request
 from ..scheduler import ScheduledBatch
 from ..step_plan import StepLimits
 from . import protocol as P
@@ -92,6 +96,7 @@ class TensorParallelRunner(EncoderMethods):
         self.assigned = [0] * size
         self._ready: dict[int, Any] = {}
         self._shared: set[int] = set()
+        self.num_shipped = 0  # embeddings sent through the pipe by a step (none held there)
         stages = ("decoder",) if partitions is None else ("decoder", "encoder")
         self.group = WorkerGroup(size, source, timeout_s=timeout_s or collective_timeout_s(),
                                  stages=stages, partitions=partitions,
@@ -117,7 +122,7 @@ class TensorParallelRunner(EncoderMethods):
         self.info = self.local.info
         self.device = self.local.device
         self.model = self.local.model
-        self._keys: dict[int, tuple[int, MultiModalData]] = {}
+        self._keys: dict[int, tuple[int, Any]] = {}
         self._next_key = 0
 
     @classmethod
@@ -219,15 +224,16 @@ class TensorParallelRunner(EncoderMethods):
         for comm in self.comms.values():
             comm.abort()
 
-    def _key(self, mm: MultiModalData, *, create: bool = True) -> int | None:
+    def _key(self, obj: Any, *, create: bool = True) -> int | None:
+        """The workers' key of an encoder job (`MultiModalData`) or encoder-cache entry."""
         with self._lock:
-            entry = self._keys.get(id(mm))
-            if entry is not None and entry[1] is mm:
+            entry = self._keys.get(id(obj))
+            if entry is not None and entry[1] is obj:
                 return entry[0]
             if not create:
                 return None
             key, self._next_key = self._next_key, self._next_key + 1
-            self._keys[id(mm)] = (key, mm)
+            self._keys[id(obj)] = (key, obj)
             return key
 
     # -- the runner protocol -----------------------------------------------------------------
@@ -265,22 +271,6 @@ class TensorParallelRunner(EncoderMethods):
     def prepare_request(self, req: Request) -> None:
         self.local.prepare_request(req)
 
-    def release_encoding(self, mm: MultiModalData | None) -> None:
-        """Forget `mm`'s embeddings on every rank (its request ended)."""
-        if mm is None or self._dead:
-            return
-        with self._lock:
-            entry = self._keys.get(id(mm))
-            if entry is None or entry[1] is not mm:
-                return
-            del self._keys[id(mm)]
-            self._ready.pop(entry[0], None)
-            self._shared.discard(entry[0])
-        try:
-            self._send(P.Release([entry[0]]))
-        except TensorParallelError:
-            pass  # reported by the next call that needs the workers
-
     def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
         """One step on every rank: rank 0 prepares it, sends it, and runs its own shard;
         returns the full logits (gathered inside the model)."""
@@ -294,11 +284,12 @@ class TensorParallelRunner(EncoderMethods):
                     # embeddings the workers do not hold (given with the request, or encoded
                     # by a stage unaware of ranks): ship them once
                     key = self._key(src)
-                    self._send(P.Embeds(key, src.embeds.detach().cpu()))
+                    self._send(P.Embeds(key, src.tensor.detach().cpu()))
+                    self.num_shipped += 1
                     if self.encoder_ranks > 1:
                         self._shared.add(key)
-                elif src.embeds is not None and src.embeds.is_cuda:
-                    self.wait_shared(key, src.embeds)
+                elif src.tensor is not None and src.tensor.is_cuda:
+                    self.wait_shared(key, src.tensor)
             pieces.append((key, lo, hi))
         self._send(P.Step(step.stage, step.budget, step.graph, step.inputs.wire(), pieces,
                           self._budgets()))

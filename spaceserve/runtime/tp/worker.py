@@ -166,6 +166,15 @@ class WorkerState:
         if isinstance(cmd, P.Embeds):
             self.embeds[cmd.key] = cmd.embeds.to(r.device)
             return NO_REPLY
+        if isinstance(cmd, P.Split):
+            emb = self.embeds.pop(cmd.key, None)
+            event = self.ready.pop(cmd.key, None)
+            if emb is not None:  # None: the job failed here too (rank 0 reports it)
+                for key, lo, hi in cmd.parts:
+                    self.embeds[key] = emb[lo:hi]
+                    if event is not None:
+                        self.ready[key] = event
+            return NO_REPLY
         if isinstance(cmd, P.Release):
             for key in cmd.keys:
                 self.jobs.pop(key, None)

@@ -89,6 +89,7 @@ class ReplicaRequestHandle(Handle):
         request was closed or cancelled meanwhile."""
         c = self.client
         sp = params(prompt) if callable(params) else params
+        self.expect(sp.n)
         route = route_request(self.request_id, prompt, image_token_id=c.image_token_id,
                               merge_size=c.merge_size, block_tokens=c.block_tokens,
                               output_tokens=sp.max_tokens)
@@ -147,10 +148,12 @@ class ReplicaRequestHandle(Handle):
                 return
 
     async def _relay(self, items: AsyncIterator[tuple]) -> None:
-        """Hand a replica's outputs to the HTTP layer until the final one."""
+        """Hand a replica's outputs to the HTTP layer until the final one (of every one of
+        the request's n sequences, whose outputs interleave)."""
         c, rid = self.client, self.request_id
         it = items.__aiter__()
         item = await self._first(it)
+        left = self.n
         while True:
             if item[0] == "error":
                 _, status, message = item
@@ -163,7 +166,9 @@ class ReplicaRequestHandle(Handle):
                     c.tracker.confirm(rid, key)
             self.label = str(label)
             if out.finished:
-                c.tracker.on_finished(rid)
+                left -= 1
+                if not left:
+                    c.tracker.on_finished(rid)
                 c.metrics.observe(out, self.label)
             else:
                 c.tracker.on_first_token(rid)
@@ -171,7 +176,7 @@ class ReplicaRequestHandle(Handle):
                 self.delivered = True
                 self._kwargs["prompt"] = None
             self._put(out)
-            if out.finished:
+            if not left:
                 return
             try:
                 item = await it.__anext__()
@@ -235,7 +240,8 @@ class ReplicaClient(Admission):
         self.image_token_id, self.merge_size = image_token_id, merge_size
         self.block_tokens = tracker.config.block_tokens
         self.route_timeout_s = route_timeout_s
-        self.metrics = ReplicaSetMetrics(self.replica_gauges, self.replica_info)
+        self.metrics = ReplicaSetMetrics(self.replica_gauges, self.replica_info,
+                                         self.replica_counters)
         self._closing = False
 
     def _release(self, handle: Handle) -> None:
@@ -290,6 +296,22 @@ class ReplicaClient(Admission):
         """Each live replica's gauges as it last reported them, by label."""
         return {lab: [tuple(g) for g in info.get("gauges", ())]
                 for lab, info in self._reports().items()}
+
+    def replica_counters(self) -> dict[str, list[tuple[str, str, int]]]:
+        """Each live replica's engine counters (caches, encoder jobs, prefill tokens)."""
+        return {lab: [tuple(c) for c in info.get("counters", ())]
+                for lab, info in self._reports().items()}
+
+    def counters(self) -> list[tuple[str, str, int]]:
+        """The engines' counters summed over the live replicas (a replaced replica's count
+        starts again from 0)."""
+        sums: dict[str, int] = {}
+        helps: dict[str, str] = {}
+        for per in self.replica_counters().values():
+            for name, help_text, value in per:
+                sums[name] = sums.get(name, 0) + int(value)
+                helps.setdefault(name, help_text)
+        return [(name, helps[name], value) for name, value in sums.items()]
 
     def replica_info(self) -> dict[str, dict[str, str]]:
         keys = {str(info.get("rank")): key for key, info in self.tracker.info().items()}

@@ -339,6 +339,8 @@ def main(args: argparse.Namespace) -> int:
             num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, seed=args.seed,
             max_images_per_prompt=args.max_images_per_request, slo=args.slo,
             encoder_window_s=args.encoder_window_ms / 1e3,
+            encoder_cache_bytes=args.encoder_cache_bytes,
+            enable_prefix_caching=args.prefix_caching,
             **({"tensor_parallel_size": args.tensor_parallel_size}
                if getattr(args, "tensor_parallel_size", None) else {}),
             **({"mm_encoder_tp_mode": args.mm_encoder_tp_mode}

@@ -73,12 +73,16 @@ class ReplicaSetMetrics(ServerMetrics):
     """Totals (this object) plus one `ServerMetrics` per replica label.
 
     `replica_gauges()` gives each live replica's gauges by label; `replica_info()` each live
-    replica's identifying labels (replica id, pid, node)."""
+    replica's identifying labels (replica id, pid, node); `replica_counters()` each live
+    replica's engine counters (encoder and prefix cache, encoder jobs, prefill tokens)."""
 
     def __init__(self, replica_gauges: Callable[[], dict[str, Sequence[Gauge]]] = dict,
-                 replica_info: Callable[[], dict[str, dict[str, str]]] = dict) -> None:
+                 replica_info: Callable[[], dict[str, dict[str, str]]] = dict,
+                 replica_counters: Callable[[], dict[str, Sequence[Gauge]]] | None = None
+                 ) -> None:
         super().__init__()
         self.replica_gauges, self.replica_info = replica_gauges, replica_info
+        self.replica_counters = replica_counters or dict
         self.per: dict[str, ServerMetrics] = {}
         self.retried = 0
         self.failures: dict[str, int] = {}
@@ -105,12 +109,14 @@ class ReplicaSetMetrics(ServerMetrics):
         with self._plock:
             self.retried += 1
 
-    def render(self, gauges: Iterable[Gauge]) -> str:
+    def render(self, gauges: Iterable[Gauge], counters: Iterable[Gauge] = ()) -> str:
+        """Totals (`gauges` and the engines' `counters` summed), then every replica's own."""
         gauges = list(gauges)
-        per_gauges = self.replica_gauges()
+        per_gauges, per_counters = self.replica_gauges(), self.replica_counters()
         labels = sorted(set(per_gauges) | set(self.per), key=_label_order)
-        per = {lab: self.replica(lab).render(per_gauges.get(lab, ())) for lab in labels}
-        text = merge(super().render(gauges), per)
+        per = {lab: self.replica(lab).render(per_gauges.get(lab, ()), per_counters.get(lab, ()))
+               for lab in labels}
+        text = merge(super().render(gauges, counters), per)
         p = self.PREFIX
         lines = [f"# HELP {p}replica_info A replica behind this endpoint (value 1).",
                  f"# TYPE {p}replica_info gauge"]

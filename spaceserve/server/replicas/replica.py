@@ -68,7 +68,7 @@ class EngineReplica:
             while True:
                 out = await handle.next()
                 yield ("out", self.label, out)
-                if out.finished:
+                if handle.finished:  # all n sequences
                     return
         finally:
             handle.close()
@@ -85,6 +85,7 @@ class EngineReplica:
         depths = self.client.queue_depths()
         return {"rank": self.rank, "pid": os.getpid(), "node": socket.gethostname(),
                 "gauges": [list(g) for g in self.client.gauges()],
+                "counters": [list(c) for c in self.client.counters()],
                 "kv_blocks_total": depths["kv_blocks_total"],
                 "kv_blocks_free": depths["kv_blocks_free"]}
 
