@@ -10,20 +10,7 @@ import pytest
 
 from spaceserve.runtime.twsrft import TwsrftScheduler
 
-LAYERS = 10
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def cost(patches: int, layers: int) -> float:
-    """1 ms per 1000 patches per layer."""
-    return patches * layers * 1e-6
+from .test_twsrft import LAYERS, Clock, cost
 
 
 def make(clock: Clock, **kw) -> TwsrftScheduler:
