@@ -310,7 +310,8 @@ class Engine(EngineFrontends):
                 self.scheduler.add(item)
             else:
                 req = self._active.get(item)
-                for seq in () if req is None else req.group.seqs if req.group else (req,):
+                # siblings not forked yet end with their parent (whose abort may be deferred)
+                for seq in () if req is None else req.group.started() if req.group else (req,):
                     if seq.status is not Status.FINISHED and not (
                             self.spatial is not None and self.spatial.defer_abort(seq)):
                         self._end(seq, "abort", None, now)

@@ -35,6 +35,10 @@ class SequenceGroup:
     def all_finished(self) -> bool:
         return all(s.status is Status.FINISHED for s in self.seqs)
 
+    def started(self) -> list[Request]:
+        """The sequences that run on their own (the first, and those forked)."""
+        return [s for s in self.seqs if s not in self.unforked]
+
 
 def make_group(req: Request, n: int, seq_no: Callable[[], int]) -> SequenceGroup:
     """Give `req` (sequence 0) its n - 1 siblings: same prompt, parameters, sink and media

@@ -127,9 +127,12 @@ def test_preempted_forks_recompute_their_own_history(caching: bool) -> None:
     engine.check_idle()
 
 
+@pytest.mark.parametrize("mode", ["temporal", "spatial-static"])  # prefills on the compute
 @pytest.mark.parametrize("when", [0, 1, 3])  # before admission, mid-prefill, decoding
-def test_abort_ends_every_sequence_and_frees_their_blocks(when: int) -> None:
-    engine = make_engine(max_num_batched_tokens=4)
+def test_abort_ends_every_sequence_once_and_frees_their_blocks(mode: str, when: int) -> None:
+    # on the compute partition an abort of a request whose prefill is in flight waits for it
+    extra = {"prefill_on": "compute"} if mode != "temporal" else {}
+    engine = make_engine(mode, max_num_batched_tokens=4, **extra)
     outs: list = []
     rid = engine.add_request({"prompt_token_ids": list(range(5, 15))},
                              SamplingParams(max_tokens=50, n=3, seed=1, ignore_eos=True),
@@ -142,7 +145,10 @@ def test_abort_ends_every_sequence_and_frees_their_blocks(when: int) -> None:
     assert sorted((o.index, o.finish_reason) for o in outs) == [(0, "abort"), (1, "abort"),
                                                                  (2, "abort")]
     assert not engine.has_unfinished()
+    engine.step()
+    assert len(outs) == 3
     engine.check_idle()
+    engine.close()
 
 
 def test_a_bad_prompt_ends_every_choice_and_n_beyond_the_slots_is_refused() -> None:
