@@ -99,6 +99,8 @@ def test_completions_number_choices_prompt_by_prompt(server) -> None:
     for i in range(4):
         mine = [ch.choices[0] for ch in body if ch.choices[0].index == i]
         assert "".join(c.text for c in mine) == r.choices[i].text
+        assert [t for c in mine for t in c.model_extra["token_ids"]] == \
+            r.choices[i].model_extra["token_ids"]  # also those of text held back
         assert [c.finish_reason for c in mine][-1] == "length"
     idle(engine)
 
