@@ -37,6 +37,7 @@ from .block_manager import BlockManager
 from .config import ATTENTION_BACKENDS, DEFAULT_GRAPH_SIZES, MODES, EngineConfig
 from .encoder_cache import EncoderCache, default_capacity
 from .encoder_chunked import TEMPORAL_MODES, encoder_cost, temporal_stage
+from .forks import make_group
 from .frontends import EngineFrontends
 from .inputs.processor import load_processor
 from .inputs.prompt import process_prompt
@@ -131,33 +132,6 @@ class Engine(EngineFrontends):
         self._driver = None  # the stream front end's driving task (frontends.py)
         self.num_steps = 0
 
-    @classmethod
-    def from_pretrained(cls, path: str, *, mode: str = "temporal",
-                        attention_backend: str | None = None, dtype: Any = None,
-                        device: Any = None, **config: Any) -> Engine:
-        """Load a Qwen2-VL checkpoint (a local directory) with its tokenizer and processor.
-        `attention_backend` None: "torch" (stock kernels) in ``shared`` mode, else "triton".
-        ``tensor_parallel_size=N`` (an `EngineConfig` field) starts N - 1 worker processes,
-        each loading only its slices of the checkpoint; `close` stops them."""
-        cfg = EngineConfig(mode=mode, **config)
-        if attention_backend is None:
-            attention_backend = "torch" if mode == "shared" else "triton"
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={attention_backend!r} is not one of "
-                             f"{', '.join(ATTENTION_BACKENDS)}")
-        tokenizer, processor = load_processor(path)
-        from .runners import load_runner
-
-        runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
-                             device=device)
-        try:
-            return cls(runner, cfg, tokenizer=tokenizer, processor=processor)
-        except BaseException:
-            close = getattr(runner, "close", None)
-            if close is not None:
-                close()
-            raise
-
     # Requests in.
 
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None, *,
@@ -165,7 +139,9 @@ class Engine(EngineFrontends):
                     None = None, stream: bool = False) -> str:
         """Queue a prompt; returns its id. A bad prompt does not raise: the request ends with
         finish reason "error" and a message. A bad `sampling_params` or a duplicate
-        `request_id` raises ValueError (caller mistakes, not request data), as ``n`` > 1 does."""
+        `request_id` raises ValueError (caller mistakes, not request data). With ``n`` > 1 its
+        n sequences share the prompt's processing and KV blocks (forks.py); each ends with its
+        own final output (`RequestOutput.index`), and `abort` ends them all."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
@@ -189,6 +165,8 @@ class Engine(EngineFrontends):
             _ = mm.content_hashes  # hashed here, on the caller's thread, not in the step loop
         req = Request(rid, seq_no, ids, params, seed, mm, arrival_time=now)
         req.sink, req.stream = sink, stream
+        if params.n > 1:
+            make_group(req, params.n, lambda: next(self._ids))
         with self._lock:
             if rid in self._active:
                 raise ValueError(f"request_id={rid!r} is already in use")
@@ -196,14 +174,19 @@ class Engine(EngineFrontends):
                 self._active[rid] = req
                 self._inbox.append(("add", req))
         if error is not None:  # never queued: nothing to release
-            req.status, req.finish_reason, req.error = Status.FINISHED, "error", error
-            req.finished_time = now
-            self._emit(req, True)
+            for seq in req.group.seqs if req.group is not None else (req,):
+                seq.status, seq.finish_reason, seq.error = Status.FINISHED, "error", error
+                seq.finished_time = now
+                self._emit(seq, True)
         return rid
 
     def check_params(self, params: SamplingParams) -> None:
-        """What a `SamplingParams` cannot check alone (`check_for_model`); ValueError."""
+        """What a `SamplingParams` cannot check alone (`check_for_model`, ``n`` within the
+        sequence slots); ValueError."""
         check_for_model(params, self.runner.info.vocab_size, self.tokenizer is not None)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n}: more sequences than the engine's max_num_seqs="
+                             f"{self.config.max_num_seqs}")
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (takes effect at the next step); False when it is not active."""
@@ -257,14 +240,18 @@ class Engine(EngineFrontends):
     def _launch(self, batch: ScheduledBatch, stage: str | None = None) -> Launched:
         """Run `batch` on the device and draw its tokens (no host sync): decode inputs still
         in flight come from the sampler's last-token table; `stage` "encoder" runs it under
-        the encoder's budget (a co-located mode's compute partition)."""
-        reqs = batch.sample_reqs
+        the encoder's budget (a co-located mode's compute partition). A sequence forked this
+        step draws from its parent's logits row."""
+        reqs = batch.drawn_reqs
         sb = self.sampler.prepare(reqs, stage or "decoder", batch.admissions) if reqs else None
         if batch.pending:
             assert sb is not None
             batch.input_source = (self.sampler.last_tokens, sb.rows[:batch.num_decodes])
         logits = self.runner.execute(batch) if stage is None else \
             self.runner.execute(batch, stage=stage)
+        if batch.forks:
+            rows = torch.tensor([i for i, _ in batch.forks], device=logits.device)
+            logits = torch.cat([logits, logits.index_select(0, rows)])
         return Launched(batch, self.sampler.sample(logits, sb) if sb is not None else None)
 
     def _complete(self, launched: Launched, count_step: bool = True) -> None:
@@ -282,7 +269,7 @@ class Engine(EngineFrontends):
         """A batch's drawn tokens: advance the requests, finish those that stopped (a stop
         token, the length limit, a stop string in the new text), stream."""
         now = time.monotonic()
-        reqs = batch.sample_reqs
+        reqs = batch.drawn_reqs
         if logprobs is not None:
             self.outputs.add_logprobs(reqs, logprobs)
         for req in self.scheduler.update(batch, sampled, now):
@@ -323,19 +310,32 @@ class Engine(EngineFrontends):
                 self.scheduler.add(item)
             else:
                 req = self._active.get(item)
-                if req is not None and not (self.spatial is not None
-                                            and self.spatial.defer_abort(req)):
-                    self._end(req, "abort", None, now)
+                # siblings not forked yet end with their parent (whose abort may be deferred)
+                for seq in () if req is None else req.group.started() if req.group else (req,):
+                    if seq.status is not Status.FINISHED and not (
+                            self.spatial is not None and self.spatial.defer_abort(seq)):
+                        self._end(seq, "abort", None, now)
 
     def _end(self, req: Request, reason: str, error: str | None, now: float) -> None:
-        """Finish `req` for good: queues, KV blocks, embeddings, then its final output."""
+        """Finish `req` for good: queues, KV blocks, embeddings, then its final output. Its
+        siblings not forked yet end with it; the request is over when all its sequences are."""
+        group = req.group
+        unforked = group.unforked if group is not None else []
         self.scheduler.finish(req, reason, error)
         self.encoder.release(req)
         req.finished_time = now
+        for child in unforked:  # never started: nothing held but slots, released with req's
+            self.scheduler.finish(child, reason, error)
+            child.finished_time = now
+        if unforked:
+            group.unforked = []
         with self._lock:
-            if self._active.get(req.request_id) is req:
+            if self._active.get(req.request_id) is (req if group is None else group.seqs[0]) \
+                    and (group is None or group.all_finished()):
                 del self._active[req.request_id]
         self._emit(req, True)
+        for child in unforked:
+            self._emit(child, True)
 
     def _emit(self, req: Request, finished: bool) -> None:
         out = self.outputs.make(req, finished)
@@ -352,7 +352,8 @@ class Engine(EngineFrontends):
             now = time.monotonic()
             with self._lock:
                 self._inbox.clear()
-                reqs = list(self._active.values())
+                reqs = [s for r in self._active.values() for s in (r.group.seqs if r.group
+                                                                   else (r,))]
             for req in reqs:
                 if req.status is not Status.FINISHED:
                     self._end(req, "error", message, now)

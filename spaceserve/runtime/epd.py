@@ -132,13 +132,15 @@ def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, Scheduled
         dec = ScheduledBatch(batch.reqs[:nd], batch.num_cached[:nd], batch.num_new[:nd],
                              batch.need_logits[:nd], batch.sample_reqs[:nd], nd, nd,
                              batch.preempted, block_copies=copies, pending=batch.pending,
-                             grown=batch.grown, admissions=batch.admissions)
+                             grown=batch.grown, admissions=batch.admissions,
+                             forks=[f for f in batch.forks if f[0] < nd])
     if n > nd:
         pre = ScheduledBatch(batch.reqs[nd:], batch.num_cached[nd:], batch.num_new[nd:],
                              batch.need_logits[nd:], batch.sample_reqs[nd:], 0,
                              batch.num_tokens - nd, [] if dec else batch.preempted,
                              block_copies=[] if dec else copies, grown=batch.grown,
-                             admissions=batch.admissions)
+                             admissions=batch.admissions,
+                             forks=[(i - nd, c) for i, c in batch.forks if i >= nd])
     return dec, pre
 
 
@@ -219,7 +221,8 @@ class SpatialRuntime:
             launched = eng._launch(pre, stage="encoder")
             event = self.stage.record_event()
         self._prefills.append(_Prefill(launched, event))
-        self._busy.update(r.seq_no for r in pre.reqs)
+        # sequences forked off these prompts wait for them too (their KV and first tokens)
+        self._busy.update(r.seq_no for r in (*pre.reqs, *(c for _, c in pre.forks)))
         self.num_compute_prefills += 1
 
     def _collect(self, eng: Any) -> None:
@@ -231,11 +234,12 @@ class SpatialRuntime:
                 for stream in self.partitions.decoder_streams():  # its KV writes come first
                     stream.wait_event(fl.event)
             batch = fl.launched.batch
-            for r in batch.reqs:
+            seqs = (*batch.reqs, *(c for _, c in batch.forks))
+            for r in seqs:
                 self._busy.discard(r.seq_no)
             eng._complete(fl.launched, count_step=False)
             now = time.monotonic()
-            for r in batch.reqs:
+            for r in seqs:
                 if r.seq_no in self._deferred:
                     self._deferred.discard(r.seq_no)
                     if r.status is not Status.FINISHED:

@@ -1,4 +1,5 @@
-"""The engine's front ends: `generate` (offline, blocking) and `stream` (asyncio).
+"""The engine's front ends: `from_pretrained` (a checkpoint to a running engine), `generate`
+(offline, blocking) and `stream` (asyncio).
 
 Both sit on the engine's request API (``add_request`` with a per-request sink, ``step``,
 ``abort``, ``fail_all``), so they run the same code paths as the server's engine thread.
@@ -11,16 +12,50 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .config import ATTENTION_BACKENDS, EngineConfig
+from .inputs.processor import load_processor
 from .request import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class EngineFrontends:
-    """`generate` and `stream` for an engine class that provides ``add_request``, ``step``,
-    ``abort``, ``has_unfinished``, ``fail_all`` and a ``_driver`` slot (None: no stream task)."""
+    """`from_pretrained`, `generate` and `stream` for an engine class that provides
+    ``add_request``, ``step``, ``abort``, ``has_unfinished``, ``fail_all`` and a ``_driver``
+    slot (None: no stream task); its constructor takes (runner, config, tokenizer=,
+    processor=)."""
 
     _driver: asyncio.Task | None
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, mode: str = "temporal",
+                        attention_backend: str | None = None, dtype: Any = None,
+                        device: Any = None, **config: Any) -> Self:
+        """Load a Qwen2-VL checkpoint (a local directory) with its tokenizer and processor.
+        `attention_backend` None: "torch" (stock kernels) in ``shared`` mode, else "triton".
+        ``tensor_parallel_size=N`` (an `EngineConfig` field) starts N - 1 worker processes,
+        each loading only its slices of the checkpoint; `close` stops them."""
+        cfg = EngineConfig(mode=mode, **config)
+        if attention_backend is None:
+            attention_backend = "torch" if mode == "shared" else "triton"
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={attention_backend!r} is not one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        tokenizer, processor = load_processor(path)
+        from .runners import load_runner
+
+        runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
+                             device=device)
+        try:
+            return cls(runner, cfg, tokenizer=tokenizer, processor=processor)
+        except BaseException:
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()
+            raise
 
     # Front ends.
 

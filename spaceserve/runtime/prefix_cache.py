@@ -14,10 +14,14 @@ computing it. The hashes of a request are computed once per block and kept on it
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .request import Request
+
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
 
 ROOT = hashlib.sha256(b"spaceserve-prefix-cache-v1").digest()
 
@@ -52,3 +56,33 @@ def max_match_blocks(req: Request, block_size: int) -> int:
     """The most blocks a request may take from the prefix cache: its known tokens less one,
     whole blocks only (the last token is always computed, so there are logits to sample)."""
     return (len(req.token_ids) - 1) // block_size
+
+
+def take_prefix(bm: BlockManager, req: Request) -> None:
+    """Give a waiting request (nothing computed) the longest chain of committed blocks its
+    tokens name, as computed tokens (nothing with caching off)."""
+    if not bm.enable_caching or req.num_computed:
+        return
+    bs = bm.block_size
+    limit = max_match_blocks(req, bs)
+    got = bm.match(block_hashes(req, bs, limit * bs), limit)
+    if got:
+        req.block_ids = got
+        req.num_hashed = len(got)
+        req.num_computed = len(got) * bs
+
+
+def drop_prefix(bm: BlockManager, req: Request) -> None:
+    """Undo `take_prefix` (the request is not admitted after all)."""
+    if req.block_ids:
+        bm.free(req.block_ids)
+    req.num_computed = req.num_hashed = 0
+
+
+def commit_upto(bm: BlockManager, req: Request, tokens: int) -> None:
+    """Offer `req`'s full blocks among its first `tokens` (known ones only) to the cache."""
+    bs = bm.block_size
+    full = min(min(tokens, len(req.token_ids)) // bs, len(req.block_ids))
+    if full > req.num_hashed:
+        bm.commit(req.block_ids, block_hashes(req, bs, full * bs), req.num_hashed, full)
+        req.num_hashed = full

@@ -285,8 +285,8 @@ class RequestOutput:
     still change (an incomplete UTF-8 character, a possible start of a stop string) is held
     back until it cannot. `logprobs` / `new_logprobs` hold a `TokenLogprob` per token when the
     request asked for them. `stop_reason` is the stop string or stop token id that ended it
-    (None for the model's end-of-sequence token or another reason). `index` is the choice's
-    index (always 0 while ``n`` > 1 is refused).
+    (None for the model's end-of-sequence token or another reason). `index` is the choice
+    (0 .. n - 1 for a request with ``n`` > 1: each choice ends with its own final output).
     """
 
     request_id: str
@@ -322,7 +322,7 @@ class Request:
         "num_preemptions", "num_emitted", "sink", "stream", "model_state", "stop_ids",
         "limit_len", "prompt_ids", "num_placeholders", "admit_serial", "logprobs", "detok",
         "stop_reason", "min_len", "block_hashes", "num_hashed", "prefix_hint",
-        "num_cached_tokens", "index",
+        "num_cached_tokens", "index", "group", "shared_tail",
     )
 
     def __init__(self, request_id: str, seq_no: int, prompt_token_ids: list[int],
@@ -358,7 +358,9 @@ class Request:
         self.num_hashed = 0  # leading blocks of block_ids offered to the prefix cache
         self.prefix_hint = 0  # prompt tokens the prefix cache held when it arrived
         self.num_cached_tokens = -1  # prompt tokens it held at the first admission (-1: none)
-        self.index = 0  # its choice index (n > 1 is refused, so always 0)
+        self.index = 0  # its choice among the request's n (parallel sampling)
+        self.group: Any = None  # the `forks.SequenceGroup` of its n sequences (n > 1)
+        self.shared_tail = False  # its last block is shared with a fork: copy before writing
         # Tokens drawn by steps not yet read back (they follow token_ids; the scheduler counts
         # them as known, the planner takes them from the device).
         self.num_placeholders = 0

@@ -81,7 +81,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    n: int = 1  # choices per prompt; the engine refuses n > 1 for now (parallel sampling)
+    n: int = 1  # choices per prompt (parallel sampling: the prompt is processed once)
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -143,11 +143,7 @@ class SamplingParams:
 
 def check_for_model(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -> None:
     """What a `SamplingParams` cannot check alone: token ids inside the model's vocabulary, a
-    tokenizer for stop strings, a single choice (parallel sampling, ``n`` > 1, is not supported
-    yet). ValueError names the field."""
-    if params.n != 1:
-        raise ValueError(f"n={params.n}: parallel sampling (n > 1) is not supported; send n "
-                         "requests (with seeds seed, seed + 1, ...) instead")
+    tokenizer for stop strings. ValueError names the field."""
     for tok, _ in params.logit_bias:
         if tok >= vocab_size:
             raise ValueError(f"logit_bias: token id {tok} is outside the vocabulary "

@@ -18,9 +18,11 @@ items wholly inside the prefix need none). After every step the blocks it filled
 to the cache, so they outlive it: a preempted, finished or aborted request's computed blocks
 stay for the next request with the same prefix until evicted.
 
-Parallel sampling (``n`` > 1) is refused by the engine for now; the block manager's fork and
-copy-on-write (`ScheduledBatch.block_copies`, applied by the runner before a step's forward
-pass) are what it will use.
+Parallel sampling (``n`` > 1, forks.py): a request's first sequence is queued alone, with
+slots reserved for its siblings at admission; the step that draws its first token forks them
+(`ScheduledBatch.forks`: each draws from the parent's logits row), sharing the prompt's blocks.
+A holder of a shared partial last block copies it before writing into it (copy on write,
+`ScheduledBatch.block_copies`, applied by the runner before the step's forward pass).
 
 Scheduling runs ahead of the device by one step (the engine pipelines steps): `schedule`
 advances every scheduled request's cached count at once and counts the token each sampled
@@ -38,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .block_manager import BlockManager
-from .prefix_cache import block_hashes, max_match_blocks
+from .forks import fork_all, own_tail
+from .prefix_cache import block_hashes, commit_upto, drop_prefix, max_match_blocks, take_prefix
 from .request import Request, Status
 
 
@@ -59,6 +62,8 @@ class ScheduledBatch:
     preempted: list[Request] = field(default_factory=list)
     # KV blocks to copy (source, destination) before the step runs (copy on write)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # sequences forked this step: (row of `sample_reqs` whose logits they draw from, sequence)
+    forks: list[tuple[int, Request]] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # decodes whose input is on the device
     # requests given KV blocks (or a slot) this step; None: unknown, look at every request
     grown: list[Request] | None = None
@@ -68,6 +73,13 @@ class ScheduledBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.reqs)
+
+    @property
+    def drawn_reqs(self) -> list[Request]:
+        """Every request drawing a token this step: `sample_reqs`, then the forked sequences."""
+        if not self.forks:
+            return self.sample_reqs
+        return self.sample_reqs + [child for _, child in self.forks]
 
     def __bool__(self) -> bool:
         return bool(self.reqs)
@@ -104,6 +116,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0  # of which the cache held (not computed)
         self.prefill_tokens = 0  # tokens computed other than a decoding request's newest one
         self.num_admitted = 0  # admissions so far (a request re-taking a slot counts again)
+        self._copies: list[tuple[Request, int, int]] = []  # this schedule's copies on write
 
     def peek_cached(self, req: Request) -> int:
         """Tokens of `req` the prefix cache holds now (nothing taken; 0 with caching off)."""
@@ -114,24 +127,6 @@ class Scheduler:
         limit = max_match_blocks(req, bs)
         return bm.peek(block_hashes(req, bs, limit * bs), limit) * bs
 
-    def _match(self, req: Request) -> None:
-        """Give a waiting request (nothing computed) its cached prefix blocks."""
-        bm = self.bm
-        if not bm.enable_caching or req.num_computed:
-            return
-        bs = bm.block_size
-        limit = max_match_blocks(req, bs)
-        got = bm.match(block_hashes(req, bs, limit * bs), limit)
-        if got:
-            req.block_ids = got
-            req.num_hashed = len(got)
-            req.num_computed = len(got) * bs
-
-    def _unmatch(self, req: Request) -> None:
-        if req.block_ids:
-            self.bm.free(req.block_ids)
-        req.num_computed = req.num_hashed = 0
-
     def add(self, req: Request) -> None:
         """Queue a validated request (its prompt fits the context and the cache)."""
         req.status = Status.WAITING
@@ -139,6 +134,9 @@ class Scheduler:
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
         req.limit_len = min(req.num_prompt_tokens + p.max_tokens, self.max_model_len)
         req.min_len = req.num_prompt_tokens + p.min_tokens
+        if req.group is not None:  # siblings not forked yet wait with it, never queued
+            for child in req.group.unforked:
+                child.status = Status.WAITING
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -169,9 +167,9 @@ class Scheduler:
             if n > budget:
                 n = budget
             total = c + n
-            if len(req.block_ids) * bs < total:
+            if len(req.block_ids) * bs < total or req.shared_tail:
                 grown.append(req)
-                while not bm.ensure(req.block_ids, total):
+                while not (self._own_tail(req) and bm.ensure(req.block_ids, total)):
                     victim = running.pop()
                     self._preempt(victim)
                     preempted.append(victim)
@@ -207,15 +205,17 @@ class Scheduler:
         j = 0
         while j < len(waiting) and budget > 0 and self._free_rows:
             req = waiting[j]
-            self._match(req)
+            if req.group is not None and len(req.group.unforked) >= len(self._free_rows):
+                break  # its unforked siblings need sequence slots too
+            take_prefix(bm, req)
             if not self.is_ready(req, req.num_computed):
-                self._unmatch(req)
+                drop_prefix(bm, req)
                 j += 1
                 continue
             known = len(req.token_ids) + req.num_placeholders
             n = min(known - req.num_computed, budget)
             if not bm.ensure(req.block_ids, req.num_computed + n):
-                self._unmatch(req)
+                drop_prefix(bm, req)
                 break
             self.prefix_queried_tokens += known
             self.prefix_hit_tokens += req.num_computed
@@ -225,6 +225,9 @@ class Scheduler:
             req.status = Status.RUNNING
             req.row = self._free_rows.pop()
             req.synced_blocks = 0
+            if req.group is not None:
+                for child in req.group.unforked:
+                    child.row = self._free_rows.pop()
             self.num_admitted += 1
             req.admit_serial = self.num_admitted
             grown.append(req)
@@ -261,6 +264,12 @@ class Scheduler:
                 sample.append(req)
                 req.num_placeholders += 1
         self.prefill_tokens += computed
+        forks = [(i, c) for i, r in enumerate(sample) if r.group is not None
+                 for c in self._fork(r)]
+        copies: list[tuple[int, int]] = []
+        if self._copies:  # those of requests preempted later in this schedule are void
+            copies = [(a, b) for r, a, b in self._copies if r.status is Status.RUNNING]
+            self._copies = []
         return ScheduledBatch(
             reqs=dec + pre,
             num_cached=cached,
@@ -270,14 +279,39 @@ class Scheduler:
             num_decodes=nd,
             num_tokens=nd + sum(pre_n),
             preempted=preempted,
+            block_copies=copies,
+            forks=forks,
             admissions=self.num_admitted,
         )
+
+    def _fork(self, req: Request) -> list[Request]:
+        """Fork `req`'s unforked siblings (it draws its first token this step); they run from
+        now on, after it."""
+        children = fork_all(req, self.bm, self.num_admitted)
+        self.num_admitted += len(children)
+        self.running += children
+        return children
+
+    def _own_tail(self, req: Request) -> bool:
+        """Copy on write of the shared block `req`'s next token goes into (planned for this
+        step); False, changing nothing, when no block is free."""
+        got = own_tail(req, self.bm)
+        if got is False:
+            return False
+        if got is not None:
+            self._copies.append((req, *got))
+        return True
 
     def _release_row(self, req: Request) -> None:
         if req.row >= 0:
             self._free_rows.append(req.row)
             req.row = -1
         req.synced_blocks = 0
+        if req.group is not None:  # the slots reserved for its unforked siblings
+            for child in req.group.unforked:
+                if child.row >= 0:
+                    self._free_rows.append(child.row)
+                    child.row = -1
 
     def _preempt(self, req: Request) -> None:
         """Recompute-preemption: drop the KV blocks (those its launched steps fill stay in the
@@ -286,20 +320,21 @@ class Scheduler:
         self.bm.free(req.block_ids)
         self._release_row(req)
         req.num_computed = req.num_hashed = 0
+        req.shared_tail = False
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.insert(0, req)
 
     def update(self, batch: ScheduledBatch, sampled: list[int],
                now: float) -> list[Request]:
-        """Account a step's drawn tokens (one per `batch.sample_reqs`, in order): each takes
+        """Account a step's drawn tokens (one per `batch.drawn_reqs`, in order): each takes
         its placeholder's place; the requests that stop are finished (a stop token counts only
         past `min_tokens`). Requests finished meanwhile are skipped. Blocks the step filled are
         first offered to the prefix cache. Returns the finished."""
         if self.bm.enable_caching:
             self._commit(batch)
         done: list[Request] = []
-        for req, tok in zip(batch.sample_reqs, sampled, strict=True):
+        for req, tok in zip(batch.drawn_reqs, sampled, strict=True):
             if not req.num_placeholders:  # finished (or preempted and ended) meanwhile
                 continue
             req.num_placeholders -= 1
@@ -327,22 +362,13 @@ class Scheduler:
         """Offer the blocks each request of a finished step filled to the prefix cache."""
         for req, c, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
             if req.status is Status.RUNNING:  # else its blocks are gone (or were offered)
-                self._commit_upto(req, c + n)
-
-    def _commit_upto(self, req: Request, tokens: int) -> None:
-        """Offer `req`'s full blocks among its first `tokens` (known ones only) to the cache."""
-        bm = self.bm
-        bs = bm.block_size
-        full = min(min(tokens, len(req.token_ids)) // bs, len(req.block_ids))
-        if full > req.num_hashed:
-            bm.commit(req.block_ids, block_hashes(req, bs, full * bs), req.num_hashed, full)
-            req.num_hashed = full
+                commit_upto(self.bm, req, c + n)
 
     def _keep(self, req: Request) -> None:
         """Before `req` lets its blocks go: offer every block its launched steps fill (steps
         not read back yet included: any later reader runs after them) to the prefix cache."""
         if self.bm.enable_caching and req.status is Status.RUNNING and req.block_ids:
-            self._commit_upto(req, req.num_computed)
+            commit_upto(self.bm, req, req.num_computed)
 
     def finish(self, req: Request, reason: str, error: str | None = None, *,
                prune: bool = True) -> None:
@@ -359,6 +385,7 @@ class Scheduler:
                 self._keep(req)
             self.bm.free(req.block_ids)
         self._release_row(req)
+        req.shared_tail = False
         req.num_placeholders = 0  # draws still in flight are dropped
         req.status = Status.FINISHED
         req.finish_reason = reason

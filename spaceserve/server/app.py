@@ -21,7 +21,10 @@ A stream sends its first chunk only once the first token exists (so a request th
 before generating anything still gets a JSON error and a 4xx), then one chunk per new text
 (and per token when logprobs are asked for), the finish reason on the last content chunk, a
 usage chunk with empty ``choices`` when ``stream_options.include_usage``, and
-``data: [DONE]``.
+``data: [DONE]``. With ``n`` > 1 (parallel sampling; at most the engine's ``max_num_seqs``)
+the prompt is processed once and its n choices share its KV blocks: a response holds n
+choices (``index`` 0..n-1), a stream interleaves their chunks, each carrying its choice's
+index (streams.py), and usage counts the prompt once and every choice's tokens.
 """
 
 from __future__ import annotations
@@ -31,13 +34,12 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 # starlette's Request and responses are fastapi's own; FastAPI itself, the engine and torch are
 # imported where they are used, so `spaceserve serve --help` answers at once
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from spaceserve.runtime.inputs import ChatPreprocessor, RemoteFetcher, text_byte_limit
@@ -45,18 +47,21 @@ from spaceserve.runtime.inputs import ChatPreprocessor, RemoteFetcher, text_byte
 from . import protocol as P
 from .flags import build_parser
 from .guard import AdmissionMiddleware, GuardLimits, release_body
-from .handles import Cancelled, Handle, QueueFull
-from .logprobs import TokenText, chat_logprobs
+from .handles import Cancelled, QueueFull
+from .logprobs import TokenText
 from .preprocess import prepare_chat_request
 from .protocol import APIError
-from .sampling import to_sampling_params
+from .sampling import check_n, max_choices, to_sampling_params
 from .settings import ServerLimits
 from .streams import (
-    error_of,
+    chat_body,
+    chat_stream,
     error_response,
+    failure_of,
+    final_outputs,
     json_response,
     next_output,
-    read_body,
+    read_request,
     shutdown_error,
     until_disconnect,
 )
@@ -64,12 +69,9 @@ from .streams import (
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from spaceserve.runtime.request import RequestOutput
-
     from .engine_client import AsyncEngine
 
 __all__ = ["ServerLimits", "build_parser", "create_app", "main"]  # and ServerThread, lazily
-log = logging.getLogger("spaceserve.server")
 
 
 def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, model_name: str,
@@ -97,6 +99,7 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
     app.add_middleware(AdmissionMiddleware, limits=guard, draining=lambda: client.draining,
                        on_error=metrics.http_error)
     ctx = client.engine.max_model_len
+    choices_limit = max_choices(client.engine)  # n per prompt at most (max_num_seqs)
     max_text = text_byte_limit(preprocessor.tokenizer, ctx) \
         if getattr(preprocessor, "tokenizer", None) is not None else None
 
@@ -146,16 +149,14 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        try:
-            body = await read_body(request, limits.max_body_bytes)
-        except ClientDisconnect:
+        req = await read_request(request, limits.max_body_bytes, P.ChatCompletionRequest)
+        if req is None:
             return Response(status_code=499)
-        req = P.parse_request(body)
-        del body
         req.num_logprobs()  # top_logprobs without logprobs is a 400 before any work
         if req.model != model_name:
             raise APIError(404, f"The model `{req.model[:128]}` does not exist.", param="model",
                            type="NotFoundError", code="model_not_found")
+        check_n(req.n, choices_limit)
         if not client.alive or client.draining:
             raise APIError(503, "the engine is not running", type="server_error")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -175,79 +176,29 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
                     context_len=ctx, on_body_done=lambda: release_body(request.scope.get(
                         "state", {})))
                 first = await next_output(handle, gone)
+                handle.release_held()  # an output exists: the images are encoded
+                outs = None if first is None or req.stream else \
+                    await final_outputs(handle, gone, first)
             except Cancelled as exc:
                 raise shutdown_error(exc) from None
-            handle.release_held()  # an output exists: the images are encoded
-            if first is None:
+            if first is None or (outs is None and not req.stream):
                 return Response(status_code=499)
-            if first.finish_reason in ("error", "abort") and not first.token_ids:
-                raise error_of(first)
+            failed = failure_of(outs if outs is not None else [first])
+            if failed is not None and (outs is not None or not first.token_ids):
+                raise failed
             created_at = P.now()
-            if not req.stream:
-                if first.finish_reason == "error":
-                    raise error_of(first)
-                lps = None
-                if req.logprobs and first.logprobs is not None:
-                    lps = chat_logprobs(first.logprobs, texts, req.return_tokens_as_token_ids)
-                return json_response(P.completion_response(
-                    rid, model_name, created_at, first.text or "", first.finish_reason,
-                    first.prompt_token_ids, first.token_ids,
-                    return_token_ids=req.return_token_ids, logprobs=lps,
-                    stop_reason=first.stop_reason))
+            if outs is not None:
+                return json_response(chat_body(req, rid, model_name, created_at, outs, texts))
             streaming = True
-            return StreamingResponse(_stream(req, handle, gone, first, created_at),
+            return StreamingResponse(chat_stream(req, handle, gone, first, created_at,
+                                                 model=model_name, texts=texts,
+                                                 metrics=metrics),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         finally:
             if not streaming:
                 gone.cancel()
                 handle.close()
-
-    async def _stream(req: P.ChatCompletionRequest, handle: Handle, gone: asyncio.Task,
-                      first: RequestOutput, created_at: int) -> AsyncIterator[bytes]:
-        rid, usage = handle.request_id, req.include_usage()
-        as_ids = req.return_tokens_as_token_ids
-        out: RequestOutput | None = first
-        role = True
-        try:
-            while out is not None:
-                text = out.delta_text
-                ids = out.new_token_ids if req.return_token_ids else None
-                reason = out.finish_reason if out.finished else None
-                lps = chat_logprobs(out.new_logprobs, texts, as_ids) if req.logprobs and \
-                    out.new_logprobs else None
-                if reason == "error":
-                    yield P.sse(error_of(out).body())
-                    break
-                if role or text or reason or ids or lps:
-                    delta: dict[str, Any] = {"role": "assistant"} if role else {}
-                    if text or role:
-                        delta["content"] = text
-                    yield P.sse(P.chunk(rid, model_name, created_at, delta, reason,
-                                        include_usage=usage, token_ids=ids, logprobs=lps,
-                                        stop_reason=out.stop_reason))
-                    role = False
-                if out.finished:
-                    if usage:
-                        yield P.sse(P.usage_chunk(rid, model_name, created_at,
-                                                  len(out.prompt_token_ids), len(out.token_ids)))
-                    break
-                out = await next_output(handle, gone)
-        except Cancelled as exc:  # the server is shutting down: say so, then end the stream
-            metrics.http_error(503)
-            yield P.sse(shutdown_error(exc).body())
-        except Exception as exc:  # an unexpected failure mid-stream: a final error event
-            log.error("stream %s failed", rid, exc_info=exc)
-            metrics.http_error(500)
-            yield P.sse(APIError(500, f"internal server error (request id {rid})",
-                                 type="server_error", code="internal_error").body())
-        else:
-            if out is None:  # the client went away: nobody reads a [DONE]
-                return
-        finally:
-            gone.cancel()
-            handle.close()
-        yield b"data: [DONE]\n\n"
 
     return app
 

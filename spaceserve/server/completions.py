@@ -1,16 +1,18 @@
 """``POST /v1/completions``: OpenAI's (legacy) text completions, as vLLM serves them.
 
 `prompt` is a string, a list of strings, a list of token ids or a list of token-id lists; each
-prompt is one engine request and one choice (``index`` = the prompt's position). Prompt text is
-tokenised with special-token text kept plain (`runtime.inputs.encode_plain`, the rule of chat
-text), in the preprocessing pool's light lane under the request's deadline, after its size is
-checked against what the context can hold; token ids go in as they are. `echo` puts the
-prompt's text before the completion;
-`logprobs` N returns the completions-format logprobs (the sampled token and the N most likely
-at every position, with text offsets). Streaming sends ``text_completion`` chunks per choice as
-text appears, the finish reason on a choice's last chunk, a usage chunk (the sum over the
-prompts) when ``stream_options.include_usage``, then ``data: [DONE]``; nothing is sent until
-every prompt has its first token, so a bad prompt is still a JSON error with a 400.
+prompt is one engine request with ``n`` choices (parallel sampling: the prompt is processed
+once), choice j of prompt p having ``index`` p * n + j, as OpenAI and vLLM number them. Prompt
+text is tokenised with special-token text kept plain (`runtime.inputs.encode_plain`, the rule
+of chat text), in the preprocessing pool's light lane under the request's deadline, after its
+size is checked against what the context can hold; token ids go in as they are. `echo` puts
+the prompt's text before each choice's completion; `logprobs` N returns the
+completions-format logprobs (the sampled token and the N most likely at every position, with
+text offsets). Usage counts each prompt once and every choice's tokens. Streaming sends
+``text_completion`` chunks per choice as text appears (the echoed prompt on a choice's first),
+the finish reason on a choice's last chunk, a usage chunk when
+``stream_options.include_usage``, then ``data: [DONE]``; nothing is sent until every prompt
+has its first token, so a bad prompt is still a JSON error with a 400.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from . import protocol as P
@@ -30,8 +32,22 @@ from .errors import APIError
 from .guard import release_body
 from .handles import Cancelled, QueueFull
 from .logprobs import TokenText, completion_logprobs
-from .sampling import MAX_LOGPROBS, REFUSED, SamplingFields, to_sampling_params
-from .streams import error_of, json_response, read_body, shutdown_error, until_disconnect
+from .sampling import (
+    MAX_LOGPROBS,
+    REFUSED,
+    SamplingFields,
+    check_n,
+    max_choices,
+    to_sampling_params,
+)
+from .streams import (
+    error_of,
+    failure_of,
+    json_response,
+    read_request,
+    shutdown_error,
+    until_disconnect,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -77,20 +93,31 @@ class CompletionRequest(SamplingFields):
         return out
 
 
-def _usage(outs: list[RequestOutput]) -> dict[str, int]:
-    return P.usage(sum(len(o.prompt_token_ids) for o in outs),
-                   sum(len(o.token_ids) for o in outs))
-
-
-class _Choice:
-    """One prompt's choice: its handle, its prompt text for `echo`, its logprob offset."""
+class _Prompt:
+    """One prompt's engine request (all its n choices): its handle, its text for `echo`, its
+    first output (streaming)."""
 
     def __init__(self, index: int, handle: Handle) -> None:
         self.index, self.handle = index, handle
         self.prompt_text = ""
-        self.offset = 0
         self.first: RequestOutput | None = None
+
+
+class _Choice:
+    """One choice: its index in the response, its logprob text offset, whether its first
+    chunk is sent, its latest output."""
+
+    def __init__(self, index: int, prompt: _Prompt) -> None:
+        self.index, self.prompt = index, prompt
+        self.offset = 0
+        self.started = False
         self.last: RequestOutput | None = None
+
+
+def _usage(prompts: list[_Prompt], outs: list[RequestOutput]) -> dict[str, int]:
+    """Every prompt counted once (its choices share it), every choice's tokens."""
+    return P.usage(sum(len(p.first.prompt_token_ids) for p in prompts if p.first),
+                   sum(len(o.token_ids) for o in outs))
 
 
 def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, *,
@@ -108,6 +135,7 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
     tokenizer = getattr(preprocessor, "tokenizer", None)
     ctx = client.engine.max_model_len
     max_text = text_byte_limit(tokenizer, ctx) if tokenizer is not None else None
+    choices_limit = max_choices(client.engine)  # n per prompt at most (max_num_seqs)
 
     def prepare(prompt: str | list[int], i: int) -> dict[str, Any]:
         if isinstance(prompt, list):
@@ -133,11 +161,11 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
         return tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else ""
 
     def choice_body(c: _Choice, out: RequestOutput, text: str, req: CompletionRequest,
-                    final: bool) -> dict[str, Any]:
+                    whole: bool) -> dict[str, Any]:
+        """A choice's body: its whole output (`whole`), or what is new in `out`."""
         lps = None
         if req.logprobs is not None:
-            entries = (out.logprobs or []) if final and c.first is None else \
-                (out.new_logprobs or [])
+            entries = (out.logprobs or []) if whole else (out.new_logprobs or [])
             lps, c.offset = completion_logprobs(entries, texts, c.offset,
                                                 req.return_tokens_as_token_ids)
         body: dict[str, Any] = {"index": c.index, "text": text, "logprobs": lps,
@@ -145,31 +173,29 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
         if out.finished:
             body["stop_reason"] = out.stop_reason
         if req.return_token_ids:
-            body["token_ids"] = list(out.token_ids if final else out.new_token_ids)
+            body["token_ids"] = list(out.token_ids if whole else out.new_token_ids)
         return body
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        try:
-            body = await read_body(request, limits.max_body_bytes)
-        except ClientDisconnect:
+        req = await read_request(request, limits.max_body_bytes, CompletionRequest)
+        if req is None:
             return Response(status_code=499)
-        req = P.parse_body(body, CompletionRequest)
-        del body
         prompts = req.prompts()
         if req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
                            type="NotFoundError", code="model_not_found")
+        check_n(req.n, choices_limit)
         if not client.alive or client.draining:
             raise APIError(503, "the engine is not running", type="server_error")
         rid = f"cmpl-{uuid.uuid4().hex}"
-        choices: list[_Choice] = []
+        parts: list[_Prompt] = []
         try:
             for i in range(len(prompts)):
-                choices.append(_Choice(i, client.reserve(f"{rid}-{i}")))
+                parts.append(_Prompt(i, client.reserve(f"{rid}-{i}")))
         except QueueFull as exc:
-            for c in choices:
-                c.handle.close()
+            for p in parts:
+                p.handle.close()
             raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
                            code="queue_full") from None
         gone = asyncio.ensure_future(until_disconnect(request))
@@ -178,9 +204,9 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
         try:
             try:
                 await asyncio.gather(*(
-                    c.handle.start(lambda p=p, i=i: prepare(p, i), lambda x: sampling(req, x),
-                                   stream=req.stream, lane="light", deadline=deadline)
-                    for i, (c, p) in enumerate(zip(choices, prompts, strict=True))))
+                    part.handle.start(lambda p=p, i=i: prepare(p, i), lambda x: sampling(req, x),
+                                      stream=req.stream, lane="light", deadline=deadline)
+                    for i, (part, p) in enumerate(zip(parts, prompts, strict=True))))
             except DeadlineExceeded:
                 raise APIError(503, f"preprocessing did not finish within "
                                f"{limits.preprocess_timeout_s:g} s; retry later",
@@ -190,37 +216,38 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
                                code="queue_full", retry_after=exc.retry_after) from None
             except Cancelled as exc:
                 raise shutdown_error(exc) from None
-            for c, p in zip(choices, prompts, strict=True):
-                c.prompt_text = echo_text(p) if req.echo else ""
+            for part, p in zip(parts, prompts, strict=True):
+                part.prompt_text = echo_text(p) if req.echo else ""
             req.prompt = ""  # the engine holds the prompts: drop the body's text
             release_body(request.scope.get("state", {}))
-            firsts = await _firsts(choices, gone)
-            if firsts is None:
+            got = await _outputs(parts, gone, every=not req.stream)
+            if got is None:
                 return Response(status_code=499)
-            for out in firsts:
-                if out.finish_reason == "error" or (out.finish_reason == "abort"
-                                                    and not out.token_ids):
-                    raise error_of(out)
+            failed = failure_of([o for outs in got for o in outs])
+            if failed is not None:
+                raise failed
+            for part, outs in zip(parts, got, strict=True):
+                part.first = outs[0]
             created_at = P.now()
             if not req.stream:
-                body = [choice_body(c, out, c.prompt_text + (out.text or ""), req, True)
-                        for c, out in zip(choices, firsts, strict=True)]
+                body = [choice_body(_Choice(p.index * req.n + out.index, p), out,
+                                    p.prompt_text + (out.text or ""), req, True)
+                        for p, outs in zip(parts, got, strict=True) for out in outs]
                 return json_response({"id": rid, "object": "text_completion",
                                       "created": created_at, "model": model_name,
-                                      "choices": body, "usage": _usage(firsts)})
+                                      "choices": body,
+                                      "usage": _usage(parts, [o for outs in got for o in outs])})
             streaming = True
-            for c, out in zip(choices, firsts, strict=True):
-                c.first = out
-            return StreamingResponse(_stream(req, rid, choices, gone, created_at),
+            return StreamingResponse(_stream(req, rid, parts, gone, created_at),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         finally:
             if not streaming:
                 gone.cancel()
-                for c in choices:
-                    c.handle.close()
+                for p in parts:
+                    p.handle.close()
 
-    async def _stream(req: CompletionRequest, rid: str, choices: list[_Choice],
+    async def _stream(req: CompletionRequest, rid: str, parts: list[_Prompt],
                       gone: asyncio.Task, created_at: int) -> AsyncIterator[bytes]:
         def chunk(body: dict[str, Any]) -> bytes:
             obj = {"id": rid, "object": "text_completion", "created": created_at,
@@ -229,15 +256,30 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
                 obj["usage"] = None
             return P.sse(obj)
 
+        choices = [_Choice(p.index * req.n + j, p) for p in parts for j in range(req.n)]
+
+        def send(out: RequestOutput, part: _Prompt) -> bytes | None:
+            """The chunk of `out` for its choice (a choice's first chunk always, with the
+            echoed prompt), or None when it holds nothing new."""
+            c = choices[part.index * req.n + out.index]
+            c.last = out
+            if c.started and not (out.delta_text or out.finished or (
+                    req.logprobs is not None and out.new_logprobs) or (
+                    req.return_token_ids and out.new_token_ids)):
+                return None
+            text = out.delta_text if c.started else part.prompt_text + out.delta_text
+            c.started = True
+            return chunk(choice_body(c, out, text, req, False))
+
         waiting: dict[int, asyncio.Future] = {}
         try:
-            for c in choices:  # the first outputs, already here
-                out = c.first
-                assert out is not None
-                c.last = out
-                yield chunk(choice_body(c, out, c.prompt_text + out.delta_text, req, False))
-                if not out.finished:
-                    waiting[c.index] = asyncio.ensure_future(c.handle.next())
+            for p in parts:  # the first outputs, already here
+                assert p.first is not None
+                data = send(p.first, p)
+                if data is not None:
+                    yield data
+                if not p.handle.finished:
+                    waiting[p.index] = asyncio.ensure_future(p.handle.next())
             while waiting:
                 done, _ = await asyncio.wait((*waiting.values(), gone),
                                              return_when=asyncio.FIRST_COMPLETED)
@@ -246,36 +288,42 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
                 for i, fut in list(waiting.items()):
                     if fut not in done:
                         continue
-                    c, out = choices[i], fut.result()
-                    c.last = out
+                    p, out = parts[i], fut.result()
                     if out.finish_reason == "error":
                         yield P.sse(error_of(out).body())
                         return
-                    if out.delta_text or out.finished or (req.logprobs is not None
-                                                          and out.new_logprobs):
-                        yield chunk(choice_body(c, out, out.delta_text, req, False))
-                    if out.finished:
+                    data = send(out, p)
+                    if data is not None:
+                        yield data
+                    if p.handle.finished:
                         del waiting[i]
                     else:
-                        waiting[i] = asyncio.ensure_future(c.handle.next())
+                        waiting[i] = asyncio.ensure_future(p.handle.next())
             if req.include_usage():
                 yield P.sse({"id": rid, "object": "text_completion", "created": created_at,
                              "model": model_name, "choices": [],
-                             "usage": _usage([c.last for c in choices if c.last])})
+                             "usage": _usage(parts, [c.last for c in choices if c.last])})
             yield b"data: [DONE]\n\n"
         finally:
             for fut in waiting.values():
                 fut.cancel()
             gone.cancel()
-            for c in choices:
-                c.handle.close()
+            for p in parts:
+                p.handle.close()
 
 
-async def _firsts(choices: list[_Choice], gone: asyncio.Task) -> list[RequestOutput] | None:
-    """Every choice's first output (its final one when not streaming), or None once the
-    client has gone."""
-    gets = [asyncio.ensure_future(c.handle.next()) for c in choices]
-    everything = asyncio.ensure_future(asyncio.gather(*gets))
+async def _outputs(parts: list[_Prompt], gone: asyncio.Task, every: bool
+                   ) -> list[list[RequestOutput]] | None:
+    """Each prompt's first output, or (`every`: a non-streaming request, whose outputs are all
+    final) the final outputs of all its choices in index order; None once the client has
+    gone."""
+    async def take(handle: Handle) -> list[RequestOutput]:
+        outs = [await handle.next()]
+        while every and not handle.finished:
+            outs.append(await handle.next())
+        return sorted(outs, key=lambda o: o.index)
+
+    everything = asyncio.ensure_future(asyncio.gather(*(take(p.handle) for p in parts)))
     done, _ = await asyncio.wait((everything, gone), return_when=asyncio.FIRST_COMPLETED)
     if everything in done:
         return list(everything.result())

@@ -93,8 +93,10 @@ class RequestHandle(Handle):
             try:
                 self.client.engine.add_request(prompt, sp, request_id=self.request_id,
                                                sink=self._sink, stream=stream)
-            except ValueError as exc:  # a caller mistake the engine refused
-                raise APIError(400, str(exc)) from None
+            except ValueError as exc:  # a caller mistake the engine refused (n > max_num_seqs)
+                from .sampling import param_of  # pydantic: not on engine-only installs
+
+                raise APIError(400, str(exc), param=param_of(str(exc))) from None
             self.added = True
         self.client.wake()
 

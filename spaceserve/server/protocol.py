@@ -257,20 +257,28 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str,
-                        prompt_ids: list[int], token_ids: list[int], *,
-                        return_token_ids: bool = False, logprobs: Any = None,
-                        stop_reason: int | str | None = None) -> dict[str, Any]:
-    """A non-streaming ``chat.completion`` object (`logprobs`: the choice's ``{"content":
+def chat_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int], *,
+                return_token_ids: bool = False, logprobs: Any = None,
+                stop_reason: int | str | None = None) -> dict[str, Any]:
+    """One choice of a non-streaming ``chat.completion`` (`logprobs`: its ``{"content":
     [...]}``; `stop_reason`: the stop string or token id that ended it, as vLLM reports)."""
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+    choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text},
                               "logprobs": logprobs, "finish_reason": finish_reason,
                               "stop_reason": stop_reason}
-    out: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": created,
-                           "model": model, "choices": [choice],
-                           "usage": usage(len(prompt_ids), len(token_ids))}
     if return_token_ids:
         choice["token_ids"] = list(token_ids)
+    return choice
+
+
+def completion_response(rid: str, model: str, created: int, choices: list[dict[str, Any]],
+                        prompt_ids: list[int], completion_tokens: int, *,
+                        return_token_ids: bool = False) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` object of `choices` (`chat_choice`s) for one prompt:
+    usage counts the prompt once and `completion_tokens` over every choice."""
+    out: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": created,
+                           "model": model, "choices": choices,
+                           "usage": usage(len(prompt_ids), completion_tokens)}
+    if return_token_ids:
         out["prompt_token_ids"] = list(prompt_ids)
     return out
 
@@ -278,9 +286,9 @@ def completion_response(rid: str, model: str, created: int, text: str, finish_re
 def chunk(rid: str, model: str, created: int, delta: dict[str, Any],
           finish_reason: str | None = None, *, include_usage: bool = False,
           token_ids: list[int] | None = None, logprobs: Any = None,
-          stop_reason: int | str | None = None) -> dict[str, Any]:
-    """One ``chat.completion.chunk`` with a single choice."""
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
+          stop_reason: int | str | None = None, index: int = 0) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` with a single choice (choice `index`)."""
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                               "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason

@@ -4,7 +4,9 @@
 server honours (OpenAI's, and vLLM's extensions with vLLM's names), validated in strict mode.
 `to_sampling_params` turns a validated request into the engine's `SamplingParams` once the
 prompt's length is known (the default `max_tokens` fills the context). `REFUSED` lists what is
-still answered with a 400, and why; the README repeats it.
+still answered with a 400, and why; the README repeats it. `n` (parallel sampling) is bounded by
+the engine's `max_num_seqs` (`check_n`), since the engine runs a request's n sequences in one
+batch.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ MAX_LOGPROBS = 20  # = spaceserve.runtime.request.MAX_LOGPROBS (no torch import 
 
 # parameter -> the message of the 400 it gets (when set to anything but its neutral value)
 REFUSED: dict[str, str] = {
-    "n": "only n=1 is supported (parallel sampling is not available yet)",
-    "best_of": "only best_of=1 is supported",
+    "best_of": "only best_of=1 or best_of=n is supported (every sampled sequence is returned; "
+               "none are ranked or dropped)",
     "tools": "tool calling is not supported",
     "tool_choice": "tool calling is not supported",
     "functions": "function calling is not supported",
@@ -112,11 +114,13 @@ class SamplingFields(Strict):
 
     def check_refused(self) -> None:
         """APIError 400 naming the first parameter set to something not supported."""
-        neutral = {"n": 1, "best_of": 1, "tool_choice": "none", "modalities": ["text"]}
+        neutral = {"tool_choice": "none", "modalities": ["text"]}
         for name, message in REFUSED.items():
             value = getattr(self, name, None)
             if value is None or value == neutral.get(name) or (name == "tools" and not value):
                 continue
+            if name == "best_of" and value in (1, self.n):
+                continue  # sample n, return all n: what n alone does
             if name == "response_format" and value.get("type") == "text":
                 continue
             if name == "echo":
@@ -128,6 +132,32 @@ class SamplingFields(Strict):
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+def max_choices(engine: Any) -> int | None:
+    """The most choices one prompt may ask for: the engine's `max_num_seqs` (an engine's
+    ``config``, or the replica client's engine facts); None when unknown."""
+    cfg = getattr(engine, "config", None)
+    limit = getattr(cfg, "max_num_seqs", None) if cfg is not None else None
+    if limit is None:
+        limit = getattr(engine, "max_num_seqs", None)
+    return limit if isinstance(limit, int) else None
+
+
+def check_n(n: int, limit: int | None) -> None:
+    """APIError 400 (param ``n``) when `n` choices are more than the engine runs at once."""
+    if limit is not None and n > limit:
+        raise APIError(400, f"n: {n} choices are more than the engine runs at once "
+                       f"(max_num_seqs={limit})", param="n")
+
+
+def param_of(message: str) -> str | None:
+    """The request field an engine's ValueError message opens with (``"n=5 ..."``,
+    ``"logit_bias: ..."``), when it is one; ``n`` for a message about `max_num_seqs`."""
+    name = message.split("=")[0].split(":")[0].split(" ")[0]
+    if name in SamplingFields.model_fields:
+        return name
+    return "n" if "max_num_seqs" in message else None
 
 
 def to_sampling_params(req: SamplingFields, num_prompt: int, context: int, limit: int | None,
@@ -161,7 +191,7 @@ def to_sampling_params(req: SamplingFields, num_prompt: int, context: int, limit
             logit_bias=req.logit_bias, seed=req.seed, ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens, stop=req.stop or (), stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens, n=req.n)
     except ValueError as exc:
         name = str(exc).split("=")[0].split(":")[0].split(" ")[0]
         raise APIError(400, str(exc), param=name or None) from None

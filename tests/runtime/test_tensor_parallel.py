@@ -15,6 +15,7 @@ kernels.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -152,6 +153,11 @@ def test_tp2_matches_tp1_and_transformers(request, model, mode, extra):
         assert (lm.num_heads, lm.num_kv_heads) == (lm.total_heads // 2, lm.total_kv_heads // 2)
         assert tokens(two.generate(prompts, GREEDY)) == expected
         assert tokens(two.generate(prompts[::-1], GREEDY)) == expected[::-1]
+        if mode in ("temporal", "spatial"):
+            # n = 2: each prompt prefilled once and forked; the copy on write of a shared
+            # block reaches every rank's KV shard
+            par = two.generate(prompts, dataclasses.replace(GREEDY, n=2))
+            assert tokens(par) == [e for e in expected for _ in range(2)]
         if "num_kv_blocks" in extra:
             outs = two.generate(prompts, GREEDY)
             assert sum(o.metrics.num_preemptions for o in outs) > 0, "no preemption happened"

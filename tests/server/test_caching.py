@@ -1,7 +1,7 @@
 """Multi-turn image chat against a live tiny server with the default engine settings (encoder
 cache and prefix caching on): the second turn runs no encoder job and prefills only what the
 prefix cache lacks - read from /metrics - and its greedy tokens equal those of a cold engine;
-the flags that switch the caches off parse."""
+n = 3 processes its prompt once; the flags that switch the caches off parse."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from spaceserve.server.app import ServerThread, build_parser
 from spaceserve.server.engine_client import load_engine
 from spaceserve.server.metrics import parse_gauges
 
-from .conftest import MODEL, make_app, png
+from .conftest import MODEL, make_app, png, wait_until
 
 URL = "data:image/png;base64," + base64.b64encode(png(84, 112, seed=3)).decode()
 QUESTION = [{"type": "image_url", "image_url": {"url": URL}},
@@ -104,22 +104,41 @@ def test_cache_flags() -> None:
     assert args.encoder_cache_bytes == 0 and args.prefix_caching is False
 
 
-def test_n3_through_the_openai_client_is_refused(default_server) -> None:
-    """n = 3 is refused for now (parallel sampling is not available): a 400 naming `n`, through
-    the official client, plain and streamed; nothing is queued and the server serves n = 1."""
+def test_n3_through_the_openai_client(default_server) -> None:
+    """n = 3 through the official client: three choices (indexes 0, 1, 2), choice 1 equal to
+    an n = 1 request with seed + 1; the prompt looked up and computed once (the counters rise
+    as for that n = 1 request), its image encoded once, every block free afterwards."""
     openai = pytest.importorskip("openai")
     engine, server = default_server
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    messages = [{"role": "user", "content": QUESTION[:1] + [
-        {"type": "text", "text": "Three guesses, please."}]}]
-    sample = dict(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=5,
+    image = "data:image/png;base64," + base64.b64encode(png(56, 84, seed=11)).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                             {"type": "text", "text": "Three guesses, please."}]}]
+    sample = dict(model=MODEL, messages=messages, max_tokens=6, temperature=1.0,
                   extra_body={"ignore_eos": True, "return_token_ids": True})
-    for stream in (False, True):
-        with pytest.raises(openai.BadRequestError) as info:
-            oa.chat.completions.create(n=3, stream=stream, **sample)
-        assert info.value.status_code == 400
-        assert info.value.body["param"] == "n" and "n=1" in info.value.body["message"]
-    one = oa.chat.completions.create(n=1, **sample)
-    assert [c.index for c in one.choices] == [0]
-    assert len(one.choices[0].model_extra["token_ids"]) == 6
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        c0 = counters(http)
+        three = oa.chat.completions.create(n=3, seed=5, **sample)
+        c1 = counters(http)
+        one = oa.chat.completions.create(n=1, seed=6, **sample)
+        c2 = counters(http)
+        assert wait_until(lambda: not engine.has_unfinished())
+        kv = parse_gauges(http.get("/metrics").text)["spaceserve:kv_cache_usage_perc"]
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    ids = [c.model_extra["token_ids"] for c in three.choices]
+    assert all(len(t) == 6 for t in ids) and len({tuple(t) for t in ids}) > 1
+    assert {c.finish_reason for c in three.choices} == {"length"}
+    assert ids[1] == one.choices[0].model_extra["token_ids"]
+    assert three.choices[1].message.content == one.choices[0].message.content
+    n = one.usage.prompt_tokens
+    assert three.usage.prompt_tokens == n and three.usage.completion_tokens == 18
+    assert three.usage.total_tokens == n + 18
+    d3 = {k: c1[k] - c0[k] for k in COUNTERS}
+    d1 = {k: c2[k] - c1[k] for k in COUNTERS}
+    # looked up and computed once: as much as the n = 1 request (which hit the cache instead)
+    assert d3["prefix_cache_queried_tokens_total"] == d1["prefix_cache_queried_tokens_total"] == n
+    assert d3["prefill_tokens_computed_total"] + d3["prefix_cache_hit_tokens_total"] == n
+    assert d1["prefill_tokens_computed_total"] + d1["prefix_cache_hit_tokens_total"] == n
+    assert d3["encoder_jobs_total"] == 1 and d1["encoder_jobs_total"] == 0
+    assert kv == 0.0
     engine.check_idle()

@@ -267,7 +267,7 @@ def test_completions_streaming(oai, live) -> None:
 
 
 REFUSED = [
-    ("chat", {"n": 2}, "n"), ("chat", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"n": 99}, "max_num_seqs"), ("chat", {"tools": [{"type": "function"}]}, "tools"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"), ("chat", {"logprobs": True,
                                                              "top_logprobs": 21}, "top_logprobs"),
@@ -277,7 +277,8 @@ REFUSED = [
     ("chat", {"presence_penalty": 3}, "presence_penalty"),
     ("chat", {"min_tokens": 50, "max_tokens": 5}, "min_tokens"),
     ("cmpl", {"echo": True, "logprobs": 1}, "echo"), ("cmpl", {"suffix": "x"}, "suffix"),
-    ("cmpl", {"best_of": 2}, "best_of"), ("cmpl", {"prompt": []}, "prompt"),
+    ("cmpl", {"best_of": 2}, "best_of"), ("cmpl", {"n": 2, "best_of": 3}, "best_of"),
+    ("cmpl", {"prompt": []}, "prompt"),
     ("cmpl", {"prompt": [[1, 2], []]}, "prompt"), ("cmpl", {"prompt": [10 ** 6]}, "vocabulary"),
     ("cmpl", {"logprobs": 21}, "logprobs"),
 ]

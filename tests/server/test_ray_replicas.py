@@ -272,6 +272,12 @@ def test_completions_and_generation_parameters_through_the_replicas(dp, single) 
     assert [ch.text for ch in got.choices] == [ch.text for ch in want.choices]
     assert [ch.logprobs.tokens for ch in got.choices] == \
         [ch.logprobs.tokens for ch in want.choices]
+    # parallel sampling crosses too: n choices per prompt from one replica call each
+    want_n = single.completions.create(prompt=["The birds", "Count them"], n=2, **kw)
+    got_n = c.completions.create(prompt=["The birds", "Count them"], n=2, **kw)
+    assert [(ch.index, ch.text) for ch in got_n.choices] == \
+        [(ch.index, ch.text) for ch in want_n.choices] and len(got_n.choices) == 4
+    assert got_n.usage == want_n.usage
     stop = want.choices[0].text[2:4]  # in the output: the same seed draws the same tokens
 
     def streamed(cl) -> tuple[str, str]:

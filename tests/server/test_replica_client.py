@@ -64,24 +64,26 @@ class FakeReplicas:
         prompt = kwargs["prompt"]["prompt_token_ids"]
         budget = self.plans.get(label)
         now = time.monotonic()
-        tokens: list[int] = []
+        tokens: list[list[int]] = [[] for _ in range(params.n)]  # choice j writes chr(x + j)
         try:
             for i in range(params.max_tokens):
                 await asyncio.sleep(self.delay)
-                tokens.append(100 + i)
                 last = i == params.max_tokens - 1
-                if not (stream or last):
-                    continue
-                if budget is not None and budget <= 0:
-                    raise Died("The actor died unexpectedly before finishing this task.")
-                budget = None if budget is None else budget - 1
-                yield ("out", label, RequestOutput(
-                    rid, prompt, list(tokens), [tokens[-1]], last,
-                    "length" if last else None, None,
-                    RequestMetrics(now, now + 0.001, tuple(now + 0.001 * (j + 1) for j in
-                                                          range(len(tokens))),
-                                   now + 0.01 if last else None),
-                    delta_text="x", text_source="x" * len(tokens)))
+                for j, toks in enumerate(tokens):  # the n choices' outputs interleave
+                    toks.append(100 + i + 50 * j)
+                    if not (stream or last):
+                        continue
+                    if budget is not None and budget <= 0:
+                        raise Died("The actor died unexpectedly before finishing this task.")
+                    budget = None if budget is None else budget - 1
+                    yield ("out", label, RequestOutput(
+                        rid, prompt, list(toks), [toks[-1]], last,
+                        "length" if last else None, None,
+                        RequestMetrics(now, now + 0.001, tuple(now + 0.001 * (k + 1) for k in
+                                                              range(len(toks))),
+                                       now + 0.01 if last else None),
+                        delta_text=chr(ord("x") + j), text_source=chr(ord("x") + j) * len(toks),
+                        index=j))
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -172,6 +174,44 @@ def test_completions_go_through_the_replicas(fake) -> None:
     chunks = list(c.completions.create(model=MODEL, prompt="four", max_tokens=2, stream=True))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "xx"
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_parallel_sampling_goes_through_the_replicas(fake, preprocessor) -> None:
+    """n = 2 over the replica set: one replica call per prompt carrying n, both choices back
+    (plain and streamed, their chunks interleaved), usage over both; a replica that dies
+    mid-stream ends it with an error event; n above the replicas' max_num_seqs is a 400
+    naming n before any replica sees it."""
+    reps, url, client = fake
+    c = oai(url)
+    r = chat(c, n=2)
+    assert [(ch.index, ch.message.content, ch.finish_reason) for ch in r.choices] == \
+        [(0, "xxxx", "length"), (1, "yyyy", "length")]
+    assert r.usage.completion_tokens == 8 and len(reps.params) == 1 and reps.params[0].n == 2
+    chunks = [ch for ch in chat(c, True, n=2, stream_options={"include_usage": True})]
+    texts = {0: "", 1: ""}
+    for ch in chunks[:-1]:
+        texts[ch.choices[0].index] += ch.choices[0].delta.content or ""
+    assert texts == {0: "xxxx", 1: "yyyy"} and chunks[-1].usage.completion_tokens == 8
+    assert [ch.choices[0].index for ch in chunks[:4]] == [0, 1, 0, 1]
+    reps.plans = {"0": 3, "1": 3}  # dies after three outputs: no retry once sent
+    got = []
+    with pytest.raises(openai.APIError) as err:
+        for ch in chat(c, True, n=2):
+            got.append(ch)
+    assert len(got) == 3 and "after part of the answer was sent" in str(err.value.message)
+    reps.plans = {}
+    served = len(reps.served)
+    client.engine = type(client.engine)(256, 2)  # the replicas run 2 sequences at most
+    from spaceserve.server.app import create_app
+    from spaceserve.server.thread import ServerThread
+
+    with ServerThread(create_app(client, preprocessor, model_name=MODEL)) as server:
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(oai(server.url), n=3)
+        assert err.value.body["param"] == "n" and "max_num_seqs=2" in err.value.body["message"]
+        assert chat(oai(server.url), n=2).choices[1].message.content == "yyyy"
+    assert len(reps.served) == served + 1
+    assert client.num_pending == 0 and wait_until(lambda: not client.tracker._flights)
 
 
 def test_a_replica_that_dies_before_answering_is_retried_once(fake) -> None:

@@ -48,7 +48,8 @@ class NoReplica(Exception):
 
 class ReplicaBackend(Protocol):
     """Sends one request to one replica (the router picks it) and yields the replica's items:
-    ``("out", replica_label, RequestOutput)`` or ``("error", http_status, message)``."""
+    ``("out", replica_label, RequestOutput)`` (the outputs of a request's n choices
+    interleave, each with its ``index``) or ``("error", http_status, message[, param])``."""
 
     def stream(self, kwargs: dict[str, Any]) -> AsyncIterator[tuple]: ...
 
@@ -57,18 +58,25 @@ class ReplicaBackend(Protocol):
 
 @dataclass(frozen=True)
 class EngineFacts:
-    """What the HTTP layer reads of the engine (the replicas all run the same one)."""
+    """What the HTTP layer reads of the engine (the replicas all run the same one);
+    `max_num_seqs` bounds ``n`` (None: unknown, the replica's engine checks it)."""
 
     max_model_len: int
+    max_num_seqs: int | None = None
 
 
-def error_output(request_id: str, status: int, message: str) -> RequestOutput:
-    """A final output ending a request with `message`, answered with HTTP `status`."""
+def error_output(request_id: str, status: int, message: str,
+                 param: str | None = None) -> RequestOutput:
+    """A final output ending a request with `message`, answered with HTTP `status` (naming
+    the request field `param`, when given)."""
     from spaceserve.runtime.request import RequestMetrics, RequestOutput
 
     now = time.monotonic()
+    extra: dict[str, Any] = {"status": status}
+    if param:
+        extra["param"] = param
     return RequestOutput(request_id, [], [], [], True, "error", message,
-                         RequestMetrics(now, None, (), now), extra={"status": status})
+                         RequestMetrics(now, None, (), now), extra=extra)
 
 
 class ReplicaRequestHandle(Handle):
@@ -156,8 +164,9 @@ class ReplicaRequestHandle(Handle):
         left = self.n
         while True:
             if item[0] == "error":
-                _, status, message = item
-                self._put(error_output(rid, int(status), str(message)))
+                status, message = item[1], item[2]
+                param = item[3] if len(item) > 3 else None
+                self._put(error_output(rid, int(status), str(message), param))
                 return
             _, label, out = item
             if self.label is None:
@@ -225,6 +234,7 @@ class ReplicaClient(Admission):
     def __init__(self, backend: ReplicaBackend, tracker: ReplicaTracker, *, max_model_len: int,
                  mode: str, num_replicas: int, image_token_id: int | None,
                  merge_size: int = 2, max_pending: int = 256, mode_note: str | None = None,
+                 max_num_seqs: int | None = None,
                  route_timeout_s: float = 60.0, workers: int = 4,
                  pool: PreprocessPool | None = None, pixels: PixelBudget | None = None,
                  device: str | None = None) -> None:
@@ -233,7 +243,7 @@ class ReplicaClient(Admission):
             pool = PreprocessPool(light_workers=light, heavy_workers=max(1, workers - light))
         super().__init__(max_pending=max_pending, pool=pool, pixels=pixels)
         self.backend, self.tracker = backend, tracker
-        self.engine = EngineFacts(max_model_len)
+        self.engine = EngineFacts(max_model_len, max_num_seqs)
         self._mode, self._note = mode, mode_note
         self.device = device  # what each replica runs on (/health), as the first one said
         self.num_replicas = num_replicas

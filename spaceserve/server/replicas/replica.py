@@ -60,7 +60,7 @@ class EngineReplica:
             try:
                 await handle.start(lambda: prompt, params, stream=stream)
             except APIError as exc:
-                yield ("error", exc.status, exc.message)
+                yield ("error", exc.status, exc.message, exc.param)
                 return
             except PoolFull as exc:  # its validation queue is full
                 yield ("error", 503, f"server busy: {exc}; retry later")
@@ -76,7 +76,8 @@ class EngineReplica:
     def info(self) -> dict[str, Any]:
         """What the ingress needs to know of the engine."""
         eng = self.client.engine
-        return {"max_model_len": int(eng.max_model_len), "mode": self.client.mode,
+        return {"max_model_len": int(eng.max_model_len),
+                "max_num_seqs": int(eng.config.max_num_seqs), "mode": self.client.mode,
                 "mode_note": self.client.mode_note, "rank": self.rank,
                 "device": self.client.device}
 
