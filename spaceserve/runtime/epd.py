@@ -24,7 +24,6 @@ takes effect when the prefill completes.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,13 +34,13 @@ import torch
 
 from spaceserve.kernels.budget import device_num_sms
 
-from .partition import Partition, PartitionSet, default_splits
+from .partition import Partition, PartitionSet
 from .policy import OBJECTIVES, SchedulingPolicy
 from .request import Request, Status
 from .scheduler import ScheduledBatch, Scheduler
 from .sis import SisState, SpaceInferenceScheduler, Split
 from .spatial import DRIVERS, SpatialEncoderStage
-from .split_set import engine_policy, load_curves, make_partitions
+from .split_set import encoder_split_set, engine_policy, load_curves, make_partitions
 
 PLACEMENTS = ("auto", "compute", "decode")
 CONTEXT_BUCKET = 64  # SIS sees the mean decode context rounded to this
@@ -299,10 +298,17 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
     total = device_num_sms(device)
     curves = load_curves(config.curves, runner)
     policy = engine_policy(curves, config, total) if mode == "spatial" else None
-    if policy is not None and config.encoder_splits is None and \
-            getattr(runner, "tp_size", 1) > 1:  # tensor-parallel ranks build default splits
-        policy = dataclasses.replace(policy, splits=default_splits(total))
     pset, parts = make_partitions(config, device, policy.splits if policy else None)
+    if getattr(runner, "tp_size", 1) > 1:  # the other ranks built theirs from the runner's spec
+        spec = runner.partition_spec
+        mine = (mode, tuple(sorted(pset.splits)))
+        theirs = None if spec is None else (spec.mode, encoder_split_set(spec, total))
+        if theirs != mine:
+            pset.close()
+            built = "none" if theirs is None else f"{theirs[0]} splits {theirs[1]}"
+            raise ValueError(f"the tensor-parallel workers built partitions for {built}, rank 0 "
+                             f"for {mine[0]} splits {mine[1]}: build the runner with "
+                             "TensorParallelRunner.for_engine(config)")
     captured: tuple[int, ...] = ()
     graph_bytes: dict[int, int] = {}  # device memory the decode graphs took, per partition
     for part in parts:

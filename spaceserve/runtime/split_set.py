@@ -5,8 +5,10 @@ captured for, once per partition). ``spatial`` chooses it from the resource-util
 the SLO (`policy.scheduling_policy`, through `engine_policy`) unless ``encoder_splits`` names
 it; ``spatial-static`` has its one ``encoder_sms``; ``shared`` has none.
 
-A tensor-parallel worker builds its set from a `tp.PartitionSpec`, whose fields mirror the
-`EngineConfig` ones `make_partitions` reads.
+A tensor-parallel group builds the same set on every rank, so it is chosen before any worker
+starts: `chosen_splits` reads the same curves from the model's config that the engine later
+reads from rank 0's runner (`load_curves`), and the workers get the result in their
+`tp.PartitionSpec` (whose fields mirror the `EngineConfig` ones `make_partitions` reads).
 """
 
 from __future__ import annotations
@@ -66,6 +68,17 @@ def engine_policy(curves: CurveSet, config: Any, total_sms: int) -> SchedulingPo
         window_s=config.encoder_window_s, launch_budget_s=config.encoder_launch_budget_s)
 
 
+def chosen_splits(config: Any, model_config: Any, device: torch.device | str
+                  ) -> tuple[int, ...] | None:
+    """The encoder splits an engine of `config` on `device` makes partitions for, before it
+    exists: in ``spatial`` `engine_policy`'s (curves from ``config.curves``, else the analytic
+    roofline of `model_config`), otherwise ``config.encoder_splits`` as given."""
+    if config.mode != "spatial":
+        return config.encoder_splits
+    curves = model_curves(config.curves, model_config)
+    return engine_policy(curves, config, device_num_sms(torch.device(device))).splits
+
+
 def encoder_split_set(config: Any, total: int, splits: Sequence[int] | None = None
                       ) -> tuple[int, ...]:
     """The encoder SM counts a co-located mode makes partitions for on a `total`-SM device
@@ -107,5 +120,5 @@ def make_partitions(config: Any, device: torch.device, splits: Sequence[int] | N
     return pset, pset.partitions()
 
 
-__all__ = ["SPATIAL_MODES", "encoder_split_set", "engine_policy",
+__all__ = ["SPATIAL_MODES", "chosen_splits", "encoder_split_set", "engine_policy",
            "load_curves", "make_partitions", "model_curves"]
