@@ -7,7 +7,8 @@ it; ``spatial-static`` has its one ``encoder_sms``; ``shared`` has none.
 
 A tensor-parallel group builds the same set on every rank, so it is chosen before any worker
 starts: `chosen_splits` reads the same curves from the model's config that the engine later
-reads from rank 0's runner (`load_curves`), and the workers get the result in their
+reads from rank 0's runner (`load_curves`; without a curves file, one rank's analytic curves,
+those ``spaceserve sim --tp`` simulates), and the workers get the result in their
 `tp.PartitionSpec` (whose fields mirror the `EngineConfig` ones `make_partitions` reads).
 """
 
@@ -28,31 +29,45 @@ SPATIAL_MODES = ("shared", "spatial-static", "spatial")
 _CURVES: dict[Any, CurveSet] = {}
 
 
-def model_curves(path: str | None, model_config: Any = None) -> CurveSet:
+def model_curves(path: str | None, model_config: Any = None, *, tp: int = 1,
+                 mm_encoder_tp_mode: str = "data") -> CurveSet:
     """Curves from `path`, else the analytic roofline of `model_config` (a transformers
-    Qwen2-VL config; Qwen2-VL-7B's when None or unreadable); ValueError naming ``curves`` for
-    a bad file."""
+    Qwen2-VL config; Qwen2-VL-7B's when None or unreadable): at `tp` > 1 those of one rank of
+    the group (`analytic_tp`: its share of the decoder plus the collectives, the vision encoder
+    as `mm_encoder_tp_mode` runs it), what ``spaceserve sim --tp`` simulates. ValueError naming
+    ``curves`` for a bad file."""
     if path is not None:
         try:
             return CurveSet.load(path)
         except (OSError, ValueError) as exc:
             raise ValueError(f"curves={path!r}: {exc}") from None
-    from .analytic import ModelShape, analytic_curves
+    from .analytic import ModelShape, analytic_curves, qwen2_vl_7b_config
 
     config = model_config
     try:
-        key = ModelShape.from_config(config) if config is not None else None
+        shape = ModelShape.from_config(config) if config is not None else None
     except (AttributeError, TypeError, ValueError):
-        config = key = None
+        config = shape = None
+    key = (shape, tp, mm_encoder_tp_mode if tp > 1 else None)
     if key not in _CURVES:
-        _CURVES[key] = analytic_curves(config)
+        if tp > 1:
+            from .analytic_tp import tensor_parallel_curves
+
+            name = None if config is not None else "Qwen2-VL-7B"
+            _CURVES[key] = tensor_parallel_curves(config or qwen2_vl_7b_config(), tp=tp,
+                                                  mm_encoder_tp_mode=mm_encoder_tp_mode,
+                                                  name=name)
+        else:
+            _CURVES[key] = analytic_curves(config)
     return _CURVES[key]
 
 
 def load_curves(path: str | None, runner: Any) -> CurveSet:
     """`model_curves` of the runner's model (Qwen2-VL-7B's when the runner has no model
-    config)."""
-    return model_curves(path, getattr(getattr(runner, "model", None), "config", None))
+    config), of one rank of a tensor-parallel runner."""
+    config = getattr(getattr(runner, "model", None), "config", None)
+    return model_curves(path, config, tp=getattr(runner, "tp_size", 1),
+                        mm_encoder_tp_mode=getattr(runner, "mm_encoder_tp_mode", "data"))
 
 
 def engine_policy(curves: CurveSet, config: Any, total_sms: int) -> SchedulingPolicy:
@@ -72,10 +87,12 @@ def chosen_splits(config: Any, model_config: Any, device: torch.device | str
                   ) -> tuple[int, ...] | None:
     """The encoder splits an engine of `config` on `device` makes partitions for, before it
     exists: in ``spatial`` `engine_policy`'s (curves from ``config.curves``, else the analytic
-    roofline of `model_config`), otherwise ``config.encoder_splits`` as given."""
+    roofline of one rank of `model_config` at ``config.tensor_parallel_size``), otherwise
+    ``config.encoder_splits`` as given."""
     if config.mode != "spatial":
         return config.encoder_splits
-    curves = model_curves(config.curves, model_config)
+    curves = model_curves(config.curves, model_config, tp=config.tensor_parallel_size,
+                          mm_encoder_tp_mode=config.mm_encoder_tp_mode)
     return engine_policy(curves, config, device_num_sms(torch.device(device))).splits
 
 

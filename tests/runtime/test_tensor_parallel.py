@@ -168,7 +168,9 @@ def test_tp2_matches_tp1_and_transformers(request, model, mode, extra):
         stats = two.runner.worker_stats()
         assert stats[0]["steps"] > 0
         if mode == "spatial":  # every rank: the split set chosen from the curves and the SLO
-            chosen = engine_policy(load_curves(None, two.runner), two.config, 132).splits
+            curves = load_curves(None, two.runner)  # one rank's, as the simulator's at TP 2
+            assert (curves.model["tp"], curves.model["mm_encoder_tp_mode"]) == (2, "data")
+            chosen = engine_policy(curves, two.config, 132).splits
             assert chosen != default_splits(132)
             assert tuple(sorted(two.spatial.partitions.splits)) == chosen
             assert two.runner.partition_spec.encoder_splits == chosen
@@ -316,26 +318,32 @@ def test_collective_bounds_and_encoder_modes_are_checked():
 
 def test_spatial_splits_are_chosen_before_any_process_starts(tiny_path):
     """The split set a TP ``spatial`` engine gives its workers is the engine policy's for its
-    config (the model's curves, the SLO, `sis_load`), an explicit `encoder_splits` wins, and
-    the collectives' bound follows that set: a `collective_sms` that does not fit its smallest
-    side is refused, naming the split, before any worker starts."""
+    config (one rank's curves of the model, the SLO, `sis_load`): what ``spaceserve sim --tp``
+    simulates. An explicit `encoder_splits` wins, and the collectives' bound follows the set: a
+    `collective_sms` that does not fit its smallest side is refused, naming the split, before
+    any worker starts."""
     import multiprocessing
 
-    from spaceserve.runtime.analytic import analytic_curves, qwen2_vl_7b_config
+    from spaceserve.runtime.analytic import qwen2_vl_72b_config
+    from spaceserve.runtime.analytic_tp import tensor_parallel_curves
+    from spaceserve.runtime.sim import SimConfig
+    from spaceserve.runtime.sim.config import sim_policy
     from spaceserve.runtime.split_set import chosen_splits
     from spaceserve.runtime.tp import ModelSource
     from spaceserve.runtime.tp.runner import source_config
 
     cpu = torch.device("cpu")
-    seven = qwen2_vl_7b_config()
-    for slo, expected in (("ttft:2000,tpot:50", (32, 56, 80, 96, 104, 120)),
-                          ("ttft:2000,itl:21", (32, 48, 72, 96, 104, 112))):
-        cfg = EngineConfig(mode="spatial", slo=slo, tensor_parallel_size=2)
-        assert chosen_splits(cfg, seven, cpu) == expected
+    big, rank = qwen2_vl_72b_config(), tensor_parallel_curves(qwen2_vl_72b_config(), tp=8)
+    for slo, expected in (("ttft:2000,tpot:50", (32, 56, 80, 96, 112, 120)),
+                          ("ttft:2000,itl:21", (32, 48, 64, 72, 88, 104))):
+        cfg = EngineConfig(mode="spatial", slo=slo, tensor_parallel_size=8)
+        assert chosen_splits(cfg, big, cpu) == expected == \
+            sim_policy(rank, SimConfig(mode="spatial", slo=cfg.slo)).splits
     hf = source_config(ModelSource(path=str(tiny_path)))
     cfg = EngineConfig(mode="spatial", tensor_parallel_size=2)
     chosen = chosen_splits(cfg, hf, cpu)
-    assert chosen == engine_policy(analytic_curves(hf), cfg, 132).splits != default_splits(132)
+    assert chosen == engine_policy(tensor_parallel_curves(hf, tp=2), cfg, 132).splits
+    assert chosen != default_splits(132)
     assert chosen[-1] == 120  # the decoder's 12 SMs bound the collectives
     assert chosen_splits(dataclasses.replace(cfg, encoder_splits=(40, 80)), hf, cpu) == (40, 80)
     with pytest.raises(ValueError, match=r"collective_sms=16 exceeds the smallest partition a "
@@ -367,8 +375,9 @@ def test_rank_0_refuses_partitions_its_workers_did_not_build():
                                              rf"for {built}, rank 0 for spatial splits \(32, "):
             Engine(runner, cfg)
     runner = NullModelRunner()  # the spec of the engine policy's set: the engine starts
+    runner.tp_size = 2
     chosen = engine_policy(load_curves(None, runner), cfg, 132).splits
-    runner.tp_size, runner.partition_spec = 2, PartitionSpec("spatial", None, chosen, False, 1)
+    runner.partition_spec = PartitionSpec("spatial", None, chosen, False, 1)
     eng = Engine(runner, cfg)
     assert tuple(sorted(eng.spatial.partitions.splits)) == chosen
     eng.close()
