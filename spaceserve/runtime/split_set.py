@@ -54,9 +54,9 @@ def model_curves(path: str | None, model_config: Any = None, *, tp: int = 1,
             from .analytic_tp import tensor_parallel_curves
 
             name = None if config is not None else "Qwen2-VL-7B"
-            _CURVES[key] = tensor_parallel_curves(config or qwen2_vl_7b_config(), tp=tp,
-                                                  mm_encoder_tp_mode=mm_encoder_tp_mode,
-                                                  name=name)
+            config = qwen2_vl_7b_config() if config is None else config
+            _CURVES[key] = tensor_parallel_curves(config, tp=tp, name=name,
+                                                  mm_encoder_tp_mode=mm_encoder_tp_mode)
         else:
             _CURVES[key] = analytic_curves(config)
     return _CURVES[key]
