@@ -12,6 +12,8 @@ The vision encoder, in vLLM's `mm_encoder_tp_mode` terms:
   its curve is the single-GPU ViT plus the broadcast of the embeddings from their owner (spread
   over the layers). The simulator runs one image per rank at a time (`encoder_ranks` in the
   curve set's model description; `encoder_dp.RoundTwsrft`).
+- ``"replicate"`` (the engine's reference mode): every rank encodes every image with the whole
+  ViT, so its curve is the single-GPU ViT and there is one encoder queue.
 - ``"weights"``: the ViT sharded like the decoder (heads, MLP width and the merger split over
   the ranks, two all-reduces per block and one after the merger); every rank works on the same
   image, so there is one encoder queue.
@@ -30,7 +32,7 @@ from typing import Any
 from .analytic import DevicePreset, ModelShape, Roofline, analytic_curves, qwen2_vl_72b_config
 from .curves import CurveSet
 
-MM_ENCODER_TP_MODES = ("data", "weights")
+MM_ENCODER_TP_MODES = ("data", "weights", "replicate")
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ class TensorParallelRoofline(Roofline):
 
     # -- vision encoder --------------------------------------------------------------------------
     def _vit_layer(self, p: float, segment: float, sms: int) -> float:
-        if self.mode == "data":
+        if self.mode != "weights":
             return super()._vit_layer(p, segment, sms)
         s, segment, n = self.s, max(1.0, segment), self.tp
         e, hd, heads = s.vision_embed, s.vision_embed // s.vision_heads, s.vision_heads // n
@@ -131,6 +133,8 @@ class TensorParallelRoofline(Roofline):
         """One vision-layer equivalent of one rank's work (module docstring)."""
         s, p = self.s, float(patches)
         m, wide = p / s.merge ** 2, s.vision_embed * s.merge ** 2
+        if self.mode == "replicate":
+            return super().encoder_layer(patches, sms)
         if self.mode == "data":  # + the broadcast of the embeddings from their owner
             extra = self.broadcast(m * s.vision_out * self.b)
             return super().encoder_layer(patches, sms) + extra / s.vision_depth

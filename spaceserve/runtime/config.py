@@ -31,15 +31,16 @@ class EngineConfig:
 
     Co-located modes (``shared``, ``spatial-static``, ``spatial``; see `epd.py`):
     `encoder_sms` is the static split (None: about half the device, a multiple of 8);
-    `encoder_splits` the splits partitions are made for in ``spatial`` (None: about a quarter,
-    half and three quarters); `curves` a resource-utility curves JSON for SIS and TWSRFT (None:
-    the analytic model); `prefill_on` "auto" (SIS in ``spatial``, else the compute partition),
-    "compute" or "decode"; `encoder_driver` "cooperative" or "thread" (the cooperative one
-    launches encoder layers for `encoder_launch_budget_s` of host time per step, while the
-    decode step runs, at least one layer per step; `encoder_window_s` is TWSRFT's grant
-    window, and ``temporal-chunked``'s encoder chunk between decode steps, see
-    `encoder_chunked.py`); `green_contexts` False
-    forces kernel budgets alone; `programs_per_sm` applies inside green partitions only.
+    `encoder_splits` the splits partitions are made for in ``spatial`` (None: chosen at start-up
+    from the curves and `slo`, the same on every tensor-parallel rank; `split_set.py`); `curves`
+    a resource-utility curves JSON for SIS and TWSRFT (None: the analytic model, of one rank at
+    tensor_parallel_size > 1); `prefill_on` "auto" (SIS in ``spatial``, else the compute
+    partition), "compute" or "decode"; `encoder_driver` "cooperative" or "thread" (the
+    cooperative one launches encoder layers for `encoder_launch_budget_s` of host time per step,
+    while the decode step runs, at least one layer per step; `encoder_window_s` is TWSRFT's
+    grant window, and ``temporal-chunked``'s encoder chunk between decode steps, see
+    `encoder_chunked.py`); `green_contexts` False forces kernel budgets alone; `programs_per_sm`
+    applies inside green partitions only.
     `slo`: the latency SLO requests are judged by and ``spatial``'s SIS aims at (`slo.py`; an
     `Slo` or its text such as ``"ttft:2000,tpot:50"``, the default); `sis_objective` "goodput"
     or "tpot" (`sis.py`); `sis_load` the decode (batch, mean context) the split set is chosen

@@ -24,7 +24,6 @@ takes effect when the prefill completes.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,22 +34,20 @@ import torch
 
 from spaceserve.kernels.budget import device_num_sms
 
-from .curves import CurveSet
-from .partition import Partition, PartitionSet, default_splits
-from .policy import OBJECTIVES, SchedulingPolicy, scheduling_policy
+from .partition import Partition, PartitionSet
+from .policy import OBJECTIVES, SchedulingPolicy
 from .request import Request, Status
 from .scheduler import ScheduledBatch, Scheduler
 from .sis import SisState, SpaceInferenceScheduler, Split
 from .spatial import DRIVERS, SpatialEncoderStage
+from .split_set import encoder_split_set, engine_policy, load_curves, make_partitions
 
-SPATIAL_MODES = ("shared", "spatial-static", "spatial")
 PLACEMENTS = ("auto", "compute", "decode")
 CONTEXT_BUCKET = 64  # SIS sees the mean decode context rounded to this
 # Compute-partition prefills in flight at once; beyond that a step's prefill chunks stay in the
 # decode batch. Two matches the runner planner's double-buffered pinned staging, whose reuse
 # waits for the copy that last read the buffer (queued behind encoder work on that stream).
 MAX_COMPUTE_PREFILLS = 2
-_CURVES: dict[Any, CurveSet] = {}
 
 
 def check_config(cfg: Any) -> None:
@@ -82,39 +79,6 @@ def check_config(cfg: Any) -> None:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or not (value >= 0 if zero_ok else value > 0):
             raise ValueError(f"{name}={value!r} must be a number {'>=' if zero_ok else '>'} 0")
-
-
-def load_curves(path: str | None, runner: Any) -> CurveSet:
-    """Curves from `path`, else the analytic roofline of the runner's model (Qwen2-VL-7B's when
-    the runner has no model config); ValueError naming ``curves`` for a bad file."""
-    if path is not None:
-        try:
-            return CurveSet.load(path)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"curves={path!r}: {exc}") from None
-    from .analytic import ModelShape, analytic_curves
-
-    config = getattr(getattr(runner, "model", None), "config", None)
-    try:
-        key = ModelShape.from_config(config) if config is not None else None
-    except (AttributeError, TypeError, ValueError):
-        config = key = None
-    if key not in _CURVES:
-        _CURVES[key] = analytic_curves(config)
-    return _CURVES[key]
-
-
-def engine_policy(curves: CurveSet, config: Any, total_sms: int) -> SchedulingPolicy:
-    """The scheduling policy of an `EngineConfig` (`policy.py`): what `sim.sim_policy` builds
-    for a simulated GPU with the same curves, SLO, knobs and reference decode load."""
-    splits = config.encoder_splits
-    if splits and not all(0 < e < total_sms for e in splits):
-        raise ValueError(f"encoder_splits={tuple(splits)} must be in 1..{total_sms - 1}")
-    batch, context = config.sis_load
-    return scheduling_policy(
-        curves, config.slo, objective=config.sis_objective, total_sms=total_sms,
-        splits=config.encoder_splits, batch=batch, context=context,
-        window_s=config.encoder_window_s, launch_budget_s=config.encoder_launch_budget_s)
 
 
 def set_budgets(runner: Any, part: Partition) -> None:
@@ -325,36 +289,6 @@ class SpatialRuntime:
         self.partitions.close()
 
 
-def make_partitions(config: Any, device: torch.device, splits: Sequence[int] | None = None
-                    ) -> tuple[PartitionSet, list[Partition]]:
-    """The partition set of a co-located mode and the partitions it uses, from an
-    `EngineConfig` (or anything with its mode, encoder_sms, encoder_splits, green_contexts and
-    programs_per_sm fields: a tensor-parallel worker builds the same set on its own device).
-    `splits`: ``spatial``'s split set when chosen elsewhere (`engine_policy`)."""
-    mode = config.mode
-    if mode not in SPATIAL_MODES:
-        raise ValueError(f"mode={mode!r} is not a co-located mode ({', '.join(SPATIAL_MODES)})")
-    total = device_num_sms(device)
-    green = None if config.green_contexts else False
-    if mode == "shared":
-        pset = PartitionSet(device, shared=True)
-        return pset, [pset.full]
-    if mode == "spatial-static":
-        e = config.encoder_sms
-        if e is None:
-            splits = default_splits(total)
-            e = splits[len(splits) // 2]
-        if not 0 < e < total:
-            raise ValueError(f"encoder_sms={e} must be in 1..{total - 1} (SMs of this device)")
-        pset = PartitionSet(device, [e], green=green, programs_per_sm=config.programs_per_sm)
-        return pset, [pset.get(e)]
-    splits = tuple(splits or config.encoder_splits or default_splits(total))
-    if not all(0 < e < total for e in splits):
-        raise ValueError(f"encoder_splits={splits} must be in 1..{total - 1}")
-    pset = PartitionSet(device, splits, green=green, programs_per_sm=config.programs_per_sm)
-    return pset, pset.partitions()
-
-
 def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
                   clock: Callable[[], float] = time.monotonic, cache: Any = None
                   ) -> tuple[SpatialEncoderStage, SpatialRuntime]:
@@ -364,10 +298,17 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
     total = device_num_sms(device)
     curves = load_curves(config.curves, runner)
     policy = engine_policy(curves, config, total) if mode == "spatial" else None
-    if policy is not None and config.encoder_splits is None and \
-            getattr(runner, "tp_size", 1) > 1:  # tensor-parallel ranks build default splits
-        policy = dataclasses.replace(policy, splits=default_splits(total))
     pset, parts = make_partitions(config, device, policy.splits if policy else None)
+    if getattr(runner, "tp_size", 1) > 1:  # the other ranks built theirs from the runner's spec
+        spec = runner.partition_spec
+        mine = (mode, tuple(sorted(pset.splits)))
+        theirs = None if spec is None else (spec.mode, encoder_split_set(spec, total))
+        if theirs != mine:
+            pset.close()
+            built = "none" if theirs is None else f"{theirs[0]} splits {theirs[1]}"
+            raise ValueError(f"the tensor-parallel workers built partitions for {built}, rank 0 "
+                             f"for {mine[0]} splits {mine[1]}: build the runner with "
+                             "TensorParallelRunner.for_engine(config)")
     captured: tuple[int, ...] = ()
     graph_bytes: dict[int, int] = {}  # device memory the decode graphs took, per partition
     for part in parts:

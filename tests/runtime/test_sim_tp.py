@@ -61,6 +61,10 @@ def test_a_rank_runs_its_share_and_waits_for_the_collectives(shape72) -> None:
     p = 4 * 2691
     bcast = 15e-6 + (p / 4 * 8192 * 2) / 360e9
     assert r.encoder_layer(p, 64) == pytest.approx(one.encoder_layer(p, 64) + bcast / 32)
+    # replicated (the engine's reference mode): the whole ViT on every rank, no broadcast
+    rep = rank(shape72, 8, "replicate")
+    assert rep.encoder_layer(p, 64) == one.encoder_layer(p, 64)
+    assert rep.decode(32, 1024, 66) == r.decode(32, 1024, 66)
     # sharded: one image faster, eight at once slower
     w = rank(shape72, 8, "weights")
     assert w.encoder_layer(p, 132) < r.encoder_layer(p, 132) < 8 * w.encoder_layer(p, 132)

@@ -9,7 +9,8 @@ replicates the tiny model's
 2 KV heads; a worker killed mid-generate ends `generate` with an error naming it within 30 s;
 no worker outlives its engine. Every rank's launch record shows its collectives, bounded by
 NCCL_MAX_CTAS, inside the budget of the stage that issues them, beside that stage's Triton
-kernels.
+kernels. A spatial engine's split set is the engine policy's (curves and SLO) on every rank,
+chosen before the workers start, with the collectives' bound following it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from spaceserve import Engine, SamplingParams
 from spaceserve.kernels import record_launches
 from spaceserve.kernels.testing import assert_within_budget
 from spaceserve.runtime.config import EngineConfig
+from spaceserve.runtime.epd import engine_policy, load_curves
+from spaceserve.runtime.partition import default_splits
 from spaceserve.runtime.tp import PartitionSpec, TensorParallelError
 from spaceserve.runtime.tp.runner import collective_sms_for
 
@@ -164,6 +167,15 @@ def test_tp2_matches_tp1_and_transformers(request, model, mode, extra):
         two.check_idle()
         stats = two.runner.worker_stats()
         assert stats[0]["steps"] > 0
+        if mode == "spatial":  # every rank: the split set chosen from the curves and the SLO
+            curves = load_curves(None, two.runner)  # one rank's, as the simulator's at TP 2
+            assert (curves.model["tp"], curves.model["mm_encoder_tp_mode"]) == (2, "data")
+            chosen = engine_policy(curves, two.config, 132).splits
+            assert chosen != default_splits(132)
+            assert tuple(sorted(two.spatial.partitions.splits)) == chosen
+            assert two.runner.partition_spec.encoder_splits == chosen
+            assert stats[0]["splits"] == chosen
+            assert two.runner.collective_sms == 132 - chosen[-1]  # its decoder's 12 SMs
         # workers mirror rank 0's encoder cache: one set of rows per cached media item ...
         assert (stats[0]["embeds"], stats[0]["jobs"]) == (two.encoder_cache.num_live, 0)
         items = sum(len(p.get(k, ())) for p in prompts
@@ -302,3 +314,70 @@ def test_collective_bounds_and_encoder_modes_are_checked():
         EngineConfig(mm_encoder_tp_mode="weights")
     with pytest.raises(ValueError, match="mm_encoder_tp_mode='tensor' is not one of"):
         EngineConfig(mm_encoder_tp_mode="tensor")
+
+
+def test_spatial_splits_are_chosen_before_any_process_starts(tiny_path):
+    """The split set a TP ``spatial`` engine gives its workers is the engine policy's for its
+    config (one rank's curves of the model, the SLO, `sis_load`): what ``spaceserve sim --tp``
+    simulates. An explicit `encoder_splits` wins, and the collectives' bound follows the set: a
+    `collective_sms` that does not fit its smallest side is refused, naming the split, before
+    any worker starts."""
+    import multiprocessing
+
+    from spaceserve.runtime.analytic import qwen2_vl_72b_config
+    from spaceserve.runtime.analytic_tp import tensor_parallel_curves
+    from spaceserve.runtime.sim import SimConfig
+    from spaceserve.runtime.sim.config import sim_policy
+    from spaceserve.runtime.split_set import chosen_splits
+    from spaceserve.runtime.tp import ModelSource
+    from spaceserve.runtime.tp.runner import source_config
+
+    cpu = torch.device("cpu")
+    big, rank = qwen2_vl_72b_config(), tensor_parallel_curves(qwen2_vl_72b_config(), tp=8)
+    for slo, expected in (("ttft:2000,tpot:50", (32, 56, 80, 96, 112, 120)),
+                          ("ttft:2000,itl:21", (32, 48, 64, 72, 88, 104))):
+        cfg = EngineConfig(mode="spatial", slo=slo, tensor_parallel_size=8)
+        assert chosen_splits(cfg, big, cpu) == expected == \
+            sim_policy(rank, SimConfig(mode="spatial", slo=cfg.slo)).splits
+    hf = source_config(ModelSource(path=str(tiny_path)))
+    cfg = EngineConfig(mode="spatial", tensor_parallel_size=2)
+    chosen = chosen_splits(cfg, hf, cpu)
+    assert chosen == engine_policy(tensor_parallel_curves(hf, tp=2), cfg, 132).splits
+    assert chosen != default_splits(132)
+    assert chosen[-1] == 120  # the decoder's 12 SMs bound the collectives
+    assert chosen_splits(dataclasses.replace(cfg, encoder_splits=(40, 80)), hf, cpu) == (40, 80)
+    with pytest.raises(ValueError, match=r"collective_sms=16 exceeds the smallest partition a "
+                                         r"collective runs in \(12 SMs\): the decoder side of "
+                                         r"the 120 / 12 split"):
+        Engine.from_pretrained(str(tiny_path), tensor_parallel_size=2, mode="spatial",
+                               collective_sms=16, **FAST)
+    with pytest.raises(ValueError, match=r"collective_sms=60 exceeds .* \(40 SMs\): the encoder "
+                                         r"side of the 40 / 92 split of encoder splits "
+                                         r"\(40, 80\)"):
+        Engine.from_pretrained(str(tiny_path), tensor_parallel_size=2, mode="spatial",
+                               encoder_splits=(40, 80), collective_sms=60, **FAST)
+    assert not multiprocessing.active_children()
+
+
+def test_rank_0_refuses_partitions_its_workers_did_not_build():
+    """Rank 0 builds its partitions from the engine policy; workers built theirs from the
+    runner's spec: an engine over a runner whose spec differs (the default set, or none) fails
+    at start-up, naming both sets, instead of a worker meeting budgets it has no partition for."""
+    from spaceserve.runtime.runner import NullModelRunner
+
+    cfg = EngineConfig(mode="spatial", num_kv_blocks=16, block_size=4, max_num_seqs=4,
+                       tensor_parallel_size=2)
+    for spec, built in ((PartitionSpec("spatial", None, default_splits(132), False, 1),
+                         r"spatial splits \(32, 64, 96\)"), (None, "none")):
+        runner = NullModelRunner()
+        runner.tp_size, runner.partition_spec = 2, spec
+        with pytest.raises(ValueError, match=rf"the tensor-parallel workers built partitions "
+                                             rf"for {built}, rank 0 for spatial splits \(32, "):
+            Engine(runner, cfg)
+    runner = NullModelRunner()  # the spec of the engine policy's set: the engine starts
+    runner.tp_size = 2
+    chosen = engine_policy(load_curves(None, runner), cfg, 132).splits
+    runner.partition_spec = PartitionSpec("spatial", None, chosen, False, 1)
+    eng = Engine(runner, cfg)
+    assert tuple(sorted(eng.spatial.partitions.splits)) == chosen
+    eng.close()

@@ -67,7 +67,10 @@ class ModelSource:
 
 @dataclass(frozen=True)
 class PartitionSpec:
-    """How the co-located modes build their SM partitions (as `epd.build_spatial` does)."""
+    """How the co-located modes build their SM partitions (`split_set.make_partitions`, as
+    `epd.build_spatial` does on rank 0). In ``spatial``, `encoder_splits` is the split set rank
+    0 chose from the curves and the SLO before the workers started (`split_set.chosen_splits`),
+    or the config's own; rank 0's engine refuses to start on a set that differs from it."""
 
     mode: str
     encoder_sms: int | None
@@ -198,10 +201,11 @@ class Step:
 
 @dataclass
 class Stats:
-    """Diagnostics; replies {"steps", "embeds", "jobs", "encoded", "launches"}: steps run,
-    embeddings and encoder jobs held, images this rank encoded, and the launches
-    (`LaunchRecord`s, collectives included) recorded since the last `Stats`. `record` True
-    starts recording launches, False stops, None leaves it as is."""
+    """Diagnostics; replies {"steps", "embeds", "jobs", "encoded", "launches", "splits"}:
+    steps run, embeddings and encoder jobs held, images this rank encoded, the launches
+    (`LaunchRecord`s, collectives included) recorded since the last `Stats`, and the encoder
+    splits of this rank's partition set (None in the temporal modes). `record` True starts
+    recording launches, False stops, None leaves it as is."""
 
     record: bool | None = None
 

@@ -63,7 +63,8 @@ def collective_timeout_s() -> float:
 
 class TensorParallelRunner(EncoderMethods):
     """Rank 0 of a tensor-parallel group of `size` ranks (module docstring). `partitions` is
-    set for the co-located modes (every rank builds the same partition set); `env` is set in
+    set for the co-located modes (every rank builds the same partition set from it; in
+    ``spatial`` it carries the engine's chosen split set: `for_engine`); `env` is set in
     every rank's environment before its group is created (NCCL's knobs, for instance);
     `mm_encoder_tp_mode` "data" or "replicate" (`encoder.py`); `collective_sms` bounds a
     collective's thread blocks (None: `collective_sms_for`'s default)."""
@@ -89,6 +90,7 @@ class TensorParallelRunner(EncoderMethods):
         self.tp_size = size
         self.source = source
         self.mm_encoder_tp_mode = mm_encoder_tp_mode
+        self.partition_spec = partitions
         self.collective_sms = collective_sms_for(device, partitions, collective_sms)
         env = {**(env or {}), CTAS_ENV: str(self.collective_sms)}
         self._seq = [0] * size
@@ -131,8 +133,9 @@ class TensorParallelRunner(EncoderMethods):
                    attention_backend: str = "triton", dtype: Any = None, device: Any = None
                    ) -> TensorParallelRunner:
         """The runner of an `EngineConfig` (its ``tensor_parallel_size`` and, for the
-        co-located modes, its partition fields) over a checkpoint `path` or random weights of
-        `model_config` (a config dict) drawn with `seed`. `device` None: CUDA when present."""
+        co-located modes, its partition fields; ``spatial``'s split set chosen here, from its
+        curves and SLO) over a checkpoint `path` or random weights of `model_config` (a config
+        dict) drawn with `seed`. `device` None: CUDA when present."""
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and dev.index not in (None, 0)):
@@ -144,10 +147,15 @@ class TensorParallelRunner(EncoderMethods):
                                config=model_config, seed=seed,
                                attention_backend=attention_backend, dtype=dtype,
                                device=dev.type)
-        check_splits(source, config.tensor_parallel_size)
+        hf_config = source_config(source)
+        check_splits(source, config.tensor_parallel_size, hf_config)
         partitions = None
-        if config.mode not in TEMPORAL_MODES:  # the co-located modes' partitions
-            partitions = P.PartitionSpec(config.mode, config.encoder_sms, config.encoder_splits,
+        if config.mode not in TEMPORAL_MODES:  # the co-located modes' partitions, every rank's
+            from ..split_set import chosen_splits
+
+            rank0 = torch.device("cuda", 0) if dev.type == "cuda" else dev
+            splits = chosen_splits(config, hf_config, rank0)
+            partitions = P.PartitionSpec(config.mode, config.encoder_sms, splits,
                                          config.green_contexts, config.programs_per_sm)
         return cls(source, config.tensor_parallel_size, partitions=partitions,
                    mm_encoder_tp_mode=config.mm_encoder_tp_mode,
@@ -298,7 +306,8 @@ class TensorParallelRunner(EncoderMethods):
 
     def worker_stats(self, record: bool | None = None) -> list[dict[str, Any]]:
         """Each worker's diagnostics (`protocol.Stats`): steps run, embeddings and encoder jobs
-        held, and the launches recorded since the last call (`record` switches recording)."""
+        held, the launches recorded since the last call (`record` switches recording) and the
+        encoder splits of its partition set."""
         self._send(P.Stats(record))
         return self._replies()
 
@@ -319,20 +328,25 @@ class TensorParallelRunner(EncoderMethods):
 
 def smallest_partition(device: torch.device, partitions: P.PartitionSpec | None) -> int:
     """The fewest SMs any stage that issues collectives gets: the whole device in temporal and
-    shared modes, else the smaller side of the most lopsided split (requested counts)."""
+    shared modes, else the smaller side of the most lopsided split of the set the spec builds
+    (requested counts: 120 encoder SMs of 132 leave the decoder 12)."""
+    return _smallest(device, partitions)[0]
+
+
+def _smallest(device: torch.device, partitions: P.PartitionSpec | None) -> tuple[int, str]:
+    """`smallest_partition` and where it is, in words."""
     from spaceserve.kernels.budget import device_num_sms
 
-    from ..partition import default_splits
+    from ..split_set import encoder_split_set
 
     total = device_num_sms(device)
-    if partitions is None or partitions.mode == "shared":
-        return total
-    if partitions.mode == "spatial-static":
-        splits = [partitions.encoder_sms or default_splits(total)[len(default_splits(total))
-                                                                 // 2]]
-    else:
-        splits = list(partitions.encoder_splits or default_splits(total))
-    return min(min(e, total - e) for e in splits if 0 < e < total) if splits else total
+    splits = () if partitions is None else encoder_split_set(partitions, total)
+    if not splits:
+        return total, f"the whole device of {total} SMs"
+    e = min(splits, key=lambda x: min(x, total - x))
+    side = "encoder" if e <= total - e else "decoder"
+    return min(e, total - e), (f"the {side} side of the {e} / {total - e} split of encoder "
+                               f"splits {splits}")
 
 
 def collective_sms_for(device: torch.device, partitions: P.PartitionSpec | None,
@@ -340,22 +354,22 @@ def collective_sms_for(device: torch.device, partitions: P.PartitionSpec | None,
     """The bound on a collective's thread blocks: `requested`, or `DEFAULT_COLLECTIVE_SMS`
     capped at the smallest partition; ValueError when a requested bound does not fit it (a
     collective could not run inside that partition's SMs)."""
-    smallest = smallest_partition(device, partitions)
+    smallest, where = _smallest(device, partitions)
     if requested is None:
         return max(1, min(DEFAULT_COLLECTIVE_SMS, smallest))
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise ValueError(f"collective_sms={requested!r} must be an int >= 1")
     if requested > smallest:
         raise ValueError(f"collective_sms={requested} exceeds the smallest partition a "
-                         f"collective runs in ({smallest} SMs)")
+                         f"collective runs in ({smallest} SMs): {where}")
     return requested
 
 
-def check_splits(source: P.ModelSource, size: int) -> None:
-    """ValueError, before any process starts, when the model's heads or MLP width do not split
-    over `size` ranks (reads only the checkpoint's config)."""
+def source_config(source: P.ModelSource) -> Any:
+    """The transformers config every rank builds its shard from (the checkpoint's config.json
+    or the source's dict); None for a checkpoint of an unsupported type (`from_pretrained`
+    says why, on rank 0)."""
     from spaceserve.models.loader import SUPPORTED_MODEL_TYPES, config_class
-    from spaceserve.models.parallel import TensorParallel, check_text_config
 
     if source.path is not None:
         import json
@@ -363,12 +377,20 @@ def check_splits(source: P.ModelSource, size: int) -> None:
         with open(os.path.join(source.path, "config.json")) as f:
             model_type = json.load(f).get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            return  # from_pretrained says why, on rank 0
-        config = config_class(model_type).from_pretrained(source.path)
-    else:
-        raw = dict(source.config or {})
-        config = config_class(raw.pop("model_type", "qwen2_vl"))(**raw)
-    check_text_config(config.text_config, TensorParallel(0, size))
+            return None
+        return config_class(model_type).from_pretrained(source.path)
+    raw = dict(source.config or {})
+    return config_class(raw.pop("model_type", "qwen2_vl"))(**raw)
+
+
+def check_splits(source: P.ModelSource, size: int, config: Any = None) -> None:
+    """ValueError, before any process starts, when the model's heads or MLP width do not split
+    over `size` ranks (reads only the checkpoint's config; `config`: it, already read)."""
+    from spaceserve.models.parallel import TensorParallel, check_text_config
+
+    config = source_config(source) if config is None else config
+    if config is not None:
+        check_text_config(config.text_config, TensorParallel(0, size))
 
 
 def _collective_error(exc: BaseException) -> bool:

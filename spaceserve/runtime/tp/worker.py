@@ -256,8 +256,9 @@ class WorkerState:
             else:
                 self._recorder.__exit__(None, None, None)
                 self._recorder, self._launches = None, []
+        splits = None if self.pset is None else tuple(sorted(self.pset.splits))
         return {"steps": self.num_steps, "embeds": len(self.embeds), "jobs": len(self.jobs),
-                "encoded": self.num_encoded, "launches": launches}
+                "encoded": self.num_encoded, "launches": launches, "splits": splits}
 
     def close(self) -> None:
         if self.pset is not None:
@@ -296,7 +297,7 @@ def worker_main(rank: int, spec: P.GroupSpec, source: P.ModelSource, conn: Any,
         runner = build_runner(source, rank, spec.size, comms["decoder"], device)
         pset = None
         if spec.partitions is not None:
-            from ..epd import make_partitions
+            from ..split_set import make_partitions
 
             pset, _ = make_partitions(spec.partitions, device)
         state = WorkerState(runner, comms, pset, rank=rank, progress=spec.progress,
