@@ -1,5 +1,6 @@
 """Every GPU tuning candidate compiles for sm_90a and fits the H200's shared memory (the
-interpreter cannot tell), under this Triton and, when CI names one, Triton 3.6."""
+interpreter cannot tell), under this Triton and, when CI names one, Triton 3.6. Spill counts
+are not checked, so ptxas is not re-run for them (`--no-spills`)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def test_candidates_compile_for_sm90(tmp_path, python):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run([python, "-m", "spaceserve.kernels.aot", "--module",
-                           "autotune.aot_candidates", "--jobs", "2", "--json", str(out)],
+                           "autotune.aot_candidates", "--jobs", "2", "--no-spills", "--json",
+                           str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     rows = json.loads(out.read_text())["results"] if out.exists() else []
     failed = [r for r in rows if not r["ok"]]
