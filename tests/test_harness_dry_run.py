@@ -1,16 +1,22 @@
 """The GPU harness end to end on CPU: `run.sh --dry-run OUTDIR` runs every section's control flow
 (CUDA work skipped or faked, the serve extra blocked as on the GPU image) and returns at most 8
 files; a section killed at its limit keeps the rows it wrote; the pytest rows plugin reports
-each test (pytest-benchmark figures included) as it finishes."""
+each test (pytest-benchmark figures included) as it finishes.
+
+The two dry runs (the whole run, and one with a section made to hang) start in the background
+before this module's first test, so they run beside the in-process tests below, and the hung
+one, which only waits for its limit, beside the whole run."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -24,75 +30,77 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the dry run is the CPU stand-in of the GPU run")
 
 
-def run_sh(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHON"] = sys.executable
-    return subprocess.run(["bash", str(ROOT / "bench/gpu/run.sh"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+STALL_BUDGET_S = 20  # facts hangs after its 2nd row; plenty for 2 rows on a loaded machine
+
+
+class Background:
+    """`bash bench/gpu/run.sh ARGS` started now; `result()` waits for it (killing its process
+    group after `timeout` s) and `wall` is its own run time, however late it is read."""
+
+    def __init__(self, *args: str, timeout: float) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHON"] = sys.executable
+        self.timeout = timeout
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(["bash", str(ROOT / "bench/gpu/run.sh"), *args], cwd=ROOT,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        self.out = self.err = ""
+        self.wall = float("nan")
+        self._waiter = threading.Thread(target=self._wait, daemon=True)
+        self._waiter.start()
+
+    def _wait(self) -> None:
+        self.out, self.err = self.proc.communicate()
+        self.wall = time.perf_counter() - self.t0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._waiter.join(10)
+
+    def result(self) -> subprocess.CompletedProcess:
+        self._waiter.join(max(0.0, self.timeout - (time.perf_counter() - self.t0)))
+        if self._waiter.is_alive():
+            self.kill()
+            pytest.fail(f"run.sh did not end within {self.timeout} s:\n{self.out[-3000:]}")
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.out,
+                                           self.err)
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """`run.sh --dry-run OUT`: every section."""
+    out = tmp_path_factory.mktemp("dry") / "out"
+    run = Background("--dry-run", str(out), timeout=120)
+    yield run, out
+    run.kill()
+
+
+@pytest.fixture(scope="module")
+def stalled_run(tmp_path_factory):
+    """facts alone, made to hang after its 2nd row and killed at its limit."""
+    out = tmp_path_factory.mktemp("stalled") / "out"
+    run = Background("--dry-run", str(out), "--only", "facts", "--budget",
+                     f"facts={STALL_BUDGET_S}", "--stall", "facts:2", timeout=90)
+    yield run, out
+    run.kill()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_dry_runs(request) -> None:
+    """Start the dry runs the selected tests of this module use before its first test."""
+    wanted = {name for item in request.session.items if item.module is request.module
+              for name in item.fixturenames}
+    for name in ("whole_run", "stalled_run"):
+        if name in wanted:
+            request.getfixturevalue(name)
 
 
 def archived(out: Path, name: str) -> dict:
     with tarfile.open(out / "results.tar.gz") as tar:
         member = next(m for m in tar.getmembers() if m.name.endswith(f"/{name}"))
         return json.loads(tar.extractfile(member).read())
-
-
-def test_dry_run_runs_every_section_within_90_s(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    t0 = time.perf_counter()
-    proc = run_sh("--dry-run", str(out), timeout=120)
-    wall = time.perf_counter() - t0
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert wall < 90, f"dry run took {wall:.0f} s"
-    files = [p for p in out.rglob("*") if p.is_file()]
-    assert sorted(p.name for p in files) == ["harness.log", "results.tar.gz", "summary.json"]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["run"]["dry_run"] and summary["run"]["finished"]
-    sections = {s["name"]: s for s in summary["sections"]}
-    assert list(sections) == list(SECTIONS)  # every section named, in order, with a status
-    for name, s in sections.items():
-        assert s["status"] == "ok" or s["status"].startswith(("timeout", "skipped (no time")), \
-            (name, s["status"], s.get("note"))
-    # The first sections always get their time (a loaded machine may starve the last ones).
-    for name in ("warmup", "facts", "gpu-tests", "paged-attention"):
-        assert sections[name]["status"] == "ok", (name, sections[name])
-    tests = [r for r in sections["gpu-tests"]["rows"] if r["test"] != "(session)"]
-    assert len(tests) >= 23 and all(r["status"] == "skipped" for r in tests)  # all collected
-    warm = sections["warmup"]
-    assert warm["figures"]["warm_cases"] == warm["figures"]["cases"] >= 20
-    assert {"cold", "second", "per kernel", "summary"} <= {r["round"] for r in warm["rows"]}
-    facts = sections["facts"]
-    assert facts["rows"][0]["fact"] == "device"
-    assert {"overlap_fraction", "granted_encoder_sms", "granted_decoder_sms"} <= set(
-        facts["figures"])  # the green-streams row: None / the fallback's budgets on CPU
-    assert summary["environment"]["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
-    kernels = sections["kernels"]
-    if kernels["status"] == "ok":  # every kernel row says how it was timed and its host cost
-        timed = [r for r in kernels["rows"] if "ms" in r]
-        assert timed and all(isinstance(r["graph"], bool) and r["host_us"] > 0 for r in timed)
-    if any("ms" in r for r in kernels["rows"]):  # the summary's columns name them
-        assert {"graph", "timing", "launches", "host_us"} <= set(kernels["columns"])
-    if sections["colocation"]["status"] == "ok":
-        assert len(sections["colocation"]["headlines"]) == 4
-    assert "SpaceServe GPU harness summary" in (out / "harness.log").read_text()
-    assert archived(out, "summary.json")["sections"][0]["name"] == "warmup"
-    assert archived(out, "facts.json")["status"] == "done"
-
-
-def test_a_killed_section_keeps_its_rows_in_the_archive(tmp_path: Path) -> None:
-    """facts is made to hang after its 2nd row; its 8 s limit kills it, and the archive holds
-    the two rows the killed section wrote (and dumped on SIGTERM)."""
-    out = tmp_path / "out"
-    proc = run_sh("--dry-run", str(out), "--only", "facts", "--budget", "facts=8",
-                  "--stall", "facts:2", timeout=90)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    [facts] = summary["sections"]
-    assert facts["status"] == "timeout after 8 s" and facts["row_count"] == 2
-    assert "stalling after 2 rows" in facts["note"]
-    data = archived(out, "facts.json")
-    assert data["status"] == "terminated (SIGTERM)"
-    assert [r["fact"] for r in data["rows"]] == ["device", "copy_gbs"]
 
 
 BENCH_TESTS = textwrap.dedent('''
@@ -169,3 +177,59 @@ def test_warm_cases_launch_at_tiny_shapes(monkeypatch: pytest.MonkeyPatch) -> No
     wc.models_suite(cpu, timer, images=("448x448",), batches=(2,), context=24)
     wc.qwen25_vision(cpu, timer, images=("1024x1024",))
     assert len(calls) >= before + 3
+
+
+def test_dry_run_runs_every_section_within_90_s(whole_run) -> None:
+    run, out = whole_run
+    proc = run.result()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert run.wall < 90, f"dry run took {run.wall:.0f} s"
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert sorted(p.name for p in files) == ["harness.log", "results.tar.gz", "summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run"]["dry_run"] and summary["run"]["finished"]
+    sections = {s["name"]: s for s in summary["sections"]}
+    assert list(sections) == list(SECTIONS)  # every section named, in order, with a status
+    for name, s in sections.items():
+        assert s["status"] == "ok" or s["status"].startswith(("timeout", "skipped (no time")), \
+            (name, s["status"], s.get("note"))
+    # The first sections always get their time (a loaded machine may starve the last ones).
+    for name in ("warmup", "facts", "gpu-tests", "paged-attention"):
+        assert sections[name]["status"] == "ok", (name, sections[name])
+    tests = [r for r in sections["gpu-tests"]["rows"] if r["test"] != "(session)"]
+    assert len(tests) >= 23 and all(r["status"] == "skipped" for r in tests)  # all collected
+    warm = sections["warmup"]
+    assert warm["figures"]["warm_cases"] == warm["figures"]["cases"] >= 20
+    assert {"cold", "second", "per kernel", "summary"} <= {r["round"] for r in warm["rows"]}
+    facts = sections["facts"]
+    assert facts["rows"][0]["fact"] == "device"
+    assert {"overlap_fraction", "granted_encoder_sms", "granted_decoder_sms"} <= set(
+        facts["figures"])  # the green-streams row: None / the fallback's budgets on CPU
+    assert summary["environment"]["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    kernels = sections["kernels"]
+    if kernels["status"] == "ok":  # every kernel row says how it was timed and its host cost
+        timed = [r for r in kernels["rows"] if "ms" in r]
+        assert timed and all(isinstance(r["graph"], bool) and r["host_us"] > 0 for r in timed)
+    if any("ms" in r for r in kernels["rows"]):  # the summary's columns name them
+        assert {"graph", "timing", "launches", "host_us"} <= set(kernels["columns"])
+    if sections["colocation"]["status"] == "ok":
+        assert len(sections["colocation"]["headlines"]) == 4
+    assert "SpaceServe GPU harness summary" in (out / "harness.log").read_text()
+    assert archived(out, "summary.json")["sections"][0]["name"] == "warmup"
+    assert archived(out, "facts.json")["status"] == "done"
+
+
+def test_a_killed_section_keeps_its_rows_in_the_archive(stalled_run) -> None:
+    """facts is made to hang after its 2nd row; its limit kills it, and the archive holds the
+    two rows the killed section wrote (and dumped on SIGTERM)."""
+    run, out = stalled_run
+    proc = run.result()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert run.wall >= STALL_BUDGET_S  # it was held until its limit
+    summary = json.loads((out / "summary.json").read_text())
+    [facts] = summary["sections"]
+    assert facts["status"] == f"timeout after {STALL_BUDGET_S} s" and facts["row_count"] == 2
+    assert "stalling after 2 rows" in facts["note"]
+    data = archived(out, "facts.json")
+    assert data["status"] == "terminated (SIGTERM)"
+    assert [r["fact"] for r in data["rows"]] == ["device", "copy_gbs"]
