@@ -213,8 +213,11 @@ def test_common_helpers(tmp_path: Path) -> None:
     assert lines[3].split() == ["22", "-"]
     assert format_table([]) == "(no rows)"
 
-    p = write_json(tmp_path / "x" / "r.json", {"dtype": torch.bfloat16, "v": float("nan")})
-    assert json.loads(p.read_text())["dtype"] == "torch.bfloat16"
+    p = write_json(tmp_path / "x" / "r.json", {"dtype": torch.bfloat16, "v": float("nan"),
+                                               "dev": torch.device("cpu"),
+                                               "t": torch.tensor([1, 2]), "p": Path("a")})
+    assert json.loads(p.read_text()) | {"v": None} == {
+        "dtype": "torch.bfloat16", "v": None, "dev": "cpu", "t": [1, 2], "p": "a"}
     calls = []
     ms = bench_ms(lambda: calls.append(1), rep_ms=5, device="cpu", min_reps=3)
     assert ms >= 0 and len(calls) >= 4
