@@ -31,3 +31,37 @@ def tiny_path(tmp_path_factory):
     from spaceserve.server.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+def _background_run(tmp_path_factory, name: str):
+    from tests import harness_runs
+
+    out = tmp_path_factory.mktemp(name) / "out"
+    run = getattr(harness_runs, name)(out)
+    yield run, out
+    run.kill()
+
+
+@pytest.fixture(scope="session")
+def whole_run(tmp_path_factory):
+    """(Background, OUT) of `run.sh --dry-run OUT` (tests/harness_runs.py)."""
+    yield from _background_run(tmp_path_factory, "whole_run")
+
+
+@pytest.fixture(scope="session")
+def stalled_run(tmp_path_factory):
+    """(Background, OUT) of a dry run of facts alone, hung after 2 rows until its limit."""
+    yield from _background_run(tmp_path_factory, "stalled_run")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_background_runs(request) -> None:
+    """Start the harness dry runs at the session's start when selected tests use them, so they
+    run beside the rest of the suite. Not under pytest-xdist (every worker would start them;
+    there they start when first used) nor with CUDA (their tests are skipped)."""
+    if HAS_CUDA or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    wanted = {name for item in request.session.items for name in item.fixturenames}
+    for name in ("whole_run", "stalled_run"):
+        if name in wanted:
+            request.getfixturevalue(name)

@@ -3,98 +3,29 @@
 files; a section killed at its limit keeps the rows it wrote; the pytest rows plugin reports
 each test (pytest-benchmark figures included) as it finishes.
 
-The two dry runs (the whole run, and one with a section made to hang) start in the background
-before this module's first test, so they run beside the in-process tests below, and the hung
-one, which only waits for its limit, beside the whole run."""
+The two dry runs (the whole run, and one with a section made to hang) run in the background
+(tests/harness_runs.py; tests/conftest.py starts them with the session), beside the rest of the
+suite; their tests read the results."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tarfile
 import textwrap
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from bench.gpu.sections import SECTIONS
+from tests.harness_runs import STALL_BUDGET_S, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the dry run is the CPU stand-in of the GPU run")
-
-
-STALL_BUDGET_S = 20  # facts hangs after its 2nd row; plenty for 2 rows on a loaded machine
-
-
-class Background:
-    """`bash bench/gpu/run.sh ARGS` started now; `result()` waits for it (killing its process
-    group after `timeout` s) and `wall` is its own run time, however late it is read."""
-
-    def __init__(self, *args: str, timeout: float) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["PYTHON"] = sys.executable
-        self.timeout = timeout
-        self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(["bash", str(ROOT / "bench/gpu/run.sh"), *args], cwd=ROOT,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
-        self.out = self.err = ""
-        self.wall = float("nan")
-        self._waiter = threading.Thread(target=self._wait, daemon=True)
-        self._waiter.start()
-
-    def _wait(self) -> None:
-        self.out, self.err = self.proc.communicate()
-        self.wall = time.perf_counter() - self.t0
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self._waiter.join(10)
-
-    def result(self) -> subprocess.CompletedProcess:
-        self._waiter.join(max(0.0, self.timeout - (time.perf_counter() - self.t0)))
-        if self._waiter.is_alive():
-            self.kill()
-            pytest.fail(f"run.sh did not end within {self.timeout} s:\n{self.out[-3000:]}")
-        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.out,
-                                           self.err)
-
-
-@pytest.fixture(scope="module")
-def whole_run(tmp_path_factory):
-    """`run.sh --dry-run OUT`: every section."""
-    out = tmp_path_factory.mktemp("dry") / "out"
-    run = Background("--dry-run", str(out), timeout=120)
-    yield run, out
-    run.kill()
-
-
-@pytest.fixture(scope="module")
-def stalled_run(tmp_path_factory):
-    """facts alone, made to hang after its 2nd row and killed at its limit."""
-    out = tmp_path_factory.mktemp("stalled") / "out"
-    run = Background("--dry-run", str(out), "--only", "facts", "--budget",
-                     f"facts={STALL_BUDGET_S}", "--stall", "facts:2", timeout=90)
-    yield run, out
-    run.kill()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _start_dry_runs(request) -> None:
-    """Start the dry runs the selected tests of this module use before its first test."""
-    wanted = {name for item in request.session.items if item.module is request.module
-              for name in item.fixturenames}
-    for name in ("whole_run", "stalled_run"):
-        if name in wanted:
-            request.getfixturevalue(name)
 
 
 def archived(out: Path, name: str) -> dict:
@@ -125,8 +56,8 @@ BENCH_TESTS = textwrap.dedent('''
 def test_pytest_rows_plugin_reports_each_test_and_its_benchmark(tmp_path: Path) -> None:
     (tmp_path / "test_x.py").write_text(BENCH_TESTS)
     rows_path = tmp_path / "rows.json"
-    env = {**os.environ, "SPACESERVE_ROWS_PATH": str(rows_path), "SPACESERVE_SECTION": "bench",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env(SPACESERVE_ROWS_PATH=str(rows_path), SPACESERVE_SECTION="bench",
+                         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-p", "bench.gpu.pytest_rows", "--timeout=30", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
