@@ -1,4 +1,5 @@
-"""Test setup: the Triton interpreter on CPU (set before any kernel module is imported)."""
+"""Test setup: the Triton interpreter on CPU (set before any kernel module is imported), one
+intra-op thread, and the GPU-harness dry runs started with the session."""
 
 import os
 
@@ -6,6 +7,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite's tensors are tiny: a second intra-op thread only adds overhead, and on a busy CPU
+# (the harness dry runs run beside the suite; CI has two cores) its barrier waits cost far more
+# than it saves. Child processes keep their own defaults.
+torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
