@@ -1,7 +1,9 @@
 """Test setup: the Triton interpreter on CPU (set before any kernel module is imported), one
 intra-op thread, and the GPU-harness dry runs started with the session."""
 
+import json
 import os
+import subprocess
 
 import torch
 
@@ -70,3 +72,34 @@ def _start_background_runs(request) -> None:
     for name in ("whole_run", "stalled_run"):
         if name in wanted:
             request.getfixturevalue(name)
+
+
+@pytest.fixture(scope="session")
+def sm90_check(tmp_path_factory):
+    """sm90_check(python) -> {module: [result rows]} of one ahead-of-time sm_90 compile
+    (`python -m spaceserve.kernels.aot --no-spills`, no interpreter) of every kernel module, every
+    GPU tuning candidate (autotune.aot_candidates) and the harness's facts kernels, run once per
+    python and shared by their tests: one process start and one worker pool instead of three."""
+    from spaceserve.kernels.aot import kernel_module_names
+    from tests.harness_runs import ROOT, subprocess_env
+
+    done: dict[str, dict[str, list[dict]]] = {}
+
+    def get(python: str) -> dict[str, list[dict]]:
+        if python not in done:
+            out = tmp_path_factory.mktemp("sm90") / "aot.json"
+            targets = [*kernel_module_names(), "autotune.aot_candidates", "bench/gpu/facts.py"]
+            modules = [a for t in targets for a in ("--module", t)]
+            proc = subprocess.run([python, "-m", "spaceserve.kernels.aot", "--jobs", "2",
+                                   "--no-spills", "--json", str(out), *modules],
+                                  cwd=ROOT, env=subprocess_env(PYTHONPATH=os.pathsep.join(
+                                      filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
+                                  capture_output=True, text=True, timeout=900)
+            assert out.exists(), f"the checker wrote no results:\n{proc.stdout}{proc.stderr}"
+            by: dict[str, list[dict]] = {t: [] for t in targets}
+            for row in json.loads(out.read_text())["results"]:
+                by.setdefault(row["module"], []).append(row)
+            done[python] = by
+        return done[python]
+
+    return get
