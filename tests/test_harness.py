@@ -52,7 +52,7 @@ def dummy_sections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str,
     monkeypatch.syspath_prepend(str(tmp_path / "mods"))
     return {
         "good": Section(30, "dummy_section:ok"),
-        "slow": Section(4, "dummy_section:slow"),
+        "slow": Section(3, "dummy_section:slow"),  # the least a section is started with
         "boom": Section(30, "dummy_section:boom"),
         "cmd": Section(30, command=(sys.executable, "-c", "print('first'); print('cmd done')")),
         "cmd5": Section(30, command=(sys.executable, "-c", "raise SystemExit(5)"),
