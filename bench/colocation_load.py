@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from spaceserve.bench.prompts import Prompts
@@ -39,12 +40,15 @@ def _gaps(times: tuple[float, ...], lo: float, hi: float) -> list[float]:
 def drive(engine: Any, arrivals: list[Any], prompts: Prompts, *, alone_s: float,
           load_s: float, background: int = BACKGROUND, bg_prompt: int = BG_PROMPT,
           bg_output: int = BG_OUTPUT, drain_s: float = 10.0,
-          deadline: float = math.inf) -> dict[str, Any]:
+          deadline: float = math.inf,
+          clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Background decode alone for `alone_s`, then `arrivals` (sim `Request`s: kind, arrival,
     text/output tokens, resolution) over `load_s`; returns measured metrics (ms).
 
-    At `deadline` (a `time.perf_counter()` value) every open request is aborted and the metrics
-    cover what ran until then, with ``cut`` naming the phase that was cut.
+    At `deadline` (a `clock()` value) every open request is aborted and the metrics cover what
+    ran until then, with ``cut`` naming the phase that was cut. The phases are timed by `clock`
+    too, so the latency metrics need it to be the engine's clock (the default; a test may
+    inject a virtual one to place the deadline whatever the machine's load).
     """
     from spaceserve import SamplingParams
 
@@ -66,17 +70,17 @@ def drive(engine: Any, arrivals: list[Any], prompts: Prompts, *, alone_s: float,
             add("background", prompts.text(bg_prompt), bg_output)
 
     background_up()
-    start = time.perf_counter()
-    while (now := time.perf_counter()) - start < alone_s:
+    start = clock()
+    while (now := clock()) - start < alone_s:
         if now > deadline:
             cut = "alone"
             break
         engine.step()
         background_up()
-    t_load = time.perf_counter()
+    t_load = clock()
     i = 0
     while cut is None:
-        now = time.perf_counter()
+        now = clock()
         elapsed = now - t_load
         while i < len(arrivals) and arrivals[i].arrival <= elapsed:
             r = arrivals[i]
@@ -93,12 +97,12 @@ def drive(engine: Any, arrivals: list[Any], prompts: Prompts, *, alone_s: float,
             break
         engine.step()
         background_up()
-    t_end = time.perf_counter()
+    t_end = clock()
     for rid, kind in kinds.items():
         if rid not in finals and (kind == "background" or cut):
             engine.abort(rid)
     while engine.has_unfinished():
-        if cut is None and time.perf_counter() > deadline:
+        if cut is None and clock() > deadline:
             cut = "drain"
             for rid in kinds:
                 if rid not in finals:

@@ -1,7 +1,11 @@
 """The GPU harness end to end on CPU: `run.sh --dry-run OUTDIR` runs every section's control flow
 (CUDA work skipped or faked, the serve extra blocked as on the GPU image) and returns at most 8
 files; a section killed at its limit keeps the rows it wrote; the pytest rows plugin reports
-each test (pytest-benchmark figures included) as it finishes."""
+each test (pytest-benchmark figures included) as it finishes.
+
+The two dry runs (the whole run, and one with a section made to hang) run in the background
+(tests/harness_runs.py; tests/conftest.py starts them with the session), beside the rest of the
+suite; their tests read the results."""
 
 from __future__ import annotations
 
@@ -11,88 +15,23 @@ import subprocess
 import sys
 import tarfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from bench.gpu.sections import SECTIONS
+from tests.harness_runs import STALL_BUDGET_S, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the dry run is the CPU stand-in of the GPU run")
 
 
-def run_sh(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHON"] = sys.executable
-    return subprocess.run(["bash", str(ROOT / "bench/gpu/run.sh"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def archived(out: Path, name: str) -> dict:
     with tarfile.open(out / "results.tar.gz") as tar:
         member = next(m for m in tar.getmembers() if m.name.endswith(f"/{name}"))
         return json.loads(tar.extractfile(member).read())
-
-
-def test_dry_run_runs_every_section_within_90_s(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    t0 = time.perf_counter()
-    proc = run_sh("--dry-run", str(out), timeout=120)
-    wall = time.perf_counter() - t0
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert wall < 90, f"dry run took {wall:.0f} s"
-    files = [p for p in out.rglob("*") if p.is_file()]
-    assert sorted(p.name for p in files) == ["harness.log", "results.tar.gz", "summary.json"]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["run"]["dry_run"] and summary["run"]["finished"]
-    sections = {s["name"]: s for s in summary["sections"]}
-    assert list(sections) == list(SECTIONS)  # every section named, in order, with a status
-    for name, s in sections.items():
-        assert s["status"] == "ok" or s["status"].startswith(("timeout", "skipped (no time")), \
-            (name, s["status"], s.get("note"))
-    # The first sections always get their time (a loaded machine may starve the last ones).
-    for name in ("warmup", "facts", "gpu-tests", "paged-attention"):
-        assert sections[name]["status"] == "ok", (name, sections[name])
-    tests = [r for r in sections["gpu-tests"]["rows"] if r["test"] != "(session)"]
-    assert len(tests) >= 23 and all(r["status"] == "skipped" for r in tests)  # all collected
-    warm = sections["warmup"]
-    assert warm["figures"]["warm_cases"] == warm["figures"]["cases"] >= 20
-    assert {"cold", "second", "per kernel", "summary"} <= {r["round"] for r in warm["rows"]}
-    facts = sections["facts"]
-    assert facts["rows"][0]["fact"] == "device"
-    assert {"overlap_fraction", "granted_encoder_sms", "granted_decoder_sms"} <= set(
-        facts["figures"])  # the green-streams row: None / the fallback's budgets on CPU
-    assert summary["environment"]["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
-    kernels = sections["kernels"]
-    if kernels["status"] == "ok":  # every kernel row says how it was timed and its host cost
-        timed = [r for r in kernels["rows"] if "ms" in r]
-        assert timed and all(isinstance(r["graph"], bool) and r["host_us"] > 0 for r in timed)
-    if any("ms" in r for r in kernels["rows"]):  # the summary's columns name them
-        assert {"graph", "timing", "launches", "host_us"} <= set(kernels["columns"])
-    if sections["colocation"]["status"] == "ok":
-        assert len(sections["colocation"]["headlines"]) == 4
-    assert "SpaceServe GPU harness summary" in (out / "harness.log").read_text()
-    assert archived(out, "summary.json")["sections"][0]["name"] == "warmup"
-    assert archived(out, "facts.json")["status"] == "done"
-
-
-def test_a_killed_section_keeps_its_rows_in_the_archive(tmp_path: Path) -> None:
-    """facts is made to hang after its 2nd row; its 8 s limit kills it, and the archive holds
-    the two rows the killed section wrote (and dumped on SIGTERM)."""
-    out = tmp_path / "out"
-    proc = run_sh("--dry-run", str(out), "--only", "facts", "--budget", "facts=8",
-                  "--stall", "facts:2", timeout=90)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    [facts] = summary["sections"]
-    assert facts["status"] == "timeout after 8 s" and facts["row_count"] == 2
-    assert "stalling after 2 rows" in facts["note"]
-    data = archived(out, "facts.json")
-    assert data["status"] == "terminated (SIGTERM)"
-    assert [r["fact"] for r in data["rows"]] == ["device", "copy_gbs"]
 
 
 BENCH_TESTS = textwrap.dedent('''
@@ -117,8 +56,8 @@ BENCH_TESTS = textwrap.dedent('''
 def test_pytest_rows_plugin_reports_each_test_and_its_benchmark(tmp_path: Path) -> None:
     (tmp_path / "test_x.py").write_text(BENCH_TESTS)
     rows_path = tmp_path / "rows.json"
-    env = {**os.environ, "SPACESERVE_ROWS_PATH": str(rows_path), "SPACESERVE_SECTION": "bench",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env(SPACESERVE_ROWS_PATH=str(rows_path), SPACESERVE_SECTION="bench",
+                         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-p", "bench.gpu.pytest_rows", "--timeout=30", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -169,3 +108,59 @@ def test_warm_cases_launch_at_tiny_shapes(monkeypatch: pytest.MonkeyPatch) -> No
     wc.models_suite(cpu, timer, images=("448x448",), batches=(2,), context=24)
     wc.qwen25_vision(cpu, timer, images=("1024x1024",))
     assert len(calls) >= before + 3
+
+
+def test_dry_run_runs_every_section_within_90_s(whole_run) -> None:
+    run, out = whole_run
+    proc = run.result()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert run.wall < 90, f"dry run took {run.wall:.0f} s"
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert sorted(p.name for p in files) == ["harness.log", "results.tar.gz", "summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run"]["dry_run"] and summary["run"]["finished"]
+    sections = {s["name"]: s for s in summary["sections"]}
+    assert list(sections) == list(SECTIONS)  # every section named, in order, with a status
+    for name, s in sections.items():
+        assert s["status"] == "ok" or s["status"].startswith(("timeout", "skipped (no time")), \
+            (name, s["status"], s.get("note"))
+    # The first sections always get their time (a loaded machine may starve the last ones).
+    for name in ("warmup", "facts", "gpu-tests", "paged-attention"):
+        assert sections[name]["status"] == "ok", (name, sections[name])
+    tests = [r for r in sections["gpu-tests"]["rows"] if r["test"] != "(session)"]
+    assert len(tests) >= 23 and all(r["status"] == "skipped" for r in tests)  # all collected
+    warm = sections["warmup"]
+    assert warm["figures"]["warm_cases"] == warm["figures"]["cases"] >= 20
+    assert {"cold", "second", "per kernel", "summary"} <= {r["round"] for r in warm["rows"]}
+    facts = sections["facts"]
+    assert facts["rows"][0]["fact"] == "device"
+    assert {"overlap_fraction", "granted_encoder_sms", "granted_decoder_sms"} <= set(
+        facts["figures"])  # the green-streams row: None / the fallback's budgets on CPU
+    assert summary["environment"]["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    kernels = sections["kernels"]
+    if kernels["status"] == "ok":  # every kernel row says how it was timed and its host cost
+        timed = [r for r in kernels["rows"] if "ms" in r]
+        assert timed and all(isinstance(r["graph"], bool) and r["host_us"] > 0 for r in timed)
+    if any("ms" in r for r in kernels["rows"]):  # the summary's columns name them
+        assert {"graph", "timing", "launches", "host_us"} <= set(kernels["columns"])
+    if sections["colocation"]["status"] == "ok":
+        assert len(sections["colocation"]["headlines"]) == 4
+    assert "SpaceServe GPU harness summary" in (out / "harness.log").read_text()
+    assert archived(out, "summary.json")["sections"][0]["name"] == "warmup"
+    assert archived(out, "facts.json")["status"] == "done"
+
+
+def test_a_killed_section_keeps_its_rows_in_the_archive(stalled_run) -> None:
+    """facts is made to hang after its 2nd row; its limit kills it, and the archive holds the
+    two rows the killed section wrote (and dumped on SIGTERM)."""
+    run, out = stalled_run
+    proc = run.result()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert run.wall >= STALL_BUDGET_S  # it was held until its limit
+    summary = json.loads((out / "summary.json").read_text())
+    [facts] = summary["sections"]
+    assert facts["status"] == f"timeout after {STALL_BUDGET_S} s" and facts["row_count"] == 2
+    assert "stalling after 2 rows" in facts["note"]
+    data = archived(out, "facts.json")
+    assert data["status"] == "terminated (SIGTERM)"
+    assert [r["fact"] for r in data["rows"]] == ["device", "copy_gbs"]

@@ -47,7 +47,8 @@ WALK = textwrap.dedent('''
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
+    # pytest-xdist's worker variables make a child pytest disable its benchmarks
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), *extra.pop("_path", "").split(
         os.pathsep), env.get("PYTHONPATH")]))
     env.update(extra)

@@ -203,7 +203,8 @@ def child_main(name: str, target: str, budget_s: float, results_dir: Path,
                stall_after: int | None = None) -> int:
     """Inside a section's process: call its function, its rows saved as they come (and once
     more on SIGTERM); the returned rows are saved last, with a table on the console."""
-    from bench.common import bind_section_rows, format_table
+    from bench.rows import bind_section_rows  # torch-free: the section imports what it needs
+    from spaceserve.bench.measure import format_table
 
     rows = bind_section_rows(results_dir / f"{name}.json", name)
 

@@ -2,8 +2,9 @@
 
 Times are medians in milliseconds. On CUDA they come from `triton.testing.do_bench` (which
 flushes L2 between calls and syncs the device); on CPU from wall-clock repeats. Nothing here
-imports a kernel module, so the demo can set TRITON_INTERPRET before kernels are imported. The
-repo-level benchmarks (bench/common.py) use the same helpers.
+imports a kernel module, so the demo can set TRITON_INTERPRET before kernels are imported, and
+torch is imported by the functions that time (a table alone does not need it). The repo-level
+benchmarks (bench/common.py) use the same helpers.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def sync(device: torch.device | str | None = None) -> None:
     """Wait for the device (no-op on CPU)."""
+    import torch
+
     dev = torch.device(device) if device is not None else None
     if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
         torch.cuda.synchronize(dev)
@@ -27,6 +31,8 @@ def sync(device: torch.device | str | None = None) -> None:
 def bench_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100,
              device: torch.device | str | None = None, min_reps: int = 1) -> float:
     """Median time of one call of `fn` in milliseconds."""
+    import torch
+
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if dev.type == "cuda":

@@ -1,13 +1,11 @@
 """Every GPU tuning candidate compiles for sm_90a and fits the H200's shared memory (the
-interpreter cannot tell), under this Triton and, when CI names one, Triton 3.6."""
+interpreter cannot tell), under this Triton and, when CI names one, Triton 3.6. The compile
+is the session's one sm_90 check (`sm90_check`, tests/conftest.py)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,7 +13,6 @@ from autotune.aot_candidates import BASES, compile_specs
 from autotune.cases import GPU_CANDIDATES, STORE_CANDIDATES
 from spaceserve.kernels.configs import HONOURED
 
-ROOT = Path(__file__).resolve().parents[2]
 T36_ENV = "SPACESERVE_TRITON36_PYTHON"
 
 
@@ -33,13 +30,7 @@ def test_candidates_only_set_honoured_keys():
     pytest.param(os.environ.get(T36_ENV), id="triton36", marks=pytest.mark.skipif(
         not os.environ.get(T36_ENV), reason=f"{T36_ENV} unset (CI sets it)")),
 ])
-def test_candidates_compile_for_sm90(tmp_path, python):
-    out = tmp_path / "aot.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([python, "-m", "spaceserve.kernels.aot", "--module",
-                           "autotune.aot_candidates", "--jobs", "2", "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    rows = json.loads(out.read_text())["results"] if out.exists() else []
+def test_candidates_compile_for_sm90(sm90_check, python):
+    rows = sm90_check(python)["autotune.aot_candidates"]
     failed = [r for r in rows if not r["ok"]]
-    assert proc.returncode == 0 and rows and not failed, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert len(rows) == len(compile_specs()) and not failed, failed

@@ -1,9 +1,11 @@
 """Ahead-of-time sm_90a compile of every kernel configuration, under each Triton version.
 
 The check runs `python -m spaceserve.kernels.aot` in a subprocess without TRITON_INTERPRET (it
-needs real @triton.jit functions). It runs for the current interpreter, and for Triton 3.6 (the
-GPU image's version) when SPACESERVE_TRITON36_PYTHON names a python whose triton is 3.6 (.ci/run
-sets it). A fixture module of deliberately bad specs proves the checker fails them.
+needs real @triton.jit functions): for the package's kernels, the session's one run over every
+module with compile specs (`sm90_check`, tests/conftest.py). It runs for the current
+interpreter, and for Triton 3.6 (the GPU image's version) when SPACESERVE_TRITON36_PYTHON names
+a python whose triton is 3.6 (.ci/run sets it). A fixture module of deliberately bad specs,
+checked in a run of its own, proves the checker fails them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from spaceserve.kernels.aot import compile_sm90
+from spaceserve.kernels.aot import compile_sm90, kernel_module_names
 from spaceserve.kernels.persistent import CompileSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,13 +110,14 @@ def test_checker_fails_bad_specs(python: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("python", _pythons())
-def test_kernel_package_compiles_for_sm90(python: str, tmp_path: Path) -> None:
-    rc, text, data = _run_aot(python, ["--jobs", "2", "--no-spills"], tmp_path)
-    assert data, f"the checker wrote no results:\n{text}"
-    if not data["results"]:
+def test_kernel_package_compiles_for_sm90(python: str, sm90_check) -> None:
+    """Every kernel module's specs (the session's one sm_90 check, tests/conftest.py)."""
+    by_module = sm90_check(python)
+    rows = [r for m in kernel_module_names() for r in by_module[m]]
+    if not rows:
         pytest.skip("no kernel module of spaceserve.kernels defines compile_specs() yet")
-    failed = [r["name"] for r in data["results"] if not r["ok"]]
-    assert rc == 0 and not failed, f"sm_90 compile failures {failed}:\n{text}"
+    failed = [(r["name"], r["error"]) for r in rows if not r["ok"]]
+    assert not failed, f"sm_90 compile failures {failed}"
 
 
 def test_interpreted_kernel_is_refused() -> None:

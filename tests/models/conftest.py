@@ -79,6 +79,21 @@ def load(checkpoints):
 
 
 @pytest.fixture(scope="session")
+def encoded(load, images):
+    """encoded(name, backend) -> that model's embeddings of `images` (whole device), computed
+    once per session: the language tests' image input (the vision tests encode their own)."""
+    cache = {}
+
+    def get(name: str, backend: str) -> torch.Tensor:
+        if (name, backend) not in cache:
+            pixel_values, grid, _ = images
+            cache[name, backend] = load(name, backend).encode_images(pixel_values, grid)
+        return cache[name, backend]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def images():
     """pixel_values / image_grid_thw of three images of different sizes (transformers'
     processor) and a prompt interleaving them with text."""
@@ -127,9 +142,11 @@ class PagedRun:
 
 
 def greedy(model, input_ids, pixel_values, grid, steps: int, *, chunk: int | None = None,
-           num_sms=None) -> list[int]:
-    """Prefill (optionally in chunks) then `steps` greedy decode tokens over the paged cache."""
-    embeds = model.encode_images(pixel_values, grid, num_sms=num_sms)
+           num_sms=None, embeds=None) -> list[int]:
+    """Prefill (optionally in chunks) then `steps` greedy decode tokens over the paged cache.
+    `embeds`: the images' embeddings when the caller already has them (else encoded here)."""
+    if embeds is None:
+        embeds = model.encode_images(pixel_values, grid, num_sms=num_sms)
     positions, delta = model.mrope_positions(input_ids, grid)
     run = PagedRun(model)
     chunk = chunk or len(input_ids)
@@ -143,9 +160,10 @@ def greedy(model, input_ids, pixel_values, grid, steps: int, *, chunk: int | Non
                           num_sms=num_sms)
         used += n_img
     out = []
-    for _ in range(steps):
+    for i in range(steps):
         tok = int(logits[-1].argmax())
         out.append(tok)
-        logits = run.step(torch.tensor([tok]), positions=positions, delta=delta,
-                          num_sms=num_sms)
+        if i + 1 < steps:  # the last token's own step would give logits nobody reads
+            logits = run.step(torch.tensor([tok]), positions=positions, delta=delta,
+                              num_sms=num_sms)
     return out

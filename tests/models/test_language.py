@@ -34,11 +34,11 @@ def hf_logits(hf, ids, pixel_values=None, grid=None):
 
 @pytest.mark.parametrize("name, backend", [("small", "torch"), ("wide", "torch"),
                                            ("small", "triton"), ("wide", "triton")])
-def test_prefill_logits_match_transformers(load, hf64, images, name, backend):
+def test_prefill_logits_match_transformers(load, encoded, hf64, images, name, backend):
     model = load(name, backend)
     pixel_values, grid, ids = images
     ref = hf_logits(hf64[name], ids, pixel_values, grid)
-    embeds = model.encode_images(pixel_values, grid)
+    embeds = encoded(name, backend)
     positions, delta = model.mrope_positions(ids, grid)
     logits = PagedRun(model).step(ids, positions=positions, delta=delta, image_embeds=embeds)
     assert logits.shape == (1, model.config.text_config.vocab_size)
@@ -47,7 +47,7 @@ def test_prefill_logits_match_transformers(load, hf64, images, name, backend):
 
 @pytest.mark.parametrize("name, backend", [("small", "torch"), ("wide", "torch"),
                                            ("small", "triton")])
-def test_greedy_matches_generate(checkpoints, load, images, name, backend):
+def test_greedy_matches_generate(checkpoints, load, encoded, images, name, backend):
     hf = checkpoints[name][1]
     pixel_values, grid, ids = images
     hf.generation_config.eos_token_id = None  # always 8 tokens, as the paged loop makes
@@ -55,14 +55,15 @@ def test_greedy_matches_generate(checkpoints, load, images, name, backend):
         ref = hf.generate(**hf_inputs(ids, pixel_values, grid), max_new_tokens=8,
                           do_sample=False)[0, len(ids):].tolist()
     assert len(ref) == 8
-    assert greedy(load(name, backend), ids, pixel_values, grid, 8) == ref
+    assert greedy(load(name, backend), ids, pixel_values, grid, 8,
+                  embeds=encoded(name, backend)) == ref
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_chunked_prefill_matches_one_shot(load, hf64, images, backend):
+def test_chunked_prefill_matches_one_shot(load, encoded, hf64, images, backend):
     model = load("small", backend)
     pixel_values, grid, ids = images
-    embeds = model.encode_images(pixel_values, grid)
+    embeds = encoded("small", backend)
     positions, delta = model.mrope_positions(ids, grid)
     one = PagedRun(model).step(ids, positions=positions, delta=delta, image_embeds=embeds)
     run, used, chunk = PagedRun(model, seed=3), 0, 11
@@ -78,10 +79,12 @@ def test_chunked_prefill_matches_one_shot(load, hf64, images, backend):
     assert_close(out[0], hf_logits(hf64["small"], ids, pixel_values, grid)[-1], rtol=RTOL)
 
 
-def run_mixed(model, pixel_values, grid, ids, num_sms=None):
+def run_mixed(model, pixel_values, grid, ids, num_sms=None, embeds=None):
     """Three sequences over three steps of one shared cache: prefill + partial chunk, then
-    decode + chunk end + full prefill, then decode only. Returns {(seq, step): logits}."""
-    embeds = model.encode_images(pixel_values, grid, num_sms=num_sms)
+    decode + chunk end + full prefill, then decode only. Returns {(seq, step): logits}.
+    `embeds`: the images' embeddings if already encoded."""
+    if embeds is None:
+        embeds = model.encode_images(pixel_values, grid, num_sms=num_sms)
     pos_a, delta_a = model.mrope_positions(ids, grid)
     bs = 4
     cache = model.allocate_kv_cache(64, bs)
@@ -113,10 +116,10 @@ def run_mixed(model, pixel_values, grid, ids, num_sms=None):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_mixed_batches_match_transformers(load, hf64, images, backend):
+def test_mixed_batches_match_transformers(load, encoded, hf64, images, backend):
     model = load("small", backend)
     pixel_values, grid, ids = images
-    out, toks = run_mixed(model, pixel_values, grid, ids)
+    out, toks = run_mixed(model, pixel_values, grid, ids, embeds=encoded("small", backend))
     hf = hf64["small"]
     ref = [hf_logits(hf, torch.tensor(toks[0]), pixel_values, grid),
            hf_logits(hf, torch.tensor(toks[1])), hf_logits(hf, torch.tensor(toks[2]))]
@@ -128,14 +131,16 @@ def test_mixed_batches_match_transformers(load, hf64, images, backend):
 
 
 @pytest.mark.parametrize("backend", known_backends())
-def test_backends_agree(load, images, backend):
+def test_backends_agree(load, encoded, images, backend):
     if backend not in available_backends():
         with pytest.raises(BackendUnavailable) as err:
             get_backend(backend)
         pytest.skip(str(err.value))
     pixel_values, grid, ids = images
-    ref, _ = run_mixed(load("small", "torch"), pixel_values, grid, ids)
-    out, _ = run_mixed(load("small", backend), pixel_values, grid, ids)
+    ref, _ = run_mixed(load("small", "torch"), pixel_values, grid, ids,
+                       embeds=encoded("small", "torch"))
+    out, _ = run_mixed(load("small", backend), pixel_values, grid, ids,
+                       embeds=encoded("small", backend))
     for key, logits in ref.items():
         assert_close(out[key], logits.double(), rtol=1e-5)
 

@@ -1,4 +1,8 @@
-"""Vision encoder: parity with transformers, preemption, SM budgets, invalid input."""
+"""Vision encoder: parity with transformers, preemption, SM budgets, invalid input.
+
+The one-shot whole-device embeddings of the test images come from the session's `encoded`
+fixture (one interpreted pass per model, shared with the language tests): checked against
+transformers here, and the reference the preempted and budgeted passes must equal bitwise."""
 
 import pytest
 import torch
@@ -23,20 +27,20 @@ def references(checkpoints, images):
 
 
 @pytest.mark.parametrize("name, backend", CASES)
-def test_encode_images_matches_transformers(load, images, references, name, backend):
+def test_encode_images_matches_transformers(load, encoded, images, references, name, backend):
     model = load(name, backend)
     pixel_values, grid, _ = images
-    out = model.encode_images(pixel_values, grid)
+    out = encoded(name, backend)
     assert out.shape == (int(grid.prod(-1).sum()) // 4, model.config.text_config.hidden_size)
     assert_close(out, references[name], rtol=2e-5)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_preempted_jobs_equal_full_runs(load, images, backend):
+def test_preempted_jobs_equal_full_runs(load, encoded, images, backend):
     """Two jobs, chunked differently and interleaved, give bitwise the one-shot embeddings."""
     model = load("small", backend)
     pixel_values, grid, _ = images
-    full = model.encode_images(pixel_values, grid)
+    full = encoded("small", backend)
     vis = model.vision
     a = vis.start(pixel_values, grid)
     b = vis.start(pixel_values, grid)
@@ -54,7 +58,7 @@ def test_preempted_jobs_equal_full_runs(load, images, backend):
     assert torch.equal(vis.finish(a), full)
 
 
-def test_vision_pass_stays_under_encoder_budget(load, images):
+def test_vision_pass_stays_under_encoder_budget(load, encoded, images):
     model = load("small", "triton")
     pixel_values, grid, _ = images
     with record_launches() as rec:
@@ -64,7 +68,7 @@ def test_vision_pass_stays_under_encoder_budget(load, images):
     names = {r.name for r in rec}
     assert {"linear", "layer_norm", "rotary", "vit_attention"} <= names
     assert max(r.programs for r in rec) == 3  # the budget is really used, not just respected
-    assert torch.equal(small, model.encode_images(pixel_values, grid))  # any budget, same bits
+    assert torch.equal(small, encoded("small", "triton"))  # any budget, same bits
 
 
 def test_triton_ops_are_all_kernels(load):
