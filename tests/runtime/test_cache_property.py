@@ -21,6 +21,8 @@ from spaceserve.runtime.inputs import process_prompt
 from spaceserve.runtime.request import Status
 from spaceserve.runtime.runner import NullModelRunner
 
+from .test_parallel_sampling import record_copies
+
 IMG = 3
 LIFECYCLES_PER_RUN = 250
 RUNS = 8  # 2000 lifecycles in all
@@ -98,14 +100,7 @@ def test_random_lifecycles_with_caching(run: int) -> None:
     engine = Engine(NullModelRunner(), EngineConfig(num_kv_blocks=rng.randint(30, 60) // bs + 2,
                                                     **config))
     pool = Pool(rng, gen)
-    copies: list = []
-    execute = engine.runner.execute
-
-    def recording(batch, **kw):
-        copies.extend(batch.block_copies)
-        return execute(batch, **kw)
-
-    engine.runner.execute = recording
+    copies = record_copies(engine)
     submitted: dict[str, tuple[dict, SamplingParams]] = {}
     finals: dict = {}
     aborted: set[str] = set()
