@@ -1,10 +1,11 @@
 """Subprocess runs that tests only read the results of, run in the background.
 
 tests/conftest.py starts them when the session starts (where the selected tests use them and
-pytest runs in one process), one at a time through `GATE`, and sorts their readers to the end of
-the session: the runs then use the core the suite's single process leaves idle, instead of being
-waited for. A run is killed at its own timeout; `result()` waits for it and fails the reading
-test if it was killed. Each run's `wall` is its own run time, however late it is read.
+pytest runs in one process), one at a time through `GATE` and niced, and sorts their readers to
+the end of the session: the runs then use the core the suite's single process leaves idle,
+instead of being waited for. A run is killed at its own timeout; `result()` waits for it and
+fails the reading test if it was killed. Each run's `wall` is its own run time, however late it
+is read.
 
 - `whole_run`, `stalled_run`: the GPU harness's dry run, whole and with facts made to hang
   (tests/test_harness_dry_run.py);
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +32,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 STALL_BUDGET_S = 20  # facts hangs after its 2nd row; plenty for 2 rows on a loaded machine
 GATE = threading.Semaphore(1)  # CPU-heavy runs one at a time, beside the suite's process
+NICE = 10  # ... and yielding to it
 SM90_EXTRA = ("autotune.aot_candidates", "bench/gpu/facts.py")
 KERNELS_OPTIONAL = ("flash_attn", "flashinfer")
 
@@ -47,10 +50,13 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 class Background:
     """`argv` run from the repository root on a thread of its own (after taking `gate`, if
-    given), killed with its process group `timeout` s after it started."""
+    given, and then at a lower CPU priority: the suite's own process keeps its core), killed
+    with its process group `timeout` s after it started."""
 
     def __init__(self, argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
                  gate: threading.Semaphore | None = GATE) -> None:
+        if gate is not None and shutil.which("nice"):
+            argv = ["nice", "-n", str(NICE), *argv]
         self.argv, self.timeout, self.gate = argv, timeout, gate
         self.env = env if env is not None else subprocess_env()
         self.proc: subprocess.Popen | None = None
