@@ -1,9 +1,9 @@
 """Test setup: the Triton interpreter on CPU (set before any kernel module is imported), one
-intra-op thread, and the GPU-harness dry runs started with the session."""
+intra-op thread, and the subprocess runs some tests read (tests/background.py) started with the
+session, their readers sorted to its end."""
 
-import json
 import os
-import subprocess
+import sys
 
 import torch
 
@@ -17,6 +17,8 @@ torch.set_num_threads(1)
 import pytest  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+T36_ENV = "SPACESERVE_TRITON36_PYTHON"
+BACKGROUND = ("whole_run", "stalled_run", "sm90_check", "kernels_cli")  # tests/background.py
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,6 +26,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+    # The readers of background runs go last (in their order), so that the runs, started with
+    # the session, overlap the rest of the suite instead of being waited for.
+    items.sort(key=lambda item: any(name in BACKGROUND for name in item.fixturenames))
 
 
 @pytest.fixture
@@ -40,66 +45,76 @@ def tiny_path(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
 
 
-def _background_run(tmp_path_factory, name: str):
-    from tests import harness_runs
+@pytest.fixture(scope="session")
+def whole_run(tmp_path_factory):
+    """(Background, OUT) of `run.sh --dry-run OUT` (tests/background.py)."""
+    from tests.background import whole_run
 
-    out = tmp_path_factory.mktemp(name) / "out"
-    run = getattr(harness_runs, name)(out)
+    out = tmp_path_factory.mktemp("dry") / "out"
+    run = whole_run(out)
     yield run, out
     run.kill()
 
 
 @pytest.fixture(scope="session")
-def whole_run(tmp_path_factory):
-    """(Background, OUT) of `run.sh --dry-run OUT` (tests/harness_runs.py)."""
-    yield from _background_run(tmp_path_factory, "whole_run")
-
-
-@pytest.fixture(scope="session")
 def stalled_run(tmp_path_factory):
     """(Background, OUT) of a dry run of facts alone, hung after 2 rows until its limit."""
-    yield from _background_run(tmp_path_factory, "stalled_run")
+    from tests.background import stalled_run
 
-
-@pytest.fixture(scope="session", autouse=True)
-def _start_background_runs(request) -> None:
-    """Start the harness dry runs at the session's start when selected tests use them, so they
-    run beside the rest of the suite. Not under pytest-xdist (every worker would start them;
-    there they start when first used) nor with CUDA (their tests are skipped)."""
-    if HAS_CUDA or os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    wanted = {name for item in request.session.items for name in item.fixturenames}
-    for name in ("whole_run", "stalled_run"):
-        if name in wanted:
-            request.getfixturevalue(name)
+    out = tmp_path_factory.mktemp("stalled") / "out"
+    run = stalled_run(out)
+    yield run, out
+    run.kill()
 
 
 @pytest.fixture(scope="session")
 def sm90_check(tmp_path_factory):
     """sm90_check(python) -> {module: [result rows]} of one ahead-of-time sm_90 compile
     (`python -m spaceserve.kernels.aot --no-spills`, no interpreter) of every kernel module, every
-    GPU tuning candidate (autotune.aot_candidates) and the harness's facts kernels, run once per
-    python and shared by their tests: one process start and one worker pool instead of three."""
-    from spaceserve.kernels.aot import kernel_module_names
-    from tests.harness_runs import ROOT, subprocess_env
+    GPU tuning candidate (autotune.aot_candidates) and the harness's facts kernels, once per
+    python (this one, and SPACESERVE_TRITON36_PYTHON's where set), shared by their tests: one
+    process start and one worker pool instead of three."""
+    from tests.background import sm90_results, sm90_run
 
-    done: dict[str, dict[str, list[dict]]] = {}
+    runs = {}
+
+    def start(python: str) -> None:
+        out = tmp_path_factory.mktemp("sm90") / "aot.json"
+        runs[python] = (sm90_run(python, out), out)
+
+    for python in filter(None, dict.fromkeys([sys.executable, os.environ.get(T36_ENV)])):
+        start(python)
 
     def get(python: str) -> dict[str, list[dict]]:
-        if python not in done:
-            out = tmp_path_factory.mktemp("sm90") / "aot.json"
-            targets = [*kernel_module_names(), "autotune.aot_candidates", "bench/gpu/facts.py"]
-            modules = [a for t in targets for a in ("--module", t)]
-            proc = subprocess.run([python, "-m", "spaceserve.kernels.aot", "--jobs", "2",
-                                   "--no-spills", "--json", str(out), *modules],
-                                  cwd=ROOT, env=subprocess_env(PYTHONPATH=os.pathsep.join(
-                                      filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
-                                  capture_output=True, text=True, timeout=900)
-            assert out.exists(), f"the checker wrote no results:\n{proc.stdout}{proc.stderr}"
-            by: dict[str, list[dict]] = {t: [] for t in targets}
-            for row in json.loads(out.read_text())["results"]:
-                by.setdefault(row["module"], []).append(row)
-            done[python] = by
-        return done[python]
+        if python not in runs:
+            start(python)
+        return sm90_results(*runs[python])
 
-    return get
+    yield get
+    for run, _ in runs.values():
+        run.kill()
+
+
+@pytest.fixture(scope="session")
+def kernels_cli(tmp_path_factory):
+    """(Background, JSON path) of `spaceserve bench kernels` on a slice of the kernel suite."""
+    from tests.background import kernels_cli_run
+
+    out = tmp_path_factory.mktemp("kernels") / "run.json"
+    run = kernels_cli_run(out)
+    yield run, out
+    run.kill()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_background_runs(request) -> None:
+    """Start the background runs (tests/background.py) the selected tests read when the session
+    starts, so they run beside the rest of the suite. Not under pytest-xdist (every worker would
+    start them; there they start when first used); the dry runs not with CUDA (their tests are
+    skipped)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    wanted = {name for item in request.session.items for name in item.fixturenames}
+    for name in BACKGROUND:
+        if name in wanted and not (HAS_CUDA and name in ("whole_run", "stalled_run")):
+            request.getfixturevalue(name)

@@ -4,13 +4,12 @@ files; a section killed at its limit keeps the rows it wrote; the pytest rows pl
 each test (pytest-benchmark figures included) as it finishes.
 
 The two dry runs (the whole run, and one with a section made to hang) run in the background
-(tests/harness_runs.py; tests/conftest.py starts them with the session), beside the rest of the
-suite; their tests read the results."""
+(tests/background.py; tests/conftest.py starts them with the session), beside the rest of the
+suite; their tests read the results at its end."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from bench.gpu.sections import SECTIONS
-from tests.harness_runs import STALL_BUDGET_S, subprocess_env
+from tests.background import STALL_BUDGET_S, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
@@ -56,8 +55,7 @@ BENCH_TESTS = textwrap.dedent('''
 def test_pytest_rows_plugin_reports_each_test_and_its_benchmark(tmp_path: Path) -> None:
     (tmp_path / "test_x.py").write_text(BENCH_TESTS)
     rows_path = tmp_path / "rows.json"
-    env = subprocess_env(SPACESERVE_ROWS_PATH=str(rows_path), SPACESERVE_SECTION="bench",
-                         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env(SPACESERVE_ROWS_PATH=str(rows_path), SPACESERVE_SECTION="bench")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-p", "bench.gpu.pytest_rows", "--timeout=30", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

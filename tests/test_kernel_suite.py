@@ -22,9 +22,9 @@ from bench.kernel_suite.runner import derived
 from bench.kernel_suite.shapes import budgets
 from spaceserve.bench import kernel_plots, kernel_suite
 from spaceserve.kernels import device_num_sms
+from tests.background import KERNELS_OPTIONAL as OPTIONAL
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONAL = ("flash_attn", "flashinfer")
 
 WALK = textwrap.dedent('''
     """Records every file pytest would collect, without importing any of them."""
@@ -100,14 +100,11 @@ def test_budgets_and_derived_metrics() -> None:
 
 
 @pytest.fixture(scope="module")
-def cli_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """`spaceserve bench kernels` on the paged decode kernel in fp32 and the optional backends."""
-    out = tmp_path_factory.mktemp("kernels") / "run.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "spaceserve.cli", "bench", "kernels", "--cpu-profile", "--json",
-         str(out), "-k", "(paged_decode_attention and fp32 and budget) or " +
-         " or ".join(OPTIONAL), "--", "--kernel-green", "off"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+def cli_run(kernels_cli) -> tuple[Path, str]:
+    """`spaceserve bench kernels` on the paged decode kernel in fp32 and the optional backends
+    (run in the background from the session's start: tests/background.py)."""
+    run, out = kernels_cli
+    proc = run.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc.stdout + proc.stderr
 
