@@ -1,4 +1,4 @@
-"""Point-by-point error of modelled curves (e.g. `spaceserve.runtime.analytic`) against
+"""Point-by-point error of modelled curves (e.g. `spaceserve.runtime.policy.analytic`) against
 measured ones: how far SIS would be off if it planned with the model instead."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from spaceserve.runtime.curves import STAGE_AXES, CurveSet
+from spaceserve.runtime.policy.curves import STAGE_AXES, CurveSet
 
 from .points import Point
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spaceserve.plotting import pyplot
-from spaceserve.runtime.curves import CurveSet
+from spaceserve.runtime.policy.curves import CurveSet
 
 TITLES = {"encoder": "encoder (per layer)", "prefill": "prefill chunk", "decode": "decode step"}
 

@@ -1,6 +1,6 @@
 """The profiler: measured resource-utility curves of a model on the current device.
 
-For every stage (`spaceserve.runtime.curves.STAGE_AXES`), every workload point of a `Grid` and
+For every stage (`policy.curves.STAGE_AXES`), every workload point of a `Grid` and
 every SM count (multiples of 8 and the whole device, as green contexts hand them out), it times
 one unit of work alone and while the other stage runs at the complementary budget
 (``max(min_other_sms, device SMs - sms)``), and writes
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spaceserve.runtime.contention import Contention, from_measurements
-from spaceserve.runtime.curves import STAGE_AXES, Curve, CurveSet
+from spaceserve.runtime.policy.contention import Contention, from_measurements
+from spaceserve.runtime.policy.curves import STAGE_AXES, Curve, CurveSet
 
 from .points import STAGES, Point
 

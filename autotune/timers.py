@@ -78,7 +78,7 @@ def _capture(fn: Callable[[], Any], stream: Any, pool: Any) -> Callable[[], Any]
 def _green_split(device: torch.device, encoder_sms: int) -> Any:
     """A `PartitionSet` holding the green split `encoder_sms`, or None where green contexts
     are unavailable or refuse the split (the point then runs on ordinary streams)."""
-    from spaceserve.runtime.partition import PartitionSet
+    from spaceserve.runtime.spatial.partition import PartitionSet
 
     pset = PartitionSet(device, [encoder_sms])
     if not pset.get(encoder_sms).green:

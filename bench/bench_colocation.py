@@ -204,10 +204,10 @@ def setup(llm_layers: int = LLM_LAYERS, vision_depth: int | None = None) -> Setu
     from bench.bench_models import image_grid
     from spaceserve import Engine, EngineConfig
     from spaceserve.models import from_state_dict, random_state_dict
-    from spaceserve.runtime.analytic import qwen2_vl_7b_config
-    from spaceserve.runtime.epd import load_curves
-    from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
+    from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.policy.model_curves import load_curves
     from spaceserve.runtime.sim import Workload
+    from spaceserve.runtime.worker.qwen2_vl import Qwen2VLRunner
 
     config = qwen2_vl_7b_config()
     config.text_config.num_hidden_layers = llm_layers
@@ -278,9 +278,9 @@ def dry_run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any
     """The section's control flow on CPU: every mode on the null model (no kernels, tiny
     images), with the simulator beside it, per-mode deadlines, rows and the plot."""
     from spaceserve import Engine, EngineConfig
-    from spaceserve.runtime.epd import load_curves
-    from spaceserve.runtime.runner import NullModelRunner
+    from spaceserve.runtime.policy.model_curves import load_curves
     from spaceserve.runtime.sim import Workload
+    from spaceserve.runtime.worker.null import NullModelRunner
 
     deadline = time.perf_counter() + time_budget_s - 2.0
     grids = {"1024x1024": (1, 8, 8), "1920x1080": (1, 8, 12)}

@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from spaceserve.runtime.engine import Engine, EngineConfig
-from spaceserve.runtime.request import SamplingParams
-from spaceserve.runtime.runner import NullModelRunner
+from spaceserve.runtime.core.request import SamplingParams
+from spaceserve.runtime.engine.engine import Engine, EngineConfig
+from spaceserve.runtime.worker.null import NullModelRunner
 
 GOAL_MS = 0.3
 FLAT = 1.5
@@ -108,8 +108,8 @@ def measure(mode: str, batch: int = 64, steps: int = 2000, vocab: int = 32, prom
 def device_work(batch: int = 64, vocab: int = 32768, repeats: int = 20) -> dict[str, float]:
     """CPU time (ms) of the sampler's tensor work on [batch, vocab] logits per mode: device
     work on a GPU, shown for scale (noise generation apart)."""
-    from spaceserve.runtime.request import Request
-    from spaceserve.runtime.sampler import Sampler
+    from spaceserve.runtime.core.request import Request
+    from spaceserve.runtime.sample.sampler import Sampler
 
     out = {}
     logits = torch.randn(batch, vocab)
@@ -140,8 +140,8 @@ def device_work(batch: int = 64, vocab: int = 32768, repeats: int = 20) -> dict[
 def detok_per_token(n: int, tokenizer, *, stop: bool, redecode: bool = False,
                     seed: int = 0) -> float:
     """Host CPU time (us) per token of a streaming request's output path over `n` tokens."""
-    from spaceserve.runtime.outputs import OutputProcessor
-    from spaceserve.runtime.request import Request
+    from spaceserve.runtime.core.request import Request
+    from spaceserve.runtime.engine.outputs import OutputProcessor
 
     rng = random.Random(seed)
     ids = [rng.randrange(260, len(tokenizer)) for _ in range(n)]

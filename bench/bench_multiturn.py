@@ -19,7 +19,7 @@ import statistics
 import numpy as np
 import torch
 
-from spaceserve.runtime.request import SamplingParams
+from spaceserve.runtime.core.request import SamplingParams
 
 
 def _image(seed: int, h: int, w: int):

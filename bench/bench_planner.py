@@ -59,7 +59,7 @@ class DecodeSim:
     """`batch` running requests of growing length, as the scheduler would hand them over."""
 
     def __init__(self, runner: Any, batch: int, context: int, prompt: int = 64) -> None:
-        from spaceserve.runtime.request import Request, SamplingParams
+        from spaceserve.runtime.core.request import Request, SamplingParams
 
         self.runner = runner
         self.reqs = []
@@ -82,7 +82,7 @@ class DecodeSim:
 
     def batch(self, prefill: int = 0) -> Any:
         """This step's ScheduledBatch: decodes, then (when `prefill`) one prefill chunk."""
-        from spaceserve.runtime.scheduler import ScheduledBatch
+        from spaceserve.runtime.core.batch import ScheduledBatch
 
         dec = self.reqs[:-1] if prefill else self.reqs
         reqs = list(dec)
@@ -125,8 +125,8 @@ def time_ms(step: Callable[[], Any], after: Callable[[], Any], steps: int,
 
 
 def runner_for(model: Any, batch: int, max_len: int) -> Any:
-    from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
-    from spaceserve.runtime.runner import StepLimits
+    from spaceserve.runtime.worker.protocol import StepLimits
+    from spaceserve.runtime.worker.qwen2_vl import Qwen2VLRunner
 
     runner = Qwen2VLRunner(model, eos_token_ids=[0])
     limits = StepLimits(max_num_seqs=batch, max_num_batched_tokens=2048,
@@ -139,7 +139,7 @@ def runner_for(model: Any, batch: int, max_len: int) -> Any:
 def measure(batch: int = 64, steps: int = 400, context: int = 1000,
             backend: str = "triton") -> dict[str, float]:
     """Per-step host ms of each row (see the module docstring)."""
-    from spaceserve.runtime.runner import StepLimits, StepPlanner
+    from spaceserve.runtime.worker.protocol import StepLimits, StepPlanner
 
     max_len = context + batch + 4 * (6 * steps + 5) + 512  # four rows of growing contexts
     model = tiny_model(backend)

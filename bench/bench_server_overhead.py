@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Any
 
-from spaceserve.runtime.request import SamplingParams
+from spaceserve.runtime.core.request import SamplingParams
 from spaceserve.server.app import ServerThread, create_app
 from spaceserve.server.engine_client import AsyncEngine, load_engine
 from spaceserve.server.protocol import chat_messages, parse_request

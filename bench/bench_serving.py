@@ -130,7 +130,7 @@ def run_plan(plan: Plan, results_dir: str | Path, time_budget_s: float) -> list[
     from spaceserve.bench.random_model import RandomModels, default_backend
     from spaceserve.bench.serve import _free_device, bench_engine
     from spaceserve.bench.workload import ServeWorkload
-    from spaceserve.runtime.slo import Slo
+    from spaceserve.runtime.policy.slo import Slo
     from spaceserve.server.engine_client import resolve_mode
 
     start = time.monotonic()

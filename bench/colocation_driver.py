@@ -50,7 +50,7 @@ def driver_experiment(*, seconds: float = 2.0, launch_s: float = 20e-6, layer_la
     queue (one GPU, time-multiplexed).
     """
     from spaceserve import Engine, EngineConfig, SamplingParams
-    from spaceserve.runtime.runner import NullModelRunner
+    from spaceserve.runtime.worker.null import NullModelRunner
 
     class Device:
         def __init__(self) -> None:

@@ -4,7 +4,7 @@ Co-running slowdown is the least known number in the model (the analytic presets
 8%; `spaceserve profile` measures it on a GPU). This runs `spaceserve sim`'s sweep - H200
 analytic curves of Qwen2-VL-7B, 32 background decodes, the default image mix, --duration s of
 Poisson arrivals per seed - with the contention table replaced by a flat slowdown of each
-level, and counts goodput (image requests/s within the SLO, `spaceserve.runtime.slo`) under two
+level, and counts goodput (image requests/s within the SLO, `runtime.policy.slo`) under two
 SLOs, each from runs scheduled for it: A ``ttft:2000,tpot:50`` (the default) and B
 ``ttft:2000,itl:21``.
 It prints a goodput table per level and which conclusions hold at which levels, and writes
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from spaceserve.runtime.slo import Slo
+from spaceserve.runtime.policy.slo import Slo
 
 SLOS = {"A": Slo.parse("ttft:2000,tpot:50"), "B": Slo.parse("ttft:2000,itl:21")}
 MODES = ("temporal", "temporal-chunked", "spatial")
@@ -31,8 +31,8 @@ MODES = ("temporal", "temporal-chunked", "spatial")
 def sweep(level: float, rates: list[float], seeds: list[int], duration: float,
           drain: float) -> dict[str, dict[float, dict[str, float]]]:
     """{mode: {rate: {slo name: goodput per s, "<name>_att": attainment}}} at one level."""
-    from spaceserve.runtime.analytic import analytic_curves
-    from spaceserve.runtime.contention import Contention
+    from spaceserve.runtime.policy.analytic import analytic_curves
+    from spaceserve.runtime.policy.contention import Contention
     from spaceserve.runtime.sim import SimConfig, Workload, simulate
     from spaceserve.runtime.sim.sweep import pooled_goodput
 

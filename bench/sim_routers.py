@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spaceserve.runtime.analytic import analytic_curves
+from spaceserve.runtime.policy.analytic import analytic_curves
+from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler
+from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim import ROUTERS, SimConfig, Workload, simulate, summarize
 from spaceserve.runtime.sim.engine import default_allowed
 from spaceserve.runtime.sim.sweep import capacity_rate
-from spaceserve.runtime.sis import PendingEncode, SisState, SpaceInferenceScheduler
-from spaceserve.runtime.slo import Slo
 
 
 def sis_capacity(curves: Any, workload: Workload, cfg: SimConfig, gpus: int) -> float:

@@ -3,11 +3,11 @@
 
     python -m bench.sim_tp [--rates R,...] [--seeds 0,1,2] [--modes temporal,spatial,...] [--slo S]
 
-Analytic H200 curves of one rank of the TP group (`runtime/analytic_tp.py`: the decoder's share
+Analytic H200 curves of one rank of the TP group (`policy/analytic_tp.py`: the decoder's share
 of each layer plus its all-reduces over the HGX H200 NVLink preset), the default image mix
 (448x448 to 1920x1080), a background batch of 32 decoding requests, the same arrivals per seed
 for every configuration. Goodput: image requests per second of the arrival window meeting
-``--slo`` (default: the project's, ``ttft:2000,tpot:50``; `runtime/slo.py`; a request unfinished
+``--slo`` (default: the project's, ``ttft:2000,tpot:50``; `policy/slo.py`; a request unfinished
 ``--drain`` seconds after arrivals stop misses), pooled over the seeds; TTFT over image requests
 and TPOT over every decoding request (the background batch included), pooled over the seeds.
 Also prints one image's ViT time per resolution in each encoder mode.
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spaceserve.runtime.analytic_tp import tensor_parallel_curves
+from spaceserve.runtime.policy.analytic_tp import tensor_parallel_curves
+from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT, Slo
 from spaceserve.runtime.sim import SimConfig, Workload, simulate, summarize
 from spaceserve.runtime.sim.sweep import capacity_rate, pooled_goodput
 from spaceserve.runtime.sim.workload import RESOLUTIONS
-from spaceserve.runtime.slo import DEFAULT_SLO_TEXT, Slo
 
 ENCODER_MODES = ("data", "weights")
 

@@ -4,10 +4,10 @@ __version__ = "0.1.0"
 
 # Engine front door (imported lazily so `import spaceserve.kernels` stays light).
 _ENGINE_EXPORTS = {
-    "Engine": "spaceserve.runtime.engine",
-    "EngineConfig": "spaceserve.runtime.engine",
-    "SamplingParams": "spaceserve.runtime.request",
-    "RequestOutput": "spaceserve.runtime.request",
+    "Engine": "spaceserve.runtime.engine.engine",
+    "EngineConfig": "spaceserve.runtime.engine.engine",
+    "SamplingParams": "spaceserve.runtime.core.request",
+    "RequestOutput": "spaceserve.runtime.core.request",
 }
 
 

@@ -93,7 +93,7 @@ def test_bench_engines_are_sized_to_their_workloads():
     from bench.colocation_load import BG_OUTPUT, BG_PROMPT
     from bench.common import model_len_for
     from spaceserve.bench.prompts import image_grid
-    from spaceserve.runtime.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
     from spaceserve.runtime.sim import Workload
 
     vision = qwen2_vl_7b_config().vision_config
@@ -208,7 +208,7 @@ class _Granting:
 
     @staticmethod
     def make(total: int):
-        from spaceserve.runtime.partition import Partition, PartitionSet
+        from spaceserve.runtime.spatial.partition import Partition, PartitionSet
 
         class Granting(PartitionSet):
             def __init__(self, device, splits=(), **kw):
@@ -234,7 +234,7 @@ def test_facts_green_streams_row_on_a_gpu_reports_measured_overlap_and_granted_s
 
     from bench.gpu import facts
     from spaceserve.kernels import budget
-    from spaceserve.runtime import partition, partition_probe
+    from spaceserve.runtime.spatial import partition, partition_probe
 
     monkeypatch.setattr(budget, "device_num_sms", lambda dev=None: 132)
     monkeypatch.setattr(partition, "device_num_sms", lambda dev=None: 132)
@@ -268,7 +268,7 @@ def test_colocation_rows_and_simulator_take_the_granted_budgets(monkeypatch):
     from spaceserve.runtime.sim import Workload
 
     total = 132
-    from spaceserve.runtime import partition
+    from spaceserve.runtime.spatial import partition
 
     monkeypatch.setattr(partition, "device_num_sms", lambda dev=None: total)
     Granting = _Granting.make(total)

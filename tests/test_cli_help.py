@@ -13,7 +13,8 @@ import pytest
 
 from spaceserve.cli import COMMANDS
 
-HEAVY = ("torch", "triton", "transformers", "fastapi", "uvicorn", "spaceserve.runtime.engine",
+HEAVY = ("torch", "triton", "transformers", "fastapi", "uvicorn",
+         "spaceserve.runtime.engine.engine",
          "spaceserve.kernels")
 HELP_CASES = [(name,) for name in COMMANDS] + [("bench", "serve")]
 

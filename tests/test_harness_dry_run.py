@@ -81,7 +81,7 @@ def test_warm_cases_launch_at_tiny_shapes(monkeypatch: pytest.MonkeyPatch) -> No
 
     from bench import bench_models, bench_qwen25_vision
     from bench.gpu import warm_cases as wc
-    from spaceserve.runtime import analytic
+    from spaceserve.runtime.policy import analytic
 
     calls: list[float] = []
 

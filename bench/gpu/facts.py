@@ -70,7 +70,11 @@ def green_contexts(requests: tuple[int, ...] = GREEN_REQUESTS) -> list[dict[str,
         from cuda.bindings import driver
     except ImportError as exc:
         return [{"request": None, "created": False, "error": f"cuda.bindings missing: {exc}"}]
-    from spaceserve.runtime.partition import green_context_stream, sm_resource, split_sm_resource
+    from spaceserve.runtime.spatial.partition import (
+        green_context_stream,
+        sm_resource,
+        split_sm_resource,
+    )
 
     torch.cuda.init()
     rows = []
@@ -107,7 +111,7 @@ def green_streams_row(dev: torch.device, split: int | None = None) -> dict[str, 
     CUDA only): a row with the overlap fraction and the granted budgets as figures. Without
     CUDA (the dry run) the same fields, the budgets those of the fallback, the checks skipped."""
     from spaceserve.kernels.budget import device_num_sms
-    from spaceserve.runtime.partition import PartitionSet, default_splits
+    from spaceserve.runtime.spatial.partition import PartitionSet, default_splits
 
     total = device_num_sms(dev)
     if split is None:
@@ -121,7 +125,7 @@ def green_streams_row(dev: torch.device, split: int | None = None) -> dict[str, 
                                "green": part.green, "reason": part.reason or pset.reason,
                                "probe": part.probe, "overlap_fraction": None}
         if dev.type == "cuda":
-            from spaceserve.runtime.partition_probe import green_stream_facts
+            from spaceserve.runtime.spatial.partition_probe import green_stream_facts
 
             facts = green_stream_facts(pset, split)
             row.update({k: facts[k] for k in ("concurrent", "events", "graph", "wall_s")},

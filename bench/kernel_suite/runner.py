@@ -11,7 +11,7 @@ wall-clock call: a smoke test of the plumbing, not a measurement.
 
 `extra_info` of every benchmark carries the budget, the grid of each launch (from
 `spaceserve.kernels.record_launches`), bytes and FLOPs, and the derived GB/s, TFLOP/s and
-fraction of the device's peak (the H200/H100/A100 presets of `spaceserve.runtime.analytic`).
+fraction of the device's peak (the H200/H100/A100 presets of `spaceserve.runtime.policy.analytic`).
 """
 
 from __future__ import annotations
@@ -73,14 +73,14 @@ def device_peaks(device: torch.device, dtype: str) -> tuple[float | None, float 
     """(GB/s, TFLOP/s, source) of the device's peak; TFLOP/s only for bf16/fp16 (tensor cores)."""
     if device.type != "cuda":
         return None, None, "none (not a GPU)"
-    from spaceserve.runtime.analytic import PRESETS
+    from spaceserve.runtime.policy.analytic import PRESETS
 
     name = torch.cuda.get_device_name(device)
     for key, preset in PRESETS.items():
         if key.lower() in name.lower():
             flops = preset.flops / 1e12 if dtype in ("bf16", "fp16") else None
             return preset.hbm_bw / 1e9, flops, (
-                f"{key} preset of spaceserve.runtime.analytic (measured copy bandwidth, bf16 "
+                f"{key} preset of runtime.policy.analytic (measured copy bandwidth, bf16 "
                 "matmul throughput)")
     return None, None, f"none (no preset for {name})"
 
@@ -178,7 +178,7 @@ class SuiteEnv:
         if self.device.type != "cuda":
             self.green_reason = "no CUDA device"
         else:
-            from spaceserve.runtime.partition import green_context_support
+            from spaceserve.runtime.spatial.partition import green_context_support
 
             self.green_reason = green_context_support(self.device)
         if self.green_reason is not None and self.green_mode == "on":
@@ -191,7 +191,7 @@ class SuiteEnv:
 
     def _partition_set(self) -> Any:
         if self._partitions is None:
-            from spaceserve.runtime.partition import PartitionSet
+            from spaceserve.runtime.spatial.partition import PartitionSet
 
             splits = [b.sms for b in self.budgets if b.sms < self.total_sms]
             self._partitions = PartitionSet(self.device, splits, green=True)

@@ -70,7 +70,7 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, config: Any, name: str) -> ModelDims:
-        from spaceserve.runtime.analytic import ModelShape
+        from spaceserve.runtime.policy.analytic import ModelShape
 
         s = ModelShape.from_config(config, name)
         rope = getattr(config.text_config, "rope_parameters", None) or {}
@@ -128,7 +128,7 @@ def tiny_config() -> Any:
 def models(profile: str) -> dict[str, ModelDims]:
     """Model dims of a profile by short name ("7b", "72b" on the GPU; "tiny" on CPU)."""
     if profile == "gpu":
-        from spaceserve.runtime.analytic import qwen2_vl_7b_config
+        from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
 
         return {"7b": ModelDims.from_config(qwen2_vl_7b_config(), "qwen2-vl-7b"),
                 "72b": ModelDims.from_config(qwen2_vl_72b_config(), "qwen2-vl-72b")}

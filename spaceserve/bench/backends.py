@@ -100,7 +100,7 @@ class InProcessBackend:
         return prepare_chat(self.pre, chat, self.limits)
 
     async def send(self, req: BenchRequest, body: Any) -> Result:
-        from spaceserve.runtime.request import SamplingParams
+        from spaceserve.runtime.core.request import SamplingParams
 
         res = Result(req.idx, req.kind, req.resolution, time.monotonic())
         params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)

@@ -6,7 +6,7 @@ between consecutive streamed outputs, E2EL; mean / median / p99. This module tur
 results into the records it takes, adds goodput (requests per second that meet every SLO) and
 flattens everything to vLLM's key names (``mean_ttft_ms``, ``p99_itl_ms``, ...).
 
-SLOs and goodput are `spaceserve.runtime.slo`'s, as in the simulator and the server:
+SLOs and goodput are `spaceserve.runtime.policy.slo`'s, as in the simulator and the server:
 ``request_goodput`` (vLLM's name) is load requests per second of the run that met the SLO, and
 ``goodput`` the image requests of the arrival window that met it (per second of the window, and
 as a fraction), a failed, cut or unsent one counting as a miss.
@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from spaceserve.runtime.policy.slo import RequestLatency, Slo, goodput
 from spaceserve.runtime.sim.metrics import summarize
-from spaceserve.runtime.slo import RequestLatency, Slo, goodput
 
 
 @dataclass

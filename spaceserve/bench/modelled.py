@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spaceserve.runtime.slo import Slo
+from spaceserve.runtime.policy.slo import Slo
 
 from .metrics import flatten
 from .prompts import TEMPLATE_TOKENS, image_grid
@@ -35,7 +35,7 @@ def target_config(model: str) -> tuple[Any, str]:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(path, local_files_only=True), path.name
-    from spaceserve.runtime.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
 
     return qwen2_vl_7b_config(), "Qwen2-VL-7B (what the tiny model stands in for)"
 
@@ -65,10 +65,10 @@ def sim_config(mode: str, num_sms: int, window_s: float, curves: Any = None,
     """The simulator's settings for an engine mode at its defaults (no background batch): the
     static split of `spatial-static`, and SIS's split set (chosen from `curves` and `slo` at
     the engine's reference decode load, `EngineConfig.sis_load`) and objective."""
-    from spaceserve.runtime.config import EngineConfig
-    from spaceserve.runtime.partition import default_splits
-    from spaceserve.runtime.policy import scheduling_policy
+    from spaceserve.runtime.engine.config import EngineConfig
+    from spaceserve.runtime.policy.scheduling import scheduling_policy
     from spaceserve.runtime.sim import SimConfig
+    from spaceserve.runtime.spatial.partition import default_splits
 
     static = default_splits(num_sms)
     splits = tuple(static)
@@ -86,7 +86,7 @@ def predict(workloads: list[ServeWorkload], modes: list[str], model: str, slo: S
             ) -> dict[str, Any]:
     """Modelled metrics and goodput per mode and rate; {"error": why} when it cannot run."""
     try:
-        from spaceserve.runtime.analytic import analytic_curves
+        from spaceserve.runtime.policy.analytic import analytic_curves
         from spaceserve.runtime.sim import Simulator, summarize
         from spaceserve.runtime.sim.metrics import image_goodput
 

@@ -23,8 +23,8 @@ GROUPS = (("load", ("image", "text")), ("probe", ("probe",)))
 
 def sim_config(engine: Any) -> Any:
     """The simulator's settings for `engine`: its mode, splits, SLO and SIS objective."""
+    from spaceserve.runtime.policy.slo import Slo
     from spaceserve.runtime.sim import SimConfig
-    from spaceserve.runtime.slo import Slo
 
     mode = str(engine.config.mode)
     kw: dict[str, Any] = {"mode": mode, "background": 0,
@@ -82,7 +82,7 @@ def predict_run(engine: Any, run: dict[str, Any], curves: Any = None) -> dict[st
     its errors; {"error": why} when the simulation cannot run."""
     try:
         if curves is None:
-            from spaceserve.runtime.epd import load_curves
+            from spaceserve.runtime.policy.model_curves import load_curves
 
             curves = load_curves(engine.config.curves, engine.runner)
         config = sim_config(engine)

@@ -1,7 +1,7 @@
 """Random-weight engines of real model shapes, for benchmarks with no checkpoint at hand.
 
 ``--model qwen2-vl-7b-random`` (or ``qwen2.5-vl-7b-random``) builds the model from its config
-(`spaceserve.runtime.analytic`) through `spaceserve.models.from_state_dict` on one draw of
+(`spaceserve.runtime.policy.analytic`) through `spaceserve.models.from_state_dict` on one draw of
 random weights, optionally with the LLM cut to `llm_layers` layers to save time (the vision
 tower stays whole). There is no tokenizer or image processor: requests become token-id prompts
 (`TokenPrompts`). Engines per mode share the weights: one model per attention backend.
@@ -19,13 +19,13 @@ if TYPE_CHECKING:
 
 
 def _qwen2_vl_7b() -> Any:
-    from spaceserve.runtime.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
 
     return qwen2_vl_7b_config()
 
 
 def _qwen2_5_vl_7b() -> Any:
-    from spaceserve.runtime.analytic import qwen2_5_vl_7b_config
+    from spaceserve.runtime.policy.analytic import qwen2_5_vl_7b_config
 
     return qwen2_5_vl_7b_config()
 
@@ -106,8 +106,8 @@ class RandomModels:
                ) -> tuple[Any, TokenPrompts, str | None]:
         """(engine, prompt maker, mode note) for `mode`; a mode this engine build lacks runs
         as temporal and the note says so. `config`: EngineConfig fields."""
-        from spaceserve.runtime.engine import Engine, EngineConfig
-        from spaceserve.runtime.qwen2_vl_runner import Qwen2VLRunner
+        from spaceserve.runtime.engine.engine import Engine, EngineConfig
+        from spaceserve.runtime.worker.qwen2_vl import Qwen2VLRunner
         from spaceserve.server.engine_client import resolve_mode
 
         run_mode, note = resolve_mode(mode)

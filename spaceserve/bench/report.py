@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from spaceserve.runtime.slo import Slo
+from spaceserve.runtime.policy.slo import Slo
 
 from .metrics import result_latency
 from .plots import plot_timeline, plot_vs_rate

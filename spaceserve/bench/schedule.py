@@ -7,7 +7,7 @@ import asyncio
 import time
 from typing import Any
 
-from spaceserve.runtime.slo import Slo
+from spaceserve.runtime.policy.slo import Slo
 
 from .backends import chat_body
 from .metrics import Result, summarize_results

@@ -7,7 +7,7 @@ mix with text-only requests, probe requests beside the load), then TTFT, TPOT, I
 probes apart, as `vllm bench serve` names them. Writes results.json (every run, every request,
 the SM split timeline), latency_vs_rate.png and sm_split_timeline.png under --out, and prints
 a table and a few outputs. A mode this engine build lacks runs as temporal and is labelled so.
-Goodput follows `spaceserve.runtime.slo` (--slo, default ttft:2000,tpot:50): the image requests
+Goodput follows `runtime.policy.slo` (--slo, default ttft:2000,tpot:50): the image requests
 of the arrival window that met the SLO, per second and as a fraction; a run waits at most
 --drain seconds after its last arrival, and a request unfinished then counts as a miss.
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from spaceserve.cli_args import HelpFormatter
-from spaceserve.runtime.slo import DEFAULT_SLO_TEXT, Slo
+from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT, Slo
 
 from .backends import CHAT, HttpBackend, InProcessBackend, Unreachable, check_endpoint
 from .predict import predict_run

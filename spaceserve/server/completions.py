@@ -52,7 +52,7 @@ from .streams import (
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from spaceserve.runtime.request import RequestOutput
+    from spaceserve.runtime.core.request import RequestOutput
 
     from .engine_client import AsyncEngine
     from .handles import Handle

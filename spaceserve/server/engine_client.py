@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
-from spaceserve.runtime.slo import DEFAULT_SLO
+from spaceserve.runtime.policy.slo import DEFAULT_SLO
 
 from .errors import APIError
 from .handles import Admission, Cancelled, Handle, QueueFull
@@ -35,8 +35,8 @@ __all__ = ["AsyncEngine", "Cancelled", "QueueFull", "RequestHandle", "SplitSampl
            "cap_video_tokens", "load_engine", "resolve_mode"]
 
 if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
-    from spaceserve.runtime.engine import Engine
-    from spaceserve.runtime.request import RequestOutput, SamplingParams
+    from spaceserve.runtime.core.request import RequestOutput, SamplingParams
+    from spaceserve.runtime.engine.engine import Engine
 
 # Engine.counters() key -> (metric name, help)
 ENGINE_COUNTERS = (
@@ -282,7 +282,7 @@ def _device_sms(engine: Engine) -> int:
 
 def resolve_mode(mode: str) -> tuple[str, str | None]:
     """(mode to run, note): a known mode this engine build lacks runs as temporal, said so."""
-    from spaceserve.runtime import engine as engine_module
+    from spaceserve.runtime.engine import engine as engine_module
 
     available = tuple(getattr(engine_module, "MODES", ("temporal",)))
     if mode in available:
@@ -302,9 +302,9 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
     and the torch one on CPU (the Triton interpreter is far too slow to serve)."""
     import torch
 
-    from spaceserve.runtime.engine import Engine, EngineConfig
+    from spaceserve.runtime.engine.engine import Engine, EngineConfig
+    from spaceserve.runtime.engine.load_runner import load_runner
     from spaceserve.runtime.inputs import ChatPreprocessor
-    from spaceserve.runtime.runners import load_runner
 
     from .tiny import resolve_model
 

@@ -11,7 +11,7 @@ import argparse
 
 from spaceserve.cli_args import HelpFormatter
 from spaceserve.runtime.inputs import ImageLimits
-from spaceserve.runtime.slo import DEFAULT_SLO_TEXT
+from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT
 
 from .guard import GuardLimits
 from .media_args import add_media_args

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
 
 if TYPE_CHECKING:
-    from spaceserve.runtime.request import RequestOutput, SamplingParams
+    from spaceserve.runtime.core.request import RequestOutput, SamplingParams
 
 DEFAULT_PIXELS = 4 * 4096 * 4096  # the server's decoded pixels in preprocessing, by default
 

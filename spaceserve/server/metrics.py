@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from spaceserve.runtime.request import RequestOutput
+    from spaceserve.runtime.core.request import RequestOutput
 
-from spaceserve.runtime.slo import DEFAULT_SLO, RequestLatency, Slo
+from spaceserve.runtime.policy.slo import DEFAULT_SLO, RequestLatency, Slo
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0)
@@ -57,7 +57,7 @@ class ServerMetrics:
     """Counters and histograms updated as requests finish and HTTP errors are answered.
 
     Every request that finishes (stop, length or error; not a client's abort) is judged by the
-    engine's SLO (`spaceserve.runtime.slo`): ``request_slo_total{result="met"|"missed"}`` is the
+    engine's SLO (`runtime.policy.slo`): ``request_slo_total{result="met"|"missed"}`` is the
     server's goodput counter, and ``slo_info`` names the bounds."""
 
     PREFIX = "spaceserve:"

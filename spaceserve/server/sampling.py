@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import APIError
 
-MAX_LOGPROBS = 20  # = spaceserve.runtime.request.MAX_LOGPROBS (no torch import here)
+MAX_LOGPROBS = 20  # = spaceserve.runtime.core.request.MAX_LOGPROBS (no torch import here)
 
 # parameter -> the message of the 400 it gets (when set to anything but its neutral value)
 REFUSED: dict[str, str] = {
@@ -165,7 +165,7 @@ def to_sampling_params(req: SamplingFields, num_prompt: int, context: int, limit
     """The engine's SamplingParams for a prompt of `num_prompt` tokens in a `context`-token
     model; `limit` is the requested output length (None: the rest of the context). APIError
     400 when the prompt and output do not fit, or a value is out of range."""
-    from spaceserve.runtime.request import SamplingParams
+    from spaceserve.runtime.core.request import SamplingParams
 
     if num_prompt >= context:
         raise APIError(400, f"This model's maximum context length is {context} tokens; the "

@@ -21,7 +21,7 @@ from .handles import Cancelled, Handle
 from .logprobs import TokenText, chat_logprobs
 
 if TYPE_CHECKING:
-    from spaceserve.runtime.request import RequestOutput
+    from spaceserve.runtime.core.request import RequestOutput
 
     from .metrics import ServerMetrics
 

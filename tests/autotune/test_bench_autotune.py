@@ -12,7 +12,7 @@ from autotune.timers import WallTimer
 from autotune.workload import tiny_config
 from bench.bench_autotune import run, run_suite
 from spaceserve.kernels.configs import clear_kernel_configs, load_kernel_configs
-from spaceserve.runtime.curves import CurveSet
+from spaceserve.runtime.policy.curves import CurveSet
 
 
 def test_suite_at_tiny_shapes(tmp_path):

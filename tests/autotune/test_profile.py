@@ -12,9 +12,9 @@ from autotune.compare import point_errors, summarize_errors
 from autotune.profile import Grid, Profiler, main, sms_points
 from autotune.timers import WallTimer
 from autotune.workload import FunctionWorkload, Point, Qwen2VLWorkload, image_grid, load_model
-from spaceserve.runtime.analytic import analytic_curves
-from spaceserve.runtime.contention import Contention, Pair
-from spaceserve.runtime.curves import CurveSet
+from spaceserve.runtime.policy.analytic import analytic_curves
+from spaceserve.runtime.policy.contention import Contention, Pair
+from spaceserve.runtime.policy.curves import CurveSet
 
 GRID = Grid(sms=(8, 64, 132), patches=(64, 256), prefill_tokens=(16, 64),
             prefill_context=(0, 128), decode_batch=(1, 8), decode_context=(0, 256))

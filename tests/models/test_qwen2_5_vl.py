@@ -252,7 +252,7 @@ def test_greedy_generation_matches_transformers(checkpoint, load, pixels):
 
 
 def _engine_modes() -> list[str]:
-    from spaceserve.runtime.engine import MODES
+    from spaceserve.runtime.engine.engine import MODES
 
     return list(MODES)
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from spaceserve.runtime.analytic import (
+from spaceserve.runtime.policy.analytic import (
     PRESETS,
     ModelShape,
     Roofline,
@@ -13,7 +13,7 @@ from spaceserve.runtime.analytic import (
     qwen2_5_vl_7b_config,
     qwen2_vl_7b_config,
 )
-from spaceserve.runtime.twsrft import curve_cost
+from spaceserve.runtime.policy.twsrft import curve_cost
 
 P1080 = 4 * 2691  # ViT patches of a 1920x1080 image
 

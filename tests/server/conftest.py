@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from spaceserve.runtime.engine import Engine, EngineConfig
+from spaceserve.runtime.engine.engine import Engine, EngineConfig
 from spaceserve.runtime.inputs import ChatPreprocessor, ImageLimits
-from spaceserve.runtime.runner import NullModelRunner
+from spaceserve.runtime.worker.null import NullModelRunner
 
 # The server's request models need pydantic, which comes with the serve extra: without it (the
 # GPU image) these tests skip and the rest of the suite is collected.

@@ -11,7 +11,7 @@ import pytest
 
 from spaceserve.bench.metrics import Result, latency, summarize_results, to_record
 from spaceserve.bench.workload import ServeWorkload, build_requests, parse_mix
-from spaceserve.runtime.slo import Slo, goodput
+from spaceserve.runtime.policy.slo import Slo, goodput
 
 
 def result(idx: int, send: float, times: list[float], kind: str = "image") -> Result:

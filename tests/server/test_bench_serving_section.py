@@ -21,7 +21,7 @@ from spaceserve.bench.predict import errors, sim_requests, simulate_requests
 from spaceserve.bench.prompts import TokenPrompts, image_grid, prompt_shape
 from spaceserve.bench.serve import CUT, main, run_one
 from spaceserve.bench.workload import BenchRequest, ServeWorkload
-from spaceserve.runtime.analytic import qwen2_vl_7b_config
+from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
 from spaceserve.runtime.sim import RESOLUTIONS, SimConfig
 
 SPECIAL = 250  # the tiny config's special ids: 250..253, inside its 256-token vocabulary
@@ -84,7 +84,7 @@ def test_image_grids_match_the_simulators_token_table() -> None:
 
 
 def test_token_prompts_have_the_grid_shape_and_avoid_special_ids() -> None:
-    from spaceserve.runtime.runner import ModelInfo
+    from spaceserve.runtime.worker.protocol import ModelInfo
 
     info = ModelInfo(256, 4096, (), SPECIAL, 2, 1176)
     make = TokenPrompts(info, tiny_config(), seed=3)
@@ -114,7 +114,7 @@ def test_sim_requests_and_prediction_errors() -> None:
     assert [(r.rid, r.kind, r.image_tokens, r.text_tokens, r.output_tokens) for r in reqs] == \
         [(0, "image", 256, 34, 8), (2, "probe", 0, 22, 4)]
     assert reqs[1].arrival == pytest.approx(0.3)
-    from spaceserve.runtime.epd import load_curves
+    from spaceserve.runtime.policy.model_curves import load_curves
 
     pred = simulate_requests(load_curves(None, None), SimConfig(mode="temporal", background=0),
                              reqs)

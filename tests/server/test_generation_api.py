@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from spaceserve import SamplingParams
-from spaceserve.runtime.sampling_ops import reference_logprobs
+from spaceserve.runtime.sample.ops import reference_logprobs
 from spaceserve.server.app import ServerThread
 
 from .conftest import MODEL, make_app, null_engine

@@ -17,7 +17,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 openai = pytest.importorskip("openai", reason="the serve extra is not installed")
 
-from spaceserve.runtime.request import SamplingParams  # noqa: E402
+from spaceserve.runtime.core.request import SamplingParams  # noqa: E402
 from spaceserve.server.app import ServerThread  # noqa: E402
 from spaceserve.server.engine_client import load_engine  # noqa: E402
 from spaceserve.server.errors import APIError  # noqa: E402

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from spaceserve.runtime.request import RequestMetrics, RequestOutput
-from spaceserve.runtime.route_tracker import ReplicaTracker
+from spaceserve.runtime.core.request import RequestMetrics, RequestOutput
+from spaceserve.runtime.routing.tracker import ReplicaTracker
 from spaceserve.server.replicas.client import ReplicaClient
 from spaceserve.server.replicas.metrics import families, merge, with_label
 

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from spaceserve.runtime.request import RequestMetrics, RequestOutput
-from spaceserve.runtime.slo import Slo
+from spaceserve.runtime.core.request import RequestMetrics, RequestOutput
+from spaceserve.runtime.policy.slo import Slo
 from spaceserve.server.app import build_parser, main
 from spaceserve.server.metrics import ServerMetrics
 

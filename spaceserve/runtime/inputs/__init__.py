@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .budget import PixelBudget, PixelLease
-from .chat import ChatPlan, ChatPreprocessor, MediaRef
-from .errors import KINDS, ImageError, InputError, safe_detail
-from .images import (
+from spaceserve.runtime.inputs.budget import PixelBudget, PixelLease
+from spaceserve.runtime.inputs.chat import ChatPlan, ChatPreprocessor, MediaRef
+from spaceserve.runtime.inputs.errors import KINDS, ImageError, InputError, safe_detail
+from spaceserve.runtime.inputs.images import (
     IMAGE_FORMATS,
     decode_image,
     image_format_of_mime,
@@ -37,8 +37,8 @@ from .images import (
     load_image_url,
     open_image,
 )
-from .limits import ImageLimits, VideoLimits
-from .media import (
+from spaceserve.runtime.inputs.limits import ImageLimits, VideoLimits
+from spaceserve.runtime.inputs.media import (
     LOADERS,
     check_dir,
     data_url_mime,
@@ -47,12 +47,12 @@ from .media import (
     resolve_local_file,
     to_data_url,
 )
-from .pool import DeadlineExceeded, PreprocessPool, QueueFull
-from .processor import load_processor
-from .prompt_encoder import PromptEncoder
-from .remote import RemoteFetcher, RemotePolicy, address_problem
-from .sampling import VideoSampling
-from .text import (
+from spaceserve.runtime.inputs.pool import DeadlineExceeded, PreprocessPool, QueueFull
+from spaceserve.runtime.inputs.processor import load_processor
+from spaceserve.runtime.inputs.prompt_encoder import PromptEncoder
+from spaceserve.runtime.inputs.remote import RemoteFetcher, RemotePolicy, address_problem
+from spaceserve.runtime.inputs.sampling import VideoSampling
+from spaceserve.runtime.inputs.text import (
     check_text_size,
     control_tokens,
     encode_marked,
@@ -60,7 +60,7 @@ from .text import (
     mark_plain,
     text_byte_limit,
 )
-from .video import (
+from spaceserve.runtime.inputs.video import (
     DecodedVideo,
     OpenedVideo,
     decode_video,
@@ -124,7 +124,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "process_prompt":  # torch-heavy: loaded on first use
-        from .prompt import process_prompt
+        from spaceserve.runtime.inputs.prompt import process_prompt
 
         return process_prompt
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

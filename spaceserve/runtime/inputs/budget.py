@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 
-from .errors import InputError
+from spaceserve.runtime.inputs.errors import InputError
 
 
 class PixelLease:

@@ -29,14 +29,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .errors import InputError, safe_detail
-from .images import load_rgb, open_image
-from .limits import ImageLimits, VideoLimits
-from .media import load_url_media, mime_source
-from .pool import DeadlineExceeded
-from .prompt_encoder import PromptEncoder
-from .text import check_text_size, mark_plain
-from .video import open_video_url
+from spaceserve.runtime.inputs.errors import InputError, safe_detail
+from spaceserve.runtime.inputs.images import load_rgb, open_image
+from spaceserve.runtime.inputs.limits import ImageLimits, VideoLimits
+from spaceserve.runtime.inputs.media import load_url_media, mime_source
+from spaceserve.runtime.inputs.pool import DeadlineExceeded
+from spaceserve.runtime.inputs.prompt_encoder import PromptEncoder
+from spaceserve.runtime.inputs.text import check_text_size, mark_plain
+from spaceserve.runtime.inputs.video import open_video_url
 
 REMOTE = ("http://", "https://")
 

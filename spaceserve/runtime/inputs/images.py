@@ -18,9 +18,9 @@ import io
 import warnings
 from typing import Any
 
-from .errors import ImageError, InputError, safe_detail
-from .limits import ImageLimits
-from .media import data_url_mime, load_url_media, mime_source
+from spaceserve.runtime.inputs.errors import ImageError, InputError, safe_detail
+from spaceserve.runtime.inputs.limits import ImageLimits
+from spaceserve.runtime.inputs.media import data_url_mime, load_url_media, mime_source
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 FORMAT_NAMES = "PNG, JPEG, WebP, GIF or BMP"

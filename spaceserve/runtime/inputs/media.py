@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from .errors import InputError
+from spaceserve.runtime.inputs.errors import InputError
 
 # a loader: (url, where, media, max_bytes, allowed_local_dir) -> bytes
 Loader = Callable[[str, str, str, int, "str | None"], bytes]

@@ -15,7 +15,7 @@ def load_processor(path: str) -> tuple[Any, Any]:
     except ImportError:
         # transformers' Qwen2-VL processor wants torchvision for its video half; images need only
         # the image processor and the tokenizer, which SpaceServe's chat preprocessor combines.
-        from .chat import ChatPreprocessor
+        from spaceserve.runtime.inputs.chat import ChatPreprocessor
 
         try:
             processor = ChatPreprocessor.from_pretrained(path)

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..request import MultiModalData, check_int
-from .images import load_image
+from spaceserve.runtime.core.request import MultiModalData, check_int
+from spaceserve.runtime.inputs.images import load_image
 
 
 def _grid(value: Any, name: str = "image_grid_thw") -> torch.Tensor:

@@ -23,11 +23,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import InputError, safe_detail
-from .images import image_hash
-from .pool import DeadlineExceeded
-from .sampling import VideoSampling, video_patches
-from .text import encode_marked
+from spaceserve.runtime.inputs.errors import InputError, safe_detail
+from spaceserve.runtime.inputs.images import image_hash
+from spaceserve.runtime.inputs.pool import DeadlineExceeded
+from spaceserve.runtime.inputs.sampling import VideoSampling, video_patches
+from spaceserve.runtime.inputs.text import encode_marked
 
 
 def _token_id(tokenizer: Any, token: str) -> int | None:
@@ -93,7 +93,7 @@ class PromptEncoder:
         """`videos` are `DecodedVideo`s or what `video.load_video` takes."""
         import torch
 
-        from .video import DecodedVideo, load_video
+        from spaceserve.runtime.inputs.video import DecodedVideo, load_video
 
         if len(text) != 1:
             raise ValueError("one prompt at a time")

@@ -38,7 +38,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InputError, safe_detail
+from spaceserve.runtime.inputs.errors import InputError, safe_detail
 
 # Content-Types accepted beside "<media>/*" (servers often label media generically)
 GENERIC_TYPES = frozenset({"", "application/octet-stream", "binary/octet-stream"})

@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import InputError
+from spaceserve.runtime.inputs.errors import InputError
 
 _KEY = secrets.token_hex(8)
 OPEN = f"\ue000{_KEY}\ue001"

@@ -4,10 +4,10 @@ The simulator drives the real `TwsrftScheduler` and `SpaceInferenceScheduler`, s
 "decode TPOT against image request rate" exists before the engine does.
 """
 
-from .cluster import ROUTERS, SimResult, simulate
-from .engine import MODES, SimConfig, Simulator, default_allowed
-from .metrics import summarize
-from .workload import RESOLUTIONS, Request, Workload, generate
+from spaceserve.runtime.sim.cluster import ROUTERS, SimResult, simulate
+from spaceserve.runtime.sim.engine import MODES, SimConfig, Simulator, default_allowed
+from spaceserve.runtime.sim.metrics import summarize
+from spaceserve.runtime.sim.workload import RESOLUTIONS, Request, Workload, generate
 
 __all__ = ["MODES", "RESOLUTIONS", "ROUTERS", "Request", "SimConfig", "SimResult", "Simulator",
            "Workload", "default_allowed", "generate", "simulate", "summarize"]

@@ -21,25 +21,31 @@ import time
 from pathlib import Path
 
 from spaceserve.cli_args import HelpFormatter
-
-from ..analytic import (
+from spaceserve.runtime.modes import OBJECTIVES
+from spaceserve.runtime.policy.analytic import (
     PRESETS,
     analytic_curves,
     qwen2_5_vl_7b_config,
     qwen2_vl_7b_config,
     qwen2_vl_72b_config,
 )
-from ..contention import Contention
-from ..curves import CurveSet
-from ..policy import OBJECTIVES
-from ..sis import PendingEncode, SisState, SpaceInferenceScheduler
-from ..slo import DEFAULT_SLO_TEXT, Slo
-from . import multiturn_cli
-from .cluster import ROUTERS
-from .engine import MODES, PLACEMENTS, SimConfig, sim_policy
-from .plots import plot, plot_goodput
-from .sweep import capacity_rate, default_rates, headline, run_sweep, table, write_outputs
-from .workload import DEFAULT_MIX, Workload
+from spaceserve.runtime.policy.contention import Contention
+from spaceserve.runtime.policy.curves import CurveSet
+from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler
+from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT, Slo
+from spaceserve.runtime.sim import multiturn_cli
+from spaceserve.runtime.sim.cluster import ROUTERS
+from spaceserve.runtime.sim.engine import MODES, PLACEMENTS, SimConfig, sim_policy
+from spaceserve.runtime.sim.plots import plot, plot_goodput
+from spaceserve.runtime.sim.sweep import (
+    capacity_rate,
+    default_rates,
+    headline,
+    run_sweep,
+    table,
+    write_outputs,
+)
+from spaceserve.runtime.sim.workload import DEFAULT_MIX, Workload
 
 DEFAULT_MODES = ("temporal", "temporal-chunked", "spatial")
 DEFAULT_RATES = "0,2,4,6,8,10,12,14,16,18,20"
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         name, config = MODELS[args.model]
         if args.tp > 1:
-            from ..analytic_tp import tensor_parallel_curves
+            from spaceserve.runtime.policy.analytic_tp import tensor_parallel_curves
 
             try:
                 curves = tensor_parallel_curves(config(), args.device, tp=args.tp,

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..curves import CurveSet
-from ..slo import Goodput, Slo
-from .engine import SimConfig, Simulator
-from .metrics import image_goodput, summarize
-from .router import MediaAwareRouter
-from .workload import Request, Workload, generate
+from spaceserve.runtime.policy.curves import CurveSet
+from spaceserve.runtime.policy.slo import Goodput, Slo
+from spaceserve.runtime.sim.engine import SimConfig, Simulator
+from spaceserve.runtime.sim.metrics import image_goodput, summarize
+from spaceserve.runtime.sim.router import MediaAwareRouter
+from spaceserve.runtime.sim.workload import Request, Workload, generate
 
 ROUTERS = ("round_robin", "least_loaded", "media_aware")
 

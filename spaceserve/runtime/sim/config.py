@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..curves import CurveSet
-from ..policy import OBJECTIVES, SchedulingPolicy, scheduling_policy
-from ..slo import Slo
-
-MODES = ("temporal", "temporal-chunked", "spatial-static", "spatial", "shared")
-TEMPORAL_MODES = ("temporal", "temporal-chunked")
-PLACEMENTS = ("auto", "compute", "decode")
+from spaceserve.runtime.modes import MODES, OBJECTIVES, PLACEMENTS
+from spaceserve.runtime.policy.curves import CurveSet
+from spaceserve.runtime.policy.scheduling import SchedulingPolicy, scheduling_policy
+from spaceserve.runtime.policy.slo import Slo
 
 
 @dataclass(frozen=True)

@@ -40,14 +40,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..curves import CurveSet
-from ..encoder_dp import RoundTwsrft
-from ..policy import RateEstimator
-from ..sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
-from ..twsrft import Grant, TwsrftScheduler, curve_cost
-from .config import MODES, PLACEMENTS, TEMPORAL_MODES, SimConfig, default_allowed, sim_policy
-from .op import Op, lane_latencies
-from .workload import Request
+from spaceserve.runtime.encoder.data_parallel import RoundTwsrft
+from spaceserve.runtime.modes import MODES, PLACEMENTS, TEMPORAL_MODES
+from spaceserve.runtime.policy.curves import CurveSet
+from spaceserve.runtime.policy.scheduling import RateEstimator
+from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
+from spaceserve.runtime.policy.twsrft import Grant, TwsrftScheduler, curve_cost
+from spaceserve.runtime.sim.config import SimConfig, default_allowed, sim_policy
+from spaceserve.runtime.sim.op import Op, lane_latencies
+from spaceserve.runtime.sim.workload import Request
 
 __all__ = ["MODES", "PLACEMENTS", "TEMPORAL_MODES", "Op", "SimConfig", "Simulator",
            "default_allowed", "sim_policy"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..slo import Goodput, RequestLatency, Slo, goodput
-from .workload import Request
+from spaceserve.runtime.policy.slo import Goodput, RequestLatency, Slo, goodput
+from spaceserve.runtime.sim.workload import Request
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -29,12 +29,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..curves import CurveSet
-from ..slo import RequestLatency, Slo, goodput
-from .config import SimConfig
-from .engine import Simulator
-from .metrics import stats
-from .workload import DEFAULT_MIX, RESOLUTIONS, Request, arrival_times
+from spaceserve.runtime.policy.curves import CurveSet
+from spaceserve.runtime.policy.slo import RequestLatency, Slo, goodput
+from spaceserve.runtime.sim.config import SimConfig
+from spaceserve.runtime.sim.engine import Simulator
+from spaceserve.runtime.sim.metrics import stats
+from spaceserve.runtime.sim.workload import DEFAULT_MIX, RESOLUTIONS, Request, arrival_times
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ import dataclasses
 import json
 import time
 
-from ..analytic import analytic_curves
-from ..contention import Contention
-from ..curves import CurveSet
-from .config import SimConfig
-from .multiturn import MultiTurn, sweep_multiturn, table
-from .sweep import capacity_rate
-from .workload import Workload
+from spaceserve.runtime.policy.analytic import analytic_curves
+from spaceserve.runtime.policy.contention import Contention
+from spaceserve.runtime.policy.curves import CurveSet
+from spaceserve.runtime.sim.config import SimConfig
+from spaceserve.runtime.sim.multiturn import MultiTurn, sweep_multiturn, table
+from spaceserve.runtime.sim.sweep import capacity_rate
+from spaceserve.runtime.sim.workload import Workload
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from spaceserve.plotting import pyplot
-
-from .cluster import SimResult
+from spaceserve.runtime.sim.cluster import SimResult
 
 
 def _pyplot() -> Any:

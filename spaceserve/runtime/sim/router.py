@@ -1,6 +1,6 @@
 """The simulator's ``media_aware`` router: SpaceServe's routing function on a `ReplicaTracker`.
 
-The same code Ray Serve's request router runs (`spaceserve.runtime.routing`), fed with the
+The same code Ray Serve's request router runs (`spaceserve.runtime.routing.router`), fed with the
 events a serving front end sees: a request routed, its first token, its end. Every simulated
 request is treated as a streaming one (its first token is reported). Simulated images have no
 pixels: each gets a hash of its own, so they bring encoder work but no affinity; prompts have no
@@ -9,11 +9,11 @@ token ids, so no prefix affinity either.
 
 from __future__ import annotations
 
-from ..curves import CurveSet
-from ..route_tracker import ReplicaTracker
-from ..routing import RouterConfig, RouteRequest, WorkModel
-from .engine import Simulator
-from .workload import PATCHES_PER_TOKEN, Request
+from spaceserve.runtime.policy.curves import CurveSet
+from spaceserve.runtime.routing.router import RouterConfig, RouteRequest, WorkModel
+from spaceserve.runtime.routing.tracker import ReplicaTracker
+from spaceserve.runtime.sim.engine import Simulator
+from spaceserve.runtime.sim.workload import PATCHES_PER_TOKEN, Request
 
 
 class MediaAwareRouter:

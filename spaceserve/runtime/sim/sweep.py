@@ -1,7 +1,7 @@
 """Image-rate sweeps across execution modes, the headline comparison and the figures.
 
 Every sweep point runs each seed and pools them: latency statistics over the pooled requests,
-throughputs as the seeds' mean, and goodput (`spaceserve.runtime.slo`) over the image requests
+throughputs as the seeds' mean, and goodput (`runtime.policy.slo`) over the image requests
 of every seed's arrival window: ``rate_per_s`` = met / (window x seeds), ``attainment`` = met /
 arrived.
 
@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..curves import CurveSet
-from ..slo import DEFAULT_SLO, Slo
-from .cluster import SimResult, simulate
-from .engine import MODES, SimConfig
-from .metrics import request_record, summarize
-from .workload import RESOLUTIONS, Workload
+from spaceserve.runtime.policy.curves import CurveSet
+from spaceserve.runtime.policy.slo import DEFAULT_SLO, Slo
+from spaceserve.runtime.sim.cluster import SimResult, simulate
+from spaceserve.runtime.sim.engine import MODES, SimConfig
+from spaceserve.runtime.sim.metrics import request_record, summarize
+from spaceserve.runtime.sim.workload import RESOLUTIONS, Workload
 
 THROUGHPUTS = ("duration_s", "request_throughput", "output_throughput",
                "served_output_throughput")

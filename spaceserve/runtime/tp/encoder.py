@@ -3,7 +3,7 @@ encoder methods).
 
 ``mm_encoder_tp_mode="data"`` (the default): the ViT is whole on every rank and each encoder
 job (a request's media items that neither the encoder cache nor the prefix cache holds) is
-encoded by one rank, its *owner*, which an encoder stage picks (`runtime/encoder_dp.py`
+encoded by one rank, its *owner*, which an encoder stage picks (`runtime/encoder/data_parallel.py`
 balances the predicted work). Rank 0 checks the input first (a bad image never reaches a
 worker), then sends the owner alone its pixels and commands, each numbered; rank 0's own images
 run here, with no command to anyone. The owner's progress counter tells rank 0 when its work is
@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from ..encoder_dp import EncodingFailed
-from ..request import MultiModalData
-from . import protocol as P
-from .group import RemoteEvent, TensorParallelError
+from spaceserve.runtime.core.request import MultiModalData
+from spaceserve.runtime.encoder.data_parallel import EncodingFailed
+from spaceserve.runtime.tp import protocol as P
+from spaceserve.runtime.tp.group import RemoteEvent, TensorParallelError
 
 MM_ENCODER_TP_MODES = ("data", "replicate")
 

@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import protocol as P
+from spaceserve.runtime.tp import protocol as P
 
 STARTUP_TIMEOUT_S = 900.0  # imports and loading a shard (a 72B checkpoint takes minutes)
 DEATH_GRACE_S = 5.0  # how long a failed collective waits for the monitor to name a dead worker
@@ -102,16 +102,13 @@ def _stop_processes(procs: list[Any], conns: list[Any], directory: str | None,
 
 class WorkerGroup:
     """The worker processes of ranks 1..size-1 (module docstring). `target(rank, spec,
-    source, conn, parent_pid)` is the worker entry point (`worker.worker_main`)."""
+    source, conn, parent_pid)` is the worker entry point (`worker.worker_main`,
+    passed by the runner so the group does not depend on the model code the workers run)."""
 
     def __init__(self, size: int, source: P.ModelSource, *, timeout_s: float,
                  stages: tuple[str, ...], partitions: P.PartitionSpec | None,
                  num_threads: int | None, env: dict[str, str] | None = None,
-                 target: Callable[..., None] | None = None) -> None:
-        if target is None:
-            from .worker import worker_main
-
-            target = worker_main
+                 target: Callable[..., None]) -> None:
         self.size = size
         self.dir = tempfile.mkdtemp(prefix="spaceserve-tp-")
         ctx = mp.get_context("spawn")

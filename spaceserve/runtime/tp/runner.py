@@ -18,8 +18,7 @@ pieces name entries by those keys; one no worker has (never encoded there) is se
 
 SM budgets: every command carries rank 0's stage budgets, so each rank's kernels run under the
 same ones, and the collectives' thread blocks are bounded by `collective_sms` (NCCL_MAX_CTAS in
-every rank's environment; see `comm.py`), which must fit the smallest partition a collective
-runs in.
+every rank's environment; `comm.py`), which must fit the smallest partition a collective runs in.
 
 A worker's death, a failed send or a failed collective turns into `TensorParallelError` naming
 the worker (`group.py`); from then on every call raises it, and `close` stops what is left.
@@ -34,14 +33,15 @@ from typing import Any
 
 import torch
 
-from ..encoder_chunked import TEMPORAL_MODES
-from ..request import Request
-from ..scheduler import ScheduledBatch
-from ..step_plan import StepLimits
-from . import protocol as P
-from .comm import CTAS_ENV
-from .encoder import MM_ENCODER_TP_MODES, EncoderMethods
-from .group import TensorParallelError, WorkerGroup
+from spaceserve.runtime.core.batch import ScheduledBatch
+from spaceserve.runtime.core.request import Request
+from spaceserve.runtime.modes import TEMPORAL_MODES
+from spaceserve.runtime.tp import protocol as P
+from spaceserve.runtime.tp.comm import CTAS_ENV
+from spaceserve.runtime.tp.encoder import MM_ENCODER_TP_MODES, EncoderMethods
+from spaceserve.runtime.tp.group import TensorParallelError, WorkerGroup
+from spaceserve.runtime.tp.worker import worker_main
+from spaceserve.runtime.worker.step_plan import StepLimits
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective's limit; a dead worker is noticed long before
 # Thread blocks a collective may take by default: enough channels for NVLink bandwidth on
@@ -73,8 +73,8 @@ class TensorParallelRunner(EncoderMethods):
                  partitions: P.PartitionSpec | None = None, timeout_s: float | None = None,
                  env: dict[str, str] | None = None, mm_encoder_tp_mode: str = "data",
                  collective_sms: int | None = None) -> None:
-        from .comm import connect
-        from .worker import build_runner, rank_device
+        from spaceserve.runtime.tp.comm import connect
+        from spaceserve.runtime.tp.worker import build_runner, rank_device
 
         if isinstance(size, bool) or not isinstance(size, int) or size < 2:
             raise ValueError(f"tensor_parallel_size={size!r}: a tensor-parallel runner needs "
@@ -102,7 +102,8 @@ class TensorParallelRunner(EncoderMethods):
         stages = ("decoder",) if partitions is None else ("decoder", "encoder")
         self.group = WorkerGroup(size, source, timeout_s=timeout_s or collective_timeout_s(),
                                  stages=stages, partitions=partitions,
-                                 num_threads=torch.get_num_threads(), env=env)
+                                 num_threads=torch.get_num_threads(), env=env,
+                                 target=worker_main)
         os.environ.update(self.group.spec.env)  # e.g. NCCL's knobs: rank 0 joins with them too
         self.comms: dict[str, Any] = {}
         self._dead = False
@@ -151,7 +152,7 @@ class TensorParallelRunner(EncoderMethods):
         check_splits(source, config.tensor_parallel_size, hf_config)
         partitions = None
         if config.mode not in TEMPORAL_MODES:  # the co-located modes' partitions, every rank's
-            from ..split_set import chosen_splits
+            from spaceserve.runtime.spatial.split_set import chosen_splits
 
             rank0 = torch.device("cuda", 0) if dev.type == "cuda" else dev
             splits = chosen_splits(config, hf_config, rank0)
@@ -336,8 +337,7 @@ def smallest_partition(device: torch.device, partitions: P.PartitionSpec | None)
 def _smallest(device: torch.device, partitions: P.PartitionSpec | None) -> tuple[int, str]:
     """`smallest_partition` and where it is, in words."""
     from spaceserve.kernels.budget import device_num_sms
-
-    from ..split_set import encoder_split_set
+    from spaceserve.runtime.spatial.split_set import encoder_split_set
 
     total = device_num_sms(device)
     splits = () if partitions is None else encoder_split_set(partitions, total)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import protocol as P
+from spaceserve.runtime.tp import protocol as P
 
 NO_REPLY = object()
 
@@ -36,8 +36,7 @@ def build_runner(source: P.ModelSource, rank: int, size: int, comm: Any,
     """Rank `rank`'s shard of the model as a `Qwen2VLRunner`."""
     from spaceserve.models import from_config, from_pretrained
     from spaceserve.models.parallel import TensorParallel
-
-    from ..qwen2_vl_runner import Qwen2VLRunner
+    from spaceserve.runtime.worker.qwen2_vl import Qwen2VLRunner
 
     tp = TensorParallel(rank, size)
     if source.path is not None:
@@ -149,7 +148,7 @@ class WorkerState:
         """Run one command; returns its reply, or `NO_REPLY`."""
         r = self.runner
         if isinstance(cmd, P.Step):
-            from ..qwen2_vl_runner import PreparedStep
+            from spaceserve.runtime.worker.qwen2_vl import PreparedStep
 
             with self._scope(cmd.budgets, "encoder" if cmd.stage == "encoder" else "decoder"):
                 step = PreparedStep(cmd.stage, cmd.budget, cmd.graph, cmd.inputs, cmd.pieces)
@@ -218,7 +217,7 @@ class WorkerState:
     def _run_encoder(self, cmd: Any) -> None:
         r = self.runner
         if isinstance(cmd, P.StartEncode):
-            from ..request import MultiModalData
+            from spaceserve.runtime.core.request import MultiModalData
 
             mm = MultiModalData(cmd.pixel_values, cmd.image_grid_thw, np.zeros(0, np.int64))
             if self.pset is not None and self.pset.cuda:
@@ -236,7 +235,7 @@ class WorkerState:
                 self._done_encoding(cmd.key, r.finish_encode(job, num_sms=cmd.num_sms))
                 self.num_encoded += 1
         else:
-            from ..request import MultiModalData
+            from spaceserve.runtime.core.request import MultiModalData
 
             mms = [MultiModalData(pv, grid, np.zeros(0, np.int64)) for pv, grid in cmd.images]
             with self._scope(cmd.budgets, "encoder"):
@@ -291,13 +290,13 @@ def worker_main(rank: int, spec: P.GroupSpec, source: P.ModelSource, conn: Any,
         device = rank_device(source.device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        from .comm import connect
+        from spaceserve.runtime.tp.comm import connect
 
         comms = connect(rank, spec.size, spec.rendezvous, device, spec.stages, spec.timeout_s)
         runner = build_runner(source, rank, spec.size, comms["decoder"], device)
         pset = None
         if spec.partitions is not None:
-            from ..split_set import make_partitions
+            from spaceserve.runtime.spatial.split_set import make_partitions
 
             pset, _ = make_partitions(spec.partitions, device)
         state = WorkerState(runner, comms, pset, rank=rank, progress=spec.progress,

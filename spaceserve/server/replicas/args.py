@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from spaceserve.runtime.routing import POLICIES
+from spaceserve.runtime.routing.router import POLICIES
 
 
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:

@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
-from spaceserve.runtime.route_keys import route_request
+from spaceserve.runtime.routing.keys import route_request
 
 from ..handles import Admission, Handle
 from .metrics import ReplicaSetMetrics
 
 if TYPE_CHECKING:
-    from spaceserve.runtime.request import RequestOutput, SamplingParams
-    from spaceserve.runtime.route_tracker import ReplicaTracker
+    from spaceserve.runtime.core.request import RequestOutput, SamplingParams
+    from spaceserve.runtime.routing.tracker import ReplicaTracker
 
 
 class ReplicaLost(Exception):
@@ -69,7 +69,7 @@ def error_output(request_id: str, status: int, message: str,
                  param: str | None = None) -> RequestOutput:
     """A final output ending a request with `message`, answered with HTTP `status` (naming
     the request field `param`, when given)."""
-    from spaceserve.runtime.request import RequestMetrics, RequestOutput
+    from spaceserve.runtime.core.request import RequestMetrics, RequestOutput
 
     now = time.monotonic()
     extra: dict[str, Any] = {"status": status}

@@ -32,7 +32,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from spaceserve.runtime.routing import POLICIES, RouterConfig, WorkModel
+from spaceserve.runtime.routing.router import POLICIES, RouterConfig, WorkModel
 
 from . import state
 
@@ -84,13 +84,13 @@ def _import_ray() -> Any:
 
 def work_model(path: Any, curves: str | None = None) -> WorkModel:
     """The routing cost model: `curves` (a curves file) or the checkpoint's analytic curves."""
-    from spaceserve.runtime.curves import CurveSet
+    from spaceserve.runtime.policy.curves import CurveSet
 
     if curves:
         return WorkModel(CurveSet.load(curves))
     from transformers import AutoConfig
 
-    from spaceserve.runtime.analytic import analytic_curves
+    from spaceserve.runtime.policy.analytic import analytic_curves
 
     return WorkModel(analytic_curves(AutoConfig.from_pretrained(str(path))))
 
@@ -205,7 +205,7 @@ class DataParallelServer:
 
     def _check_engine_kwargs(self) -> None:
         """Bad engine settings fail here, at once, not in every replica Ray keeps restarting."""
-        from spaceserve.runtime.config import EngineConfig
+        from spaceserve.runtime.engine.config import EngineConfig
 
         from ..engine_client import resolve_mode
 
@@ -216,7 +216,7 @@ class DataParallelServer:
     def _ingress(self, path: Any) -> tuple[Any, Any]:
         """(chat preprocessor, routing tracker) of the checkpoint at `path`."""
         from spaceserve.runtime.inputs import ChatPreprocessor
-        from spaceserve.runtime.route_tracker import ReplicaTracker
+        from spaceserve.runtime.routing.tracker import ReplicaTracker
 
         pre = ChatPreprocessor.from_pretrained(path, image_token_id=image_token_id(path))
         tracker = ReplicaTracker(work_model(path, self.engine_kwargs.get("curves")),

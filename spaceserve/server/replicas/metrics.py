@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from ..metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from spaceserve.runtime.request import RequestOutput
+    from spaceserve.runtime.core.request import RequestOutput
 
 Gauge = tuple[str, str, float]
 

@@ -2,7 +2,7 @@
 
 Ray Serve (2.60) lets a deployment name a custom `RequestRouter`; every deployment handle builds
 one and asks it, per request, for replicas in order of preference (`choose_replicas`). This one
-ranks the live replicas with `ReplicaTracker.rank` (`spaceserve.runtime.routing`: predicted
+ranks the live replicas with `ReplicaTracker.rank` (`spaceserve.runtime.routing.router`: predicted
 encoder work, queued compute, decode load, image and prefix affinity) and charges the request to
 its first choice at once, so the next decision sees it (Ray takes the first choice unless that
 replica is at its `max_ongoing_requests`; the client moves the account when the answer comes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from spaceserve.runtime.route_tracker import ReplicaTracker
+from spaceserve.runtime.routing.tracker import ReplicaTracker
 
 _TRACKERS: dict[str, ReplicaTracker] = {}
 _LOCK = threading.Lock()

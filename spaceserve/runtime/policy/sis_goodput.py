@@ -1,0 +1,112 @@
+"""SIS's goodput objective: which waiting requests a split lets meet their TTFT SLO.
+
+For a candidate encoder SM count `e` the prediction drains the queue as the executors would:
+prompts whose embeddings are ready prefill first (the compute partition prefers them), then
+encoder jobs in TWSRFT's order - jobs that can still meet their deadline shortest-remaining
+first, late ones after - each followed by its requests' prefill, every latency from the curves
+at `e` SMs co-running with the decoder. A request is on time when its age plus its predicted
+finish stays within ``ttft_margin`` x the TTFT SLO. Only the first ``horizon`` live jobs are
+drained one by one (beyond that the order no longer changes the split); a job already late at
+`e` on its own counts as a miss without draining.
+
+The arrival-rate term: ``load(e)`` = arrival rate x the mean image's encode + prefill time at
+`e` SMs, the fraction of the encoder partition the arrivals keep busy. A split whose load stays
+above ``max_load`` lets the queue grow however empty it is now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from spaceserve.runtime.policy.curves import CurveSet
+from spaceserve.runtime.policy.sis_state import SisState
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """A candidate split's predicted outcome for the waiting requests."""
+
+    encoder_sms: int
+    misses: int
+    load: float
+
+
+class GoodputPredictor:
+    """Predicts TTFT misses and the arrival load per candidate split (module docstring)."""
+
+    def __init__(self, curves: CurveSet, ttft_s: float | None, *, ttft_margin: float = 0.9,
+                 max_load: float = 0.75, horizon: int = 48) -> None:
+        self.curves = curves
+        self.limit = None if ttft_s is None else ttft_margin * ttft_s
+        self.max_load, self.horizon = max_load, horizon
+        self._enc: dict[tuple, float] = {}
+        self._pre: dict[tuple, float] = {}
+
+    def encode_s(self, patches: int, layers: int, e: int) -> float:
+        key = (patches, layers, e)
+        t = self._enc.get(key)
+        if t is None:
+            if len(self._enc) > 200_000:
+                self._enc.clear()
+            t = self._enc[key] = self.curves.encoder(patches, layers, e, True)
+        return t
+
+    def prefill_s(self, tokens: int, e: int) -> float:
+        key = (tokens, e)
+        t = self._pre.get(key)
+        if t is None:
+            if len(self._pre) > 200_000:
+                self._pre.clear()
+            t = self._pre[key] = self.curves.prefill(tokens, 0, e, True) if tokens > 0 else 0.0
+        return t
+
+    def misses(self, state: SisState, e: int) -> int:
+        """Waiting requests predicted to miss their TTFT SLO with `e` encoder SMs."""
+        if self.limit is None:
+            return 0
+        limit = self.limit
+        t, missed = 0.0, 0
+        ages: Sequence[float] = state.prefill_age_s
+        for i, tokens in enumerate(state.prefill):
+            t += self.prefill_s(tokens, e)
+            if (ages[i] if i < len(ages) else 0.0) + t > limit:
+                missed += 1
+        live = []
+        for j in state.encode:
+            run = self.encode_s(j.patches, j.layers_left, e)
+            pre = self.prefill_s(j.prefill_tokens, e)
+            if j.age_s + t + run + pre > limit:
+                missed += j.requests
+            else:
+                live.append((run + pre, j.age_s, j.requests))
+        live.sort()
+        for work, age, n in live[: self.horizon]:
+            t += work
+            if age + t > limit:
+                missed += n
+        return missed
+
+    def load(self, state: SisState, e: int) -> float:
+        """Fraction of `e` encoder SMs the recent arrival rate keeps busy."""
+        if state.arrival_rate <= 0:
+            return 0.0
+        patches = max(1, int(round(state.arrival_patches)))
+        tokens = int(round(state.arrival_prompt))
+        per = self.encode_s(patches, self.curves.encoder_depth, e) + self.prefill_s(tokens, e)
+        return state.arrival_rate * per
+
+    def forecast(self, state: SisState, e: int) -> Forecast:
+        return Forecast(e, self.misses(state, e), self.load(state, e))
+
+    def best(self, state: SisState, cands: Sequence[int]) -> Forecast:
+        """Fewest predicted misses, then load within `max_load` (else the lowest), then the
+        most encoder SMs: under pressure the backlog drains as fast as the decoder's SLO
+        allows, so the next arrivals find a short queue."""
+        fcs = [self.forecast(state, e) for e in cands]
+        return min(fcs, key=lambda f: (f.misses, max(0.0, f.load - self.max_load),
+                                       -f.encoder_sms))
+
+    def calm(self, fc: Forecast) -> bool:
+        """Nothing predicted late and the arrivals leave headroom: no need to grow."""
+        return fc.misses == 0 and fc.load <= self.max_load

@@ -1,0 +1,310 @@
+"""The engine step of the co-located modes: encoder, prefill and decode on their own partitions.
+
+Modes (`Engine(..., mode=...)`; ``temporal`` is the engine's own time-multiplexed baseline):
+- ``spatial``: SM partitions (green contexts where available, else kernel budgets alone) for a
+  small set of splits; SIS picks the split and where prefill runs every step, from
+  resource-utility curves (a ``curves=`` JSON file, else the analytic roofline of the model);
+- ``spatial-static``: one fixed split (``encoder_sms``);
+- ``shared``: two streams, no partition, every launch on the whole device - what running the
+  encoder beside the decoder under MPS gives (use the torch backend's stock kernels for it).
+
+One step: collect prefills finished in the compute partition, let SIS choose (a split change
+waits until the compute side is idle, then switches streams with events between them), schedule
+a continuous batch, and run it. Prefill chunks go beside the encoder on the compute partition
+("compute": launched on the encoder stream under the encoder budget, sampled there into pinned
+memory and collected by event query in a later step, so decode never waits for them) or stay in
+the decode batch under its token budget ("decode"). Then the decode step is launched on the
+decoder stream, the encoder stage issues its launches (cooperative driver) while that step runs
+on the device, and the step's sampled tokens are read back - a sync of the decoder stream only.
+
+A request whose prefill is in flight on the compute stream is hidden from the scheduler (it can
+be neither scheduled again nor preempted: its KV blocks are being written) and an abort of it
+takes effect when the prefill completes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spaceserve.kernels.budget import device_num_sms
+from spaceserve.runtime.core.batch import ScheduledBatch
+from spaceserve.runtime.core.request import Request, Status
+from spaceserve.runtime.core.scheduler import Scheduler
+from spaceserve.runtime.policy.model_curves import load_curves
+from spaceserve.runtime.policy.scheduling import SchedulingPolicy
+from spaceserve.runtime.policy.sis import SisState, SpaceInferenceScheduler, Split
+from spaceserve.runtime.spatial.encoder_stage import SpatialEncoderStage
+from spaceserve.runtime.spatial.partition import Partition, PartitionSet
+from spaceserve.runtime.spatial.split_set import encoder_split_set, engine_policy, make_partitions
+
+CONTEXT_BUCKET = 64  # SIS sees the mean decode context rounded to this
+# Compute-partition prefills in flight at once; beyond that a step's prefill chunks stay in the
+# decode batch. Two matches the runner planner's double-buffered pinned staging, whose reuse
+# waits for the copy that last read the buffer (queued behind encoder work on that stream).
+MAX_COMPUTE_PREFILLS = 2
+
+
+def set_budgets(runner: Any, part: Partition) -> None:
+    """The runner's stage budgets follow the partition (graphs are keyed by them)."""
+    runner.encoder_num_sms = part.encoder_sms
+    runner.decoder_num_sms = part.decoder_sms
+
+
+def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, ScheduledBatch | None]:
+    """(decode part, prefill part) of a batch; either is None when empty."""
+    nd, n = batch.num_decodes, batch.num_seqs
+    dec = pre = None
+    copies = batch.block_copies  # copy on write happens only to decoding requests' blocks
+    if nd:
+        dec = ScheduledBatch(batch.reqs[:nd], batch.num_cached[:nd], batch.num_new[:nd],
+                             batch.need_logits[:nd], batch.sample_reqs[:nd], nd, nd,
+                             batch.preempted, block_copies=copies, pending=batch.pending,
+                             grown=batch.grown, admissions=batch.admissions,
+                             forks=[f for f in batch.forks if f[0] < nd])
+    if n > nd:
+        pre = ScheduledBatch(batch.reqs[nd:], batch.num_cached[nd:], batch.num_new[nd:],
+                             batch.need_logits[nd:], batch.sample_reqs[nd:], 0,
+                             batch.num_tokens - nd, [] if dec else batch.preempted,
+                             block_copies=[] if dec else copies, grown=batch.grown,
+                             admissions=batch.admissions,
+                             forks=[(i - nd, c) for i, c in batch.forks if i >= nd])
+    return dec, pre
+
+
+@dataclass
+class _Prefill:
+    """A prefill batch launched on the compute partition: sampled ids land in `host`."""
+
+    launched: Any  # engine.Launched: the batch and its draws (read back into pinned memory)
+    event: Any
+
+
+class SpatialRuntime:
+    """Runs the engine steps of one co-located mode (module docstring)."""
+
+    def __init__(self, runner: Any, stage: SpatialEncoderStage, partitions: PartitionSet, *,
+                 mode: str, target: Partition, sis: SpaceInferenceScheduler | None = None,
+                 prefill_on: str = "auto", curve_depth: int = 32,
+                 clock: Callable[[], float] = time.monotonic,
+                 graph_batch_sizes: tuple[int, ...] = (),
+                 policy: SchedulingPolicy | None = None) -> None:
+        self.runner, self.stage, self.partitions = runner, stage, partitions
+        self.policy = policy
+        self.graph_bytes: dict[int, int] = {}  # decode graph memory per partition (CUDA)
+        self.mode, self.target, self.sis = mode, target, sis
+        self.prefill_on, self.curve_depth, self.clock = prefill_on, curve_depth, clock
+        self.graph_batch_sizes = graph_batch_sizes
+        self.placement = "compute" if prefill_on == "auto" else prefill_on
+        self.last_split: Split | None = None
+        self.switches: list[tuple[float, int]] = [(clock(), partitions.current.requested)]
+        self._prefills: deque[_Prefill] = deque()
+        self._busy: set[int] = set()  # seq_no of requests whose prefill is in flight
+        self._deferred: set[int] = set()  # aborts waiting for an in-flight prefill
+        self.num_compute_prefills = 0
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self, eng: Any) -> None:
+        """One engine step after new requests were drained and the encoder stage polled."""
+        self._collect(eng)
+        self._choose(eng)
+        part = self.partitions.current
+        batch = self._schedule(eng.scheduler)
+        on_compute = self.placement == "compute" and (part.requested > 0 or
+                                                      self.partitions.shared) \
+            and len(self._prefills) < MAX_COMPUTE_PREFILLS
+        dec, pre = split_batch(batch) if on_compute else ((batch or None), None)
+        if pre is not None:
+            self._launch_prefill(eng, pre, part)
+        if dec is None:
+            if not self.stage.launch() and pre is None:
+                self._wait()
+            return
+        with part.decoder_scope():
+            launched = eng._launch(dec)
+            self.stage.launch(self._launch_budget())  # while the decode step runs on the device
+            if launched.sampled is not None:
+                launched.sampled.fetch()  # a sync of the decoder stream only
+        eng._complete(launched)
+
+    def _launch_budget(self) -> float | None:
+        """Host seconds of encoder launches beside this decode step: a share of its predicted
+        time (`SchedulingPolicy.launch_budget`), as the simulator models it."""
+        if self.policy is None or self.last_split is None:
+            return None
+        return self.policy.launch_budget(self.last_split.predicted_tpot_s)
+
+    def _schedule(self, sched: Scheduler) -> ScheduledBatch:
+        if not self._busy:
+            return sched.schedule()
+        hidden = [r for r in sched.running if r.seq_no in self._busy]
+        sched.running = [r for r in sched.running if r.seq_no not in self._busy]
+        try:
+            return sched.schedule()
+        finally:
+            sched.running = hidden + sched.running
+
+    def _launch_prefill(self, eng: Any, pre: ScheduledBatch, part: Partition) -> None:
+        with part.encoder_scope():
+            launched = eng._launch(pre, stage="encoder")
+            event = self.stage.record_event()
+        self._prefills.append(_Prefill(launched, event))
+        # sequences forked off these prompts wait for them too (their KV and first tokens)
+        self._busy.update(r.seq_no for r in (*pre.reqs, *(c for _, c in pre.forks)))
+        self.num_compute_prefills += 1
+
+    def _collect(self, eng: Any) -> None:
+        """Account every compute-partition prefill whose event has completed (no wait)."""
+        while self._prefills and (self._prefills[0].event is None
+                                  or self._prefills[0].event.query()):
+            fl = self._prefills.popleft()
+            if isinstance(fl.event, torch.cuda.Event):
+                for stream in self.partitions.decoder_streams():  # its KV writes come first
+                    stream.wait_event(fl.event)
+            batch = fl.launched.batch
+            seqs = (*batch.reqs, *(c for _, c in batch.forks))
+            for r in seqs:
+                self._busy.discard(r.seq_no)
+            eng._complete(fl.launched, count_step=False)
+            now = time.monotonic()
+            for r in seqs:
+                if r.seq_no in self._deferred:
+                    self._deferred.discard(r.seq_no)
+                    if r.status is not Status.FINISHED:
+                        eng._end(r, "abort", None, now)
+
+    def _wait(self) -> None:
+        """Nothing to run this step: wait for a prefill or a grant in flight."""
+        if self._prefills and hasattr(self._prefills[0].event, "synchronize"):
+            self._prefills[0].event.synchronize()
+        else:
+            self.stage.wait()
+
+    # -- splits and placement ----------------------------------------------------------------
+    def _choose(self, eng: Any) -> None:
+        if self.sis is not None:
+            split = self.sis.decide(self.sis_state(eng.scheduler))
+            self.last_split = split
+            target = self.partitions.get(split.encoder_sms)
+            auto = split.prefill_on
+        else:
+            target, auto = self.target, "compute"
+        self.placement = auto if self.prefill_on == "auto" else self.prefill_on
+        if target is self.partitions.current:
+            self.stage.resume()
+            return
+        self.stage.pause()  # the switch waits until the compute side is idle
+        if self.stage.idle() and not self._prefills:
+            self.partitions.switch(target)
+            set_budgets(self.runner, target)
+            self.switches.append((self.clock(), target.requested))
+            self.stage.resume()
+
+    def sis_state(self, sched: Scheduler) -> SisState:
+        """Waiting encoder jobs, prompts ready to prefill (with their ages), the decode load and
+        the image arrival rate, for SIS."""
+        media = self.stage.media  # cached items (encoder or prefix cache) are no encoder work
+        ready = [r for r in sched.waiting if media.ready(r, r.prefix_hint)]
+        prefill = [len(r.token_ids) + r.num_placeholders - max(r.num_computed, r.prefix_hint)
+                   for r in ready]
+        ages = [self.stage.age(r) for r in ready]
+        decoding = 0
+        context = 0
+        for r in sched.running:
+            left = len(r.token_ids) + r.num_placeholders - r.num_computed
+            if left > 1:
+                prefill.append(left)
+                ages.append(self.stage.age(r))
+            else:
+                decoding += 1
+                context += len(r.token_ids)
+        mean = context / decoding if decoding else 0.0
+        rate, patches, prompt = self.stage.arrivals.estimate(self.clock())
+        return SisState(tuple(self.stage.pending_work(self.curve_depth)), tuple(prefill),
+                        decoding, round(mean / CONTEXT_BUCKET) * CONTEXT_BUCKET, tuple(ages),
+                        rate, patches, prompt)
+
+    # -- aborts, failures, shutdown ------------------------------------------------------------
+    def defer_abort(self, req: Request) -> bool:
+        """True when `req`'s prefill is in flight: its abort waits for it."""
+        if req.seq_no in self._busy:
+            self._deferred.add(req.seq_no)
+            return True
+        return False
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._prefills)
+
+    def drain(self) -> None:
+        """Wait for everything launched on the compute side, then forget in-flight prefills
+        (their requests are being ended by the caller)."""
+        for fl in self._prefills:
+            if hasattr(fl.event, "synchronize"):
+                fl.event.synchronize()
+        self.stage.drain()
+        self._prefills.clear()
+        self._busy.clear()
+        self._deferred.clear()
+
+    def close(self) -> None:
+        self.stage.close()
+        self.drain()
+        self.partitions.close()
+
+
+def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
+                  clock: Callable[[], float] = time.monotonic, cache: Any = None
+                  ) -> tuple[SpatialEncoderStage, SpatialRuntime]:
+    """Partitions, decode graphs per partition, the encoder stage and the step runtime of a
+    co-located mode from an `EngineConfig`; ValueError names a bad setting."""
+    mode, device = config.mode, torch.device(runner.device)
+    total = device_num_sms(device)
+    curves = load_curves(config.curves, runner)
+    policy = engine_policy(curves, config, total) if mode == "spatial" else None
+    pset, parts = make_partitions(config, device, policy.splits if policy else None)
+    if getattr(runner, "tp_size", 1) > 1:  # the other ranks built theirs from the runner's spec
+        spec = runner.partition_spec
+        mine = (mode, tuple(sorted(pset.splits)))
+        theirs = None if spec is None else (spec.mode, encoder_split_set(spec, total))
+        if theirs != mine:
+            pset.close()
+            built = "none" if theirs is None else f"{theirs[0]} splits {theirs[1]}"
+            raise ValueError(f"the tensor-parallel workers built partitions for {built}, rank 0 "
+                             f"for {mine[0]} splits {mine[1]}: build the runner with "
+                             "TensorParallelRunner.for_engine(config)")
+    captured: tuple[int, ...] = ()
+    graph_bytes: dict[int, int] = {}  # device memory the decode graphs took, per partition
+    for part in parts:
+        set_budgets(runner, part)
+        before = torch.cuda.memory_reserved(device) if pset.cuda else 0
+        with pset.capture_scope(part):
+            captured = runner.capture_decode_graphs(graph_sizes)
+        if pset.cuda:
+            graph_bytes[part.requested] = torch.cuda.memory_reserved(device) - before
+    target = parts[0] if mode != "spatial" else pset.full
+    pset.switch(target)
+    set_budgets(runner, target)
+    if pset.cuda:
+        torch.cuda.synchronize(device)  # weights, caches and graphs are ready on every stream
+    stage = SpatialEncoderStage(runner, pset, curves, driver=config.encoder_driver,
+                                window_s=config.encoder_window_s,
+                                launch_budget_s=config.encoder_launch_budget_s,
+                                max_held=config.max_held_embeddings, clock=clock,
+                                plan=policy, cache=cache)
+    sis = None
+    if policy is not None:
+        sis = SpaceInferenceScheduler(
+            curves, sorted(pset.splits), total_sms=total, objective=policy.objective,
+            slo=policy.slo, tpot_factor=policy.tpot_factor, decode_margin=policy.decode_margin,
+            ttft_margin=policy.ttft_margin, comfort_factor=policy.comfort_factor, clock=clock)
+    runtime = SpatialRuntime(runner, stage, pset, mode=mode, target=target, sis=sis,
+                             prefill_on=config.prefill_on, curve_depth=curves.encoder_depth,
+                             clock=clock, graph_batch_sizes=captured, policy=policy)
+    runtime.graph_bytes = graph_bytes
+    return stage, runtime
