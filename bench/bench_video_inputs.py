@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # noqa: F401  (imported before timing: video_patches uses it)
 
     from spaceserve.runtime.inputs import VideoLimits, VideoSampling, decode_video
-    from spaceserve.runtime.inputs.video import video_patches
+    from spaceserve.runtime.inputs.media.video import video_patches
 
     sampling = VideoSampling()
     print(f"{'size':>10} {'MB':>6} {'frames':>6} {'grid':>12} {'tokens':>6} {'ms':>8}")

@@ -8,6 +8,13 @@
 - No import cycle between modules of the package, counting function-level imports too.
 - No .py file over 400 lines under spaceserve/, autotune/ or bench/.
 - The wheel installs exactly the top-level packages ``spaceserve`` and ``autotune``.
+- Rooms, not halls: no package folder holds more than 12 modules (``__init__`` and
+  ``__main__`` not counted), except the folders listed in `FOLDERS_ALLOWED`, which may not grow.
+- Inside ``spaceserve.runtime`` the longest import chain is at most 10 edges long.
+- Settings are leaves: ``runtime/modes.py`` and ``spaceserve/checks.py`` import nothing of the
+  package; ``EngineConfig``'s module imports only leaves (`CONFIG_IMPORTS`) and no torch; the
+  lists of names settings take (MODES, TEMPORAL_MODES, PLACEMENTS, ...) are assigned only in
+  ``runtime/modes.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,19 @@ PACKAGES = ("spaceserve", "autotune")
 MAX_LINES = 400
 
 TOO_LONG_ALLOWED: set[str] = set()
+MAX_MODULES = 12
+# Folders still to be cut into rooms (module count today; they may shrink, never grow).
+FOLDERS_ALLOWED: dict[str, int] = {
+    "spaceserve/kernels": 18, "spaceserve/models": 19, "spaceserve/server": 21,
+    "spaceserve/bench": 18,
+}
+MAX_RUNTIME_DEPTH = 10
+LEAVES = ("spaceserve.runtime.modes", "spaceserve.checks")
+CONFIG_MODULE = "spaceserve.runtime.engine.config"
+CONFIG_IMPORTS = {"spaceserve.checks", "spaceserve.runtime.modes", "spaceserve.runtime.policy.slo",
+                  "spaceserve.runtime.core.memory"}
+SETTING_NAMES = {"MODES", "TEMPORAL_MODES", "COLOCATED_MODES", "PLACEMENTS", "PARTITIONS",
+                 "DRIVERS", "OBJECTIVES"}
 CYCLES_ALLOWED: list[set[str]] = []
 # (importer prefix, imported prefix, rule)
 FORBIDDEN = [
@@ -240,3 +260,106 @@ def test_wheel_installs_only_spaceserve_and_autotune(tmp_path: Path) -> None:
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"spaceserve", "autotune"}, sorted(top)
     assert "spaceserve/runtime/inputs/__init__.py" in names  # subpackages are found
+
+
+def oversized_folders(root: Path = ROOT) -> dict[str, int]:
+    """{folder: module count} of the package folders over `MAX_MODULES` modules."""
+    out = {}
+    for pkg in PACKAGES:
+        for init in sorted((root / pkg).rglob("__init__.py")):
+            mods = [p for p in init.parent.glob("*.py")
+                    if p.name not in ("__init__.py", "__main__.py")]
+            if len(mods) > MAX_MODULES:
+                out[str(init.parent.relative_to(root))] = len(mods)
+    return out
+
+
+def longest_chain(graph: dict[str, dict[str, int]], prefix: str) -> list[str]:
+    """The longest import chain (modules, first importer first) among modules under `prefix`;
+    the graph must be acyclic there (`test_no_import_cycles`)."""
+    inner = {m: [d for d in e if _within(d, prefix) and d in graph and d != m]
+             for m, e in graph.items() if _within(m, prefix)}
+    best: dict[str, list[str]] = {}
+
+    def chain(m: str) -> list[str]:
+        if m not in best:
+            best[m] = [m] + max((chain(d) for d in inner[m]), key=len, default=[])
+        return best[m]
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    return max((chain(m) for m in inner), key=len, default=[])
+
+
+def settings_violations(graph: dict[str, dict[str, int]], modules: dict[str, Path]) -> list[str]:
+    """Leaves that import the package, a config importing more than leaves, and setting-name
+    lists assigned outside runtime/modes.py."""
+    out = []
+    for leaf in LEAVES:
+        bad = [d for d in graph.get(leaf, {}) if _within(d, "spaceserve")]
+        if bad:
+            out.append(f"{leaf} is a leaf but imports {bad}")
+    extra = {d for d in graph.get(CONFIG_MODULE, {}) if _within(d, "spaceserve")} - CONFIG_IMPORTS
+    if extra:
+        out.append(f"{CONFIG_MODULE} imports {sorted(extra)}, more than the leaves it may")
+    for name, path in modules.items():
+        if name == "spaceserve.runtime.modes":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) and node.value else []
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id in SETTING_NAMES and node.col_offset == 0:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {t.id} is assigned "
+                               "outside runtime/modes.py")
+    return out
+
+
+def test_no_folder_over_12_modules() -> None:
+    found = oversized_folders()
+    grown = {f: n for f, n in found.items() if n > FOLDERS_ALLOWED.get(f, MAX_MODULES)}
+    assert not grown, f"folders over {MAX_MODULES} modules (cut them into rooms): {grown}"
+
+
+def test_runtime_import_chain_is_at_most_10_deep() -> None:
+    chain = longest_chain(import_graph(), "spaceserve.runtime")
+    assert len(chain) > 5, chain  # the walk saw the runtime
+    assert len(chain) - 1 <= MAX_RUNTIME_DEPTH, " -> ".join(chain)
+
+
+def test_settings_are_leaves() -> None:
+    bad = settings_violations(import_graph(), package_modules())
+    assert not bad, "\n".join(bad)
+    code = ("import sys, spaceserve.runtime.engine.config as c; c.EngineConfig(); "
+            "sys.exit('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, "importing EngineConfig imports torch\n" + proc.stderr[-2000:]
+
+
+def test_the_room_rules_fire_on_planted_breaks(tmp_path: Path) -> None:
+    """Each new rule fires on a planted package that breaks it."""
+    pkg = tmp_path / "spaceserve"
+    files = {"__init__.py": "", "checks.py": "import spaceserve.runtime.modes\n",
+             "runtime/__init__.py": "", "runtime/modes.py": "MODES = ('a',)\n",
+             "runtime/engine/__init__.py": "",
+             "runtime/engine/config.py": "import spaceserve.runtime.x0\nTEMPORAL_MODES = ()\n"}
+    files.update({f"runtime/x{i}.py": f"import spaceserve.runtime.x{i + 1}\n" for i in range(12)})
+    files["runtime/x12.py"] = ""
+    for rel, text in files.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    mods = {module_name(p, tmp_path): p for p in pkg.rglob("*.py")}
+    known = set(mods)
+    graph = {n: {t: line for t, line in imports_of(p, n, known) if t != n}
+             for n, p in mods.items()}
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert oversized_folders(tmp_path) == {"spaceserve/runtime": 14}
+        assert len(longest_chain(graph, "spaceserve.runtime")) - 1 == 13
+        bad = settings_violations(graph, mods)
+    finally:
+        ROOT = saved
+    assert any("spaceserve.checks is a leaf" in b for b in bad), bad
+    assert any("imports ['spaceserve.runtime.x0']" in b for b in bad), bad
+    assert any("TEMPORAL_MODES is assigned outside" in b for b in bad), bad

@@ -1,7 +1,7 @@
 """`spaceserve serve` flags for media beyond images: video limits and remote media URLs.
 
 Remote (http/https) media URLs are off unless ``--allowed-media-domains`` lists the host names
-(as vLLM names the flag) the server may fetch from; see `spaceserve.runtime.inputs.remote` for
+(as vLLM names the flag) the server may fetch from; see `spaceserve.runtime.inputs.media.remote` for
 what is refused. Nothing heavy is imported here (``--help`` answers at once).
 """
 

@@ -77,7 +77,7 @@ def test_video_patches_follow_the_processor_order():
         Qwen2VLImageProcessorPil,
     )
 
-    from spaceserve.runtime.inputs.video import DecodedVideo, VideoSampling, video_patches
+    from spaceserve.runtime.inputs.media.video import DecodedVideo, VideoSampling, video_patches
 
     frame = np.random.default_rng(1).integers(0, 255, (56, 84, 3), dtype=np.uint8)
     sampling = VideoSampling(min_pixels=56 * 56, max_pixels=56 * 84)

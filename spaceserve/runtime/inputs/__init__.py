@@ -4,17 +4,19 @@ chat.py (`ChatPreprocessor`: chat messages -> templated text, media loading, ima
 video-token expansion, as a cheap `plan` (`start_plan`, `read_media`) and a decoding `finish`),
 prompt_encoder.py (`PromptEncoder`: prompt text and decoded media -> token ids and pixel values;
 the engine's processor call), text.py (client text: special tokens as plain text,
-`encode_plain`; byte bounds from the context length), images.py (format allow-list, header-first
-decoding under pixel limits), video.py (PyAV: container allow-list, header-first decoding under
-`VideoLimits`), sampling.py (`VideoSampling`: frame sampling and patches as Qwen2-VL's
-processor does), media.py (``data:`` / ``file://`` URLs to bytes under a byte limit, local files
-"not allowed or not found"; http(s) only through a fetcher), remote.py (`RemoteFetcher`:
-http(s) under an allow-list of domains, public addresses only, off by default), limits.py
-(`ImageLimits`, `VideoLimits`), budget.py (`PixelBudget`: the server's decoded pixels in
-preprocessing), pool.py (`PreprocessPool`: light and heavy lanes, bounded queues, deadlines),
-errors.py (`InputError`: a ValueError with a machine-readable `kind` and the `param` at fault),
-processor.py (`load_processor`: a checkpoint's tokenizer and processor), prompt.py
-(`process_prompt`: an engine prompt validated against the model and the engine's limits).
+`encode_plain`; byte bounds from the context length), pool.py (`PreprocessPool`: light and heavy
+lanes, bounded queues, deadlines), errors.py (`InputError`: a ValueError with a
+machine-readable `kind` and the `param` at fault), processor.py (`load_processor`: a
+checkpoint's tokenizer and processor), prompt.py (`process_prompt`: an engine prompt validated
+against the model and the engine's limits).
+
+media/: images.py (format allow-list, header-first decoding under pixel limits), video.py (PyAV:
+container allow-list, header-first decoding under `VideoLimits`), frames.py (`VideoSampling`:
+frame sampling and patches as Qwen2-VL's processor does), urls.py (``data:`` / ``file://`` URLs
+to bytes under a byte limit, local files "not allowed or not found"; http(s) only through a
+fetcher), remote.py (`RemoteFetcher`: http(s) under an allow-list of domains, public addresses
+only, off by default), limits.py (`ImageLimits`, `VideoLimits`), budget.py (`PixelBudget`: the
+server's decoded pixels in preprocessing).
 
 Nothing here serves HTTP: the server maps an `InputError`'s kind to a status code (the remote
 fetcher is an HTTP client). Importing this package is light (no torch, httpx or PyAV); they load
@@ -25,10 +27,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from spaceserve.runtime.inputs.budget import PixelBudget, PixelLease
 from spaceserve.runtime.inputs.chat import ChatPlan, ChatPreprocessor, MediaRef
 from spaceserve.runtime.inputs.errors import KINDS, ImageError, InputError, safe_detail
-from spaceserve.runtime.inputs.images import (
+from spaceserve.runtime.inputs.media.budget import PixelBudget, PixelLease
+from spaceserve.runtime.inputs.media.frames import VideoSampling
+from spaceserve.runtime.inputs.media.images import (
     IMAGE_FORMATS,
     decode_image,
     image_format_of_mime,
@@ -37,8 +40,9 @@ from spaceserve.runtime.inputs.images import (
     load_image_url,
     open_image,
 )
-from spaceserve.runtime.inputs.limits import ImageLimits, VideoLimits
-from spaceserve.runtime.inputs.media import (
+from spaceserve.runtime.inputs.media.limits import ImageLimits, VideoLimits
+from spaceserve.runtime.inputs.media.remote import RemoteFetcher, RemotePolicy, address_problem
+from spaceserve.runtime.inputs.media.urls import (
     LOADERS,
     check_dir,
     data_url_mime,
@@ -47,20 +51,7 @@ from spaceserve.runtime.inputs.media import (
     resolve_local_file,
     to_data_url,
 )
-from spaceserve.runtime.inputs.pool import DeadlineExceeded, PreprocessPool, QueueFull
-from spaceserve.runtime.inputs.processor import load_processor
-from spaceserve.runtime.inputs.prompt_encoder import PromptEncoder
-from spaceserve.runtime.inputs.remote import RemoteFetcher, RemotePolicy, address_problem
-from spaceserve.runtime.inputs.sampling import VideoSampling
-from spaceserve.runtime.inputs.text import (
-    check_text_size,
-    control_tokens,
-    encode_marked,
-    encode_plain,
-    mark_plain,
-    text_byte_limit,
-)
-from spaceserve.runtime.inputs.video import (
+from spaceserve.runtime.inputs.media.video import (
     DecodedVideo,
     OpenedVideo,
     decode_video,
@@ -68,6 +59,17 @@ from spaceserve.runtime.inputs.video import (
     load_video_url,
     open_video,
     video_format_of_mime,
+)
+from spaceserve.runtime.inputs.pool import DeadlineExceeded, PreprocessPool, QueueFull
+from spaceserve.runtime.inputs.processor import load_processor
+from spaceserve.runtime.inputs.prompt_encoder import PromptEncoder
+from spaceserve.runtime.inputs.text import (
+    check_text_size,
+    control_tokens,
+    encode_marked,
+    encode_plain,
+    mark_plain,
+    text_byte_limit,
 )
 
 __all__ = [

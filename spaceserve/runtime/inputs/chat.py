@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from spaceserve.runtime.inputs.errors import InputError, safe_detail
-from spaceserve.runtime.inputs.images import load_rgb, open_image
-from spaceserve.runtime.inputs.limits import ImageLimits, VideoLimits
-from spaceserve.runtime.inputs.media import load_url_media, mime_source
+from spaceserve.runtime.inputs.media.images import load_rgb, open_image
+from spaceserve.runtime.inputs.media.limits import ImageLimits, VideoLimits
+from spaceserve.runtime.inputs.media.urls import load_url_media, mime_source
+from spaceserve.runtime.inputs.media.video import open_video_url
 from spaceserve.runtime.inputs.pool import DeadlineExceeded
 from spaceserve.runtime.inputs.prompt_encoder import PromptEncoder
 from spaceserve.runtime.inputs.text import check_text_size, mark_plain
-from spaceserve.runtime.inputs.video import open_video_url
 
 REMOTE = ("http://", "https://")
 

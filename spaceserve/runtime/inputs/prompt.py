@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from spaceserve.runtime.core.request import MultiModalData, check_int
-from spaceserve.runtime.inputs.images import load_image
+from spaceserve.runtime.inputs.media.images import load_image
 
 
 def _grid(value: Any, name: str = "image_grid_thw") -> torch.Tensor:

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from spaceserve.runtime.inputs.errors import InputError, safe_detail
-from spaceserve.runtime.inputs.images import image_hash
+from spaceserve.runtime.inputs.media.frames import VideoSampling, video_patches
+from spaceserve.runtime.inputs.media.images import image_hash
 from spaceserve.runtime.inputs.pool import DeadlineExceeded
-from spaceserve.runtime.inputs.sampling import VideoSampling, video_patches
 from spaceserve.runtime.inputs.text import encode_marked
 
 
@@ -93,7 +93,7 @@ class PromptEncoder:
         """`videos` are `DecodedVideo`s or what `video.load_video` takes."""
         import torch
 
-        from spaceserve.runtime.inputs.video import DecodedVideo, load_video
+        from spaceserve.runtime.inputs.media.video import DecodedVideo, load_video
 
         if len(text) != 1:
             raise ValueError("one prompt at a time")

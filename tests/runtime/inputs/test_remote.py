@@ -1,4 +1,4 @@
-"""Remote media URLs (spaceserve.runtime.inputs.remote) against a local HTTP server on
+"""Remote media URLs (spaceserve.runtime.inputs.media.remote) against a local HTTP server on
 127.0.0.1: an allowed domain is fetched (loopback let through only by the test-only opt-in),
 every other host, oversize body, slow or trickling answer, redirect off the allow-list,
 redirect loop, HTML page and HTTP error is refused with its kind; names resolving to

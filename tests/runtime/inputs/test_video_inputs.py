@@ -1,4 +1,4 @@
-"""Video inputs (spaceserve.runtime.inputs.video): PyAV decoding of real containers, frame
+"""Video inputs (spaceserve.runtime.inputs.media.video): PyAV decoding of real containers, frame
 sampling and frame sizes as transformers' Qwen2-VL video processor, limits checked before
 decoding, refusals with their kinds, content hashes, and chat messages with videos and images
 becoming one engine prompt in prompt order."""
@@ -226,7 +226,7 @@ def test_video_frames_count_against_pixel_budgets_before_decoding(tiny_pre) -> N
     import time
 
     from spaceserve.runtime.inputs import DeadlineExceeded
-    from spaceserve.runtime.inputs.video import OpenedVideo
+    from spaceserve.runtime.inputs.media.video import OpenedVideo
 
     clip = "data:video/mp4;base64," + base64.b64encode(encode_clip(flat_frames(12, 60, 90))
                                                        ).decode()

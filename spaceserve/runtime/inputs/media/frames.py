@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from spaceserve.runtime.inputs.limits import check_positive_ints
+from spaceserve.runtime.inputs.media.limits import check_positive_ints
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

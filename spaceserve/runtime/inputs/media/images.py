@@ -19,8 +19,8 @@ import warnings
 from typing import Any
 
 from spaceserve.runtime.inputs.errors import ImageError, InputError, safe_detail
-from spaceserve.runtime.inputs.limits import ImageLimits
-from spaceserve.runtime.inputs.media import data_url_mime, load_url_media, mime_source
+from spaceserve.runtime.inputs.media.limits import ImageLimits
+from spaceserve.runtime.inputs.media.urls import data_url_mime, load_url_media, mime_source
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 FORMAT_NAMES = "PNG, JPEG, WebP, GIF or BMP"

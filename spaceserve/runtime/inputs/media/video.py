@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from spaceserve.runtime.inputs.errors import InputError, safe_detail
-from spaceserve.runtime.inputs.limits import ImageLimits, VideoLimits
-from spaceserve.runtime.inputs.media import load_url_bytes, load_url_media, mime_source
+from spaceserve.runtime.inputs.media.frames import CLIP_MEAN, CLIP_STD, VideoSampling, video_patches
+from spaceserve.runtime.inputs.media.limits import ImageLimits, VideoLimits
+from spaceserve.runtime.inputs.media.urls import load_url_bytes, load_url_media, mime_source
 from spaceserve.runtime.inputs.pool import DeadlineExceeded
-from spaceserve.runtime.inputs.sampling import CLIP_MEAN, CLIP_STD, VideoSampling, video_patches
 
 # ffmpeg demuxers a video may be read with (mp4/mov, webm/mkv, avi, mpeg-ts, ogg, flv, gif)
 DEMUXERS = "mov,matroska,avi,mpegts,ogg,flv,gif"
