@@ -48,10 +48,10 @@ BASES: dict[str, list[tuple[str, str]]] = {
                          ("gated_mlp", "gated_mlp.gate_up[bf16,mid,split=True")],
     "splitk_reduce": [("linear", "splitk_reduce[bf16,act=0,gated=False"),
                       ("gated_mlp", "splitk_reduce[bf16,act=0,gated=True")],
-    "paged_decode": [("paged_attention", "paged_decode_bf16_d128_bs16_g7")],
-    "paged_prefill": [("paged_attention", "paged_prefill_bf16_d128_bs16_g7")],
-    "vit_attention": [("vit_attention", "vit_attention[bf16,d80,tiles]"),
-                      ("vit_attention", "vit_attention[bf16,d80,tiles,rotary]")],
+    "paged_decode": [("attention.paged", "paged_decode_bf16_d128_bs16_g7")],
+    "paged_prefill": [("attention.paged", "paged_prefill_bf16_d128_bs16_g7")],
+    "vit_attention": [("attention.vit", "vit_attention[bf16,d80,tiles]"),
+                      ("attention.vit", "vit_attention[bf16,d80,tiles,rotary]")],
 }
 
 

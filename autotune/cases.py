@@ -144,7 +144,10 @@ def _paged(s: TuneShapes, dev: torch.device, dtype: torch.dtype, lens: list[int]
 
 
 def paged_decode_case(s: TuneShapes, dev: torch.device, dtype: torch.dtype) -> Case:
-    from spaceserve.kernels.paged_decode import paged_decode_attention, ref_paged_decode_attention
+    from spaceserve.kernels.attention.paged_decode import (
+        paged_decode_attention,
+        ref_paged_decode_attention,
+    )
 
     lens = [s.decode_context - (i * 7) % max(1, s.decode_context // 4)
             for i in range(s.decode_batch)]
@@ -159,7 +162,7 @@ def paged_decode_case(s: TuneShapes, dev: torch.device, dtype: torch.dtype) -> C
 
 
 def paged_prefill_case(s: TuneShapes, dev: torch.device, dtype: torch.dtype) -> Case:
-    from spaceserve.kernels.paged_prefill import (
+    from spaceserve.kernels.attention.paged_prefill import (
         paged_prefill_attention,
         ref_paged_prefill_attention,
     )
@@ -177,7 +180,7 @@ def paged_prefill_case(s: TuneShapes, dev: torch.device, dtype: torch.dtype) -> 
 
 
 def vit_attention_case(s: TuneShapes, dev: torch.device, dtype: torch.dtype) -> Case:
-    from spaceserve.kernels.vit_attention import (
+    from spaceserve.kernels.attention.vit import (
         plan_vit_attention,
         ref_vit_attention,
         vit_attention,
@@ -251,7 +254,7 @@ def rotary_case(s: TuneShapes, dev: torch.device, dtype: torch.dtype) -> Case:
 
 def store_kv_case(s: TuneShapes, dev: torch.device, dtype: torch.dtype) -> Case:
     """A prefill chunk's K/V written to scattered cache slots (in place)."""
-    from spaceserve.kernels.kv_cache import ref_store_kv, store_kv
+    from spaceserve.kernels.attention.kv_cache import ref_store_kv, store_kv
 
     gen = torch.Generator(device=dev).manual_seed(10)
     t = s.prefill_tokens

@@ -95,7 +95,7 @@ def decode_bytes(lens: list[int], itemsize: int = 2) -> float:
 
 
 def _decode_plan(w: Workload, b: dict[str, Any]):
-    from spaceserve.kernels.paged_attention import DecodePlan
+    from spaceserve.kernels.attention.paged import DecodePlan
 
     plan = DecodePlan(len(b["lens"]), b["block_tables"].shape[1], HQ, HKV, DIM, PAGE,
                       device=w.device)
@@ -239,7 +239,7 @@ def prefill_vs_sdpa(w: Workload, rows: list, budget: Budget, full: int) -> None:
     """Causal prefill of one 4096-token prompt against SDPA's flash backend (K/V expanded)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from spaceserve.kernels.paged_attention import paged_prefill_attention
+    from spaceserve.kernels.attention.paged import paged_prefill_attention
 
     if not budget.ok(8):
         rows.append({"kernel": "paged_prefill", "status": "skipped (time)"})

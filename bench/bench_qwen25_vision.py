@@ -31,7 +31,7 @@ def build_towers(config: Any, device: torch.device, dtype: torch.dtype, *, hf: b
                  seed: int = 0, std: float = 0.02) -> dict[str, Any]:
     """SpaceServe's tower on its kernels and on torch ops, and transformers' tower, sharing one
     set of random weights (matrices and biases ~ N(0, std), norm weights ~ 1 + N(0, std))."""
-    from spaceserve.models.attention_backends import get_backend
+    from spaceserve.models.attention.backends import get_backend
     from spaceserve.models.ops import make_ops
     from spaceserve.models.qwen2_5_vl_vision import Qwen25VisionEncoder, vision_weight_shapes
 

@@ -132,7 +132,7 @@ def _varlen_peer(c: Case) -> tuple[str, Callable[[], torch.Tensor]] | None:
 
 
 def _ours(c: Case, plan, sms: int, **kw) -> Callable[[], torch.Tensor]:
-    from spaceserve.kernels.vit_attention import vit_attention
+    from spaceserve.kernels.attention.vit import vit_attention
 
     return lambda: vit_attention(c.q, c.k, c.v, c.cu, c.max_len, num_sms=sms, plan=plan,
                                  out=c.out, **kw)
@@ -202,8 +202,8 @@ def sm_sweep(c: Case, rows: list, budget: Budget, full: int, plan,
 
 def rotary_fused_vs_separate(c: Case, rows: list, full: int, plan) -> None:
     """Fused rotate-half RoPE in the attention loads against apply_rotary + attention."""
+    from spaceserve.kernels.attention.vit import vit_attention
     from spaceserve.kernels.rotary import apply_rotary
-    from spaceserve.kernels.vit_attention import vit_attention
 
     total = c.q.shape[0]
     angles = torch.rand(total, DIM // 2, device=c.q.device) * 6.0
@@ -254,7 +254,7 @@ def measure(results_dir: Path, time_budget_s: float, dev: torch.device, full: in
             workloads: dict[str, list[int]], sweep: tuple[int, ...],
             rotary_case: str = "1920x1080") -> list[dict]:
     """The measurements of `run` on `dev` with `full` SMs (separate so shapes can shrink)."""
-    from spaceserve.kernels.vit_attention import plan_vit_attention
+    from spaceserve.kernels.attention.vit import plan_vit_attention
 
     budget = Budget(time_budget_s)
     rows = section_rows()  # saved after every row

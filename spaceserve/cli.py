@@ -20,7 +20,7 @@ from .cli_args import HelpFormatter
 # subcommand -> (module with main(argv) -> int, one-line help[, light parser "module:function";
 # then the module provides run(args) -> int instead])
 COMMANDS: dict[str, tuple[str, ...]] = {
-    "demo": ("spaceserve.bench.demo",
+    "demo": ("spaceserve.bench.kernels.demo",
              "run every kernel at several SM budgets against its reference"),
     "compile-check": ("spaceserve.kernels.aot",
                       "compile every kernel configuration for sm_90a (no GPU needed)",

@@ -220,8 +220,8 @@ def test_common_helpers(tmp_path: Path) -> None:
 
 
 def test_demo_runs_and_reports(capsys) -> None:
-    from spaceserve.bench import demo
-    from spaceserve.bench import kernel_cases as cases
+    from spaceserve.bench.kernels import cases as cases
+    from spaceserve.bench.kernels import demo
 
     rc = demo.main(["--quick", "--only", "rms_norm", "store_kv"])
     text = capsys.readouterr().out
@@ -252,6 +252,6 @@ def test_cli_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["argv"] == ["--quick", "x"]
     with pytest.raises(SystemExit):
         cli.main(["nope"])
-    assert cli.COMMANDS["demo"][0] == "spaceserve.bench.demo"  # the CLI needs no bench/
+    assert cli.COMMANDS["demo"][0] == "spaceserve.bench.kernels.demo"  # the CLI needs no bench/
 
 

@@ -20,7 +20,8 @@ import torch
 from bench.kernel_suite import SUITE_DIR
 from bench.kernel_suite.runner import derived
 from bench.kernel_suite.shapes import budgets
-from spaceserve.bench import kernel_plots, kernel_suite
+from spaceserve.bench.kernels import plots as kernel_plots
+from spaceserve.bench.kernels import suite as kernel_suite
 from spaceserve.kernels import device_num_sms
 from tests.background import KERNELS_OPTIONAL as OPTIONAL
 
@@ -177,7 +178,7 @@ def test_plot_rejects_other_json(tmp_path: Path, capsys) -> None:
 def test_kernels_cli_outside_a_source_tree(tmp_path: Path, monkeypatch, capsys) -> None:
     assert kernel_suite.main(["--source", str(tmp_path)]) == 2
     assert "source tree" in capsys.readouterr().err
-    fake = tmp_path / "site-packages" / "spaceserve" / "bench" / "kernel_suite.py"
+    fake = tmp_path / "site-packages" / "spaceserve" / "bench" / "kernels" / "suite.py"
     monkeypatch.setattr(kernel_suite, "__file__", str(fake))
     assert kernel_suite.find_source() is None
     assert kernel_suite.main(["--json", str(tmp_path / "x.json")]) == 2

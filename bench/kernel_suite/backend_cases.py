@@ -1,4 +1,4 @@
-"""Attention-backend cases: every registered backend (`spaceserve.models.attention_backends`)
+"""Attention-backend cases: every registered backend (`spaceserve.models.attention.backends`)
 on the same problems, through the backend interface the models use.
 
 Three operations: ``vit`` (varlen bidirectional attention of a vision batch), ``paged_decode``

@@ -46,8 +46,8 @@ def run(results_dir: Path, time_budget_s: float, *, select: str | None = None,
     """Run the suite into `results_dir` within `time_budget_s` seconds; rows for the harness."""
     import torch
 
-    from spaceserve.bench.kernel_plots import load_points, plot_curves
-    from spaceserve.bench.kernel_suite import pytest_command, suite_env
+    from spaceserve.bench.kernels.plots import load_points, plot_curves
+    from spaceserve.bench.kernels.suite import pytest_command, suite_env
 
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)

@@ -15,12 +15,11 @@ import json
 import time
 from typing import Any
 
+from spaceserve.bench.metrics import Result
+from spaceserve.bench.prompts import prompt_shape
+from spaceserve.bench.workload import BenchRequest, image_png
 from spaceserve.runtime.inputs import ImageLimits, to_data_url
 from spaceserve.server.errors import APIError
-
-from .metrics import Result
-from .prompts import prompt_shape
-from .workload import BenchRequest, image_png
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)

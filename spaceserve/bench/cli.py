@@ -19,9 +19,9 @@ SUITES: dict[str, tuple[str, str]] = {
     "serve": ("spaceserve.bench.serve",
               "serving benchmark: TTFT / TPOT / ITL / goodput against request rate, in-process "
               "engines or a server over HTTP"),
-    "kernels": ("spaceserve.bench.kernel_suite",
+    "kernels": ("spaceserve.bench.kernels.suite",
                 "kernel suite (pytest-benchmark) over SM budgets and attention backends"),
-    "plot-kernels": ("spaceserve.bench.kernel_plots",
+    "plot-kernels": ("spaceserve.bench.kernels.plots",
                      "plot kernel-suite JSON files: latency and GB/s against SMs"),
 }
 

@@ -15,18 +15,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from spaceserve.bench.metrics import flatten
+from spaceserve.bench.prompts import TEMPLATE_TOKENS, image_grid
+from spaceserve.bench.workload import ServeWorkload, build_requests
 from spaceserve.runtime.policy.slo import Slo
-
-from .metrics import flatten
-from .prompts import TEMPLATE_TOKENS, image_grid
-from .workload import ServeWorkload, build_requests
 
 GROUPS = (("load", ("image", "text")), ("probe", ("probe",)))
 
 
 def target_config(model: str) -> tuple[Any, str]:
     """(transformers config, name) of the model a benchmark run stands for."""
-    from .random_model import is_random_model, random_config
+    from spaceserve.bench.random_model import is_random_model, random_config
 
     if is_random_model(model):
         return random_config(model), model.removesuffix("-random")

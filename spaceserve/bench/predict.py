@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .metrics import Result, flatten
+from spaceserve.bench.metrics import Result, flatten
 
 # (metric key, short name) of the numbers compared against the measurement.
 COMPARED = (("mean_tpot_ms", "tpot"), ("p99_itl_ms", "p99_itl"), ("mean_ttft_ms", "ttft"))

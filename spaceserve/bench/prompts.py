@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .workload import BenchRequest, parse_resolution
+from spaceserve.bench.workload import BenchRequest, parse_resolution
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 12845056  # the hub Qwen2-VL preprocessor's limits
 # What a Qwen2-VL chat template adds around one user turn: the default system prompt, role

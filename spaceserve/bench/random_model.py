@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .prompts import TokenPrompts
+from spaceserve.bench.prompts import TokenPrompts
 
 if TYPE_CHECKING:
     import torch

@@ -7,12 +7,11 @@ import asyncio
 import time
 from typing import Any
 
+from spaceserve.bench.backends import chat_body
+from spaceserve.bench.metrics import Result, summarize_results
+from spaceserve.bench.report.timeline import poll_split, thin_timeline
+from spaceserve.bench.workload import ServeWorkload, build_requests
 from spaceserve.runtime.policy.slo import Slo
-
-from .backends import chat_body
-from .metrics import Result, summarize_results
-from .timeline import poll_split, thin_timeline
-from .workload import ServeWorkload, build_requests
 
 CUT = "unfinished at the time limit"
 

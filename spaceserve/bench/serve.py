@@ -37,19 +37,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spaceserve.cli_args import HelpFormatter
-from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT, Slo
-
-from .backends import CHAT, HttpBackend, InProcessBackend, Unreachable, check_endpoint
-from .predict import predict_run
-from .random_model import (
+from spaceserve.bench.backends import (
+    CHAT,
+    HttpBackend,
+    InProcessBackend,
+    Unreachable,
+    check_endpoint,
+)
+from spaceserve.bench.predict import predict_run
+from spaceserve.bench.random_model import (
     RANDOM_MODELS,
     RandomModels,
     default_backend,
     is_random_model,
     random_config,
 )
-from .report import (
+from spaceserve.bench.report.tables import (
     CPU_NOTE,
     HEADER,
     is_cpu,
@@ -60,8 +63,10 @@ from .report import (
     title,
     write_outputs,
 )
-from .schedule import CUT, run_one
-from .workload import ServeWorkload, parse_mix
+from spaceserve.bench.schedule import CUT, run_one
+from spaceserve.bench.workload import ServeWorkload, parse_mix
+from spaceserve.cli_args import HelpFormatter
+from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT, Slo
 
 __all__ = ["CUT", "bench_engine", "main", "run_one", "write_outputs"]
 
@@ -313,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     extra: dict[str, Any] = {"device": where}
     if is_cpu(where):
-        from .modelled import predict
+        from spaceserve.bench.modelled import predict
 
         print(f"\n{CPU_NOTE}")
         pred = predict(workloads, args.modes if args.backend == "inprocess" else

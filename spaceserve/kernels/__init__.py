@@ -1,13 +1,13 @@
 """Persistent Triton kernels under an explicit SM budget (see DESIGN.md's kernel contract)."""
 
-from .budget import (
+from spaceserve.kernels.budget import (
     LaunchRecord,
     device_num_sms,
     record_launches,
     resolve_num_sms,
 )
-from .configs import kernel_config
-from .persistent import CompileSpec, launch_persistent
+from spaceserve.kernels.configs import kernel_config
+from spaceserve.kernels.persistent import CompileSpec, launch_persistent
 
 __all__ = [
     "CompileSpec",
@@ -19,15 +19,20 @@ __all__ = [
     "resolve_num_sms",
 ]
 # Kernel exports (one line per kernel module):
-from .gated_mlp import gated_mlp  # noqa: E402,F401
-from .linear import linear  # noqa: E402,F401
-from .norms import layer_norm, rms_norm  # noqa: E402,F401
-from .paged_attention import (  # noqa: E402,F401
+from spaceserve.kernels.attention.paged import (  # noqa: E402,F401
     DecodePlan,
     PrefillPlan,
     paged_decode_attention,
     paged_prefill_attention,
     store_kv,
 )
-from .rotary import apply_rotary, mrope_cos_sin, rope_cos_sin, vision_rotary_cos_sin  # noqa: E402,F401
-from .vit_attention import plan_vit_attention, vit_attention  # noqa: E402,F401
+from spaceserve.kernels.attention.vit import plan_vit_attention, vit_attention  # noqa: E402,F401
+from spaceserve.kernels.gated_mlp import gated_mlp  # noqa: E402,F401
+from spaceserve.kernels.linear import linear  # noqa: E402,F401
+from spaceserve.kernels.norms import layer_norm, rms_norm  # noqa: E402,F401
+from spaceserve.kernels.rotary import (  # noqa: E402,F401
+    apply_rotary,
+    mrope_cos_sin,
+    rope_cos_sin,
+    vision_rotary_cos_sin,
+)

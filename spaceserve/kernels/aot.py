@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .persistent import CompileSpec
+from spaceserve.kernels.persistent import CompileSpec
 
 SM90_MAX_SHARED = 232448
 # Modules of spaceserve.kernels that hold infrastructure, not kernels.
@@ -222,8 +222,9 @@ def _import_target(target: str):
 def kernel_module_names() -> list[str]:
     """Dotted names of the kernel modules present in spaceserve.kernels."""
     pkg = importlib.import_module("spaceserve.kernels")
-    return sorted(f"spaceserve.kernels.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)
-                  if m.name not in INFRA_MODULES and not m.name.startswith("_"))
+    return sorted(m.name for m in pkgutil.walk_packages(pkg.__path__, "spaceserve.kernels.")
+                  if not m.ispkg and m.name.rsplit(".", 1)[1] not in INFRA_MODULES
+                  and not m.name.rsplit(".", 1)[1].startswith("_"))
 
 
 def collect_specs(targets: list[str]) -> tuple[list[tuple[str, CompileSpec]], list[CompileResult],

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .budget import resolve_num_sms
-from .gemm import (
+from spaceserve.kernels.budget import resolve_num_sms
+from spaceserve.kernels.gemm import (
     block_meta,
     check_input,
     check_operand,
@@ -34,8 +34,8 @@ from .gemm import (
     mma,
     row_align,
 )
-from .linear import default_config, linear_into, reduce_spec, splitk_reduce
-from .persistent import CompileSpec, launch_persistent
+from spaceserve.kernels.linear import default_config, linear_into, reduce_spec, splitk_reduce
+from spaceserve.kernels.persistent import CompileSpec, launch_persistent
 
 # Two accumulators per tile: half the N width of `linear`'s tiles at the same register cost.
 GPU_CONFIGS: dict[str, dict[str, Any]] = {

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .budget import device_num_sms
-from .configs import kernel_config
-from .persistent import grouped_tile
+from spaceserve.kernels.budget import device_num_sms
+from spaceserve.kernels.configs import kernel_config
+from spaceserve.kernels.persistent import grouped_tile
 
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3, "silu": 4}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

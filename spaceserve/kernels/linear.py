@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .budget import resolve_num_sms
-from .configs import kernel_config
-from .gemm import (
+from spaceserve.kernels.budget import resolve_num_sms
+from spaceserve.kernels.configs import kernel_config
+from spaceserve.kernels.gemm import (
     ACTIVATIONS,
     apply_activation,
     block_meta,
@@ -49,7 +49,7 @@ from .gemm import (
     row_align,
     shape_class,
 )
-from .persistent import CompileSpec, launch_persistent
+from spaceserve.kernels.persistent import CompileSpec, launch_persistent
 
 # GPU defaults (H200). Skinny M streams weights: narrow N tiles, deep K, more stages.
 GPU_CONFIGS: dict[str, dict[str, Any]] = {

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .budget import device_num_sms, resolve_num_sms
-from .configs import kernel_config
-from .persistent import CompileSpec, launch_persistent
+from spaceserve.kernels.budget import device_num_sms, resolve_num_sms
+from spaceserve.kernels.configs import kernel_config
+from spaceserve.kernels.persistent import CompileSpec, launch_persistent
 
 MAX_BLOCK_K = 8192  # longest row kept whole in one block
 CHUNK_K = 4096  # chunk width for longer rows

@@ -22,7 +22,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from .budget import LaunchRecord, _recorders, current_programs_per_sm, record
+from spaceserve.kernels.budget import LaunchRecord, _recorders, current_programs_per_sm, record
 
 
 def persistent_grid(num_tiles: int, num_sms: int, programs_per_sm: int = 1) -> tuple[int]:

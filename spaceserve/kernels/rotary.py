@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .budget import resolve_num_sms
-from .configs import kernel_config
-from .persistent import CompileSpec, launch_persistent
+from spaceserve.kernels.budget import resolve_num_sms
+from spaceserve.kernels.configs import kernel_config
+from spaceserve.kernels.persistent import CompileSpec, launch_persistent
 
 MAX_HEAD_DIM = 256
 TILE_ELEMS = 2048  # target elements per half block (BLOCK_T * BLOCK_H * BLOCK_HALF)

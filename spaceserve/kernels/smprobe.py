@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .budget import current_programs_per_sm, resolve_num_sms
-from .persistent import CompileSpec, launch_persistent, persistent_grid
+from spaceserve.kernels.budget import current_programs_per_sm, resolve_num_sms
+from spaceserve.kernels.persistent import CompileSpec, launch_persistent, persistent_grid
 
 NAME = "smprobe"
 UNAVAILABLE = ("the SM probe reads %smid through inline PTX, which needs a CUDA device; the "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .budget import LaunchRecord
+from spaceserve.kernels.budget import LaunchRecord
 
 POISON = float("nan")
 

@@ -1,7 +1,7 @@
 """Qwen2-VL and Qwen2.5-VL on SpaceServe kernels: loading, stage entry points, attention
 backends, planner."""
 
-from .attention_backends import (
+from spaceserve.models.attention.backends import (
     AttentionBackend,
     BackendUnavailable,
     VitMeta,
@@ -9,21 +9,21 @@ from .attention_backends import (
     get_backend,
     known_backends,
 )
-from .context import HostMeta, StepContext, plan_step
-from .cuda_graph import DecodeGraph, DecodeGraphSet, GraphMemoryError
-from .loader import (
+from spaceserve.models.loading.loader import (
     from_config,
     from_pretrained,
     from_state_dict,
     random_state_dict,
     weight_shapes,
 )
-from .mrope import mrope_positions, text_positions
-from .qwen2_5_vl import Qwen25VL
-from .qwen2_5_vl_vision import Qwen25VisionEncoder, WindowEncoderJob, window_layout
-from .qwen2_vl import Qwen2VL
-from .qwen2_vl_text import KVCache, LanguageModel
-from .qwen2_vl_vision import EncoderJob, VisionEncoder
+from spaceserve.models.mrope import mrope_positions, text_positions
+from spaceserve.models.qwen2_5_vl import Qwen25VL
+from spaceserve.models.qwen2_5_vl_vision import Qwen25VisionEncoder, WindowEncoderJob, window_layout
+from spaceserve.models.qwen2_vl import Qwen2VL
+from spaceserve.models.qwen2_vl_text import KVCache, LanguageModel
+from spaceserve.models.qwen2_vl_vision import EncoderJob, VisionEncoder
+from spaceserve.models.step.context import HostMeta, StepContext, plan_step
+from spaceserve.models.step.cuda_graph import DecodeGraph, DecodeGraphSet, GraphMemoryError
 
 __all__ = [
     "AttentionBackend",

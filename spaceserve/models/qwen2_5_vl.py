@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .qwen2_5_vl_vision import Qwen25VisionEncoder
-from .qwen2_vl import Qwen2VL
+from spaceserve.models.qwen2_5_vl_vision import Qwen25VisionEncoder
+from spaceserve.models.qwen2_vl import Qwen2VL
 
 Tensor = torch.Tensor
 MODEL_TYPE = "qwen2_5_vl"

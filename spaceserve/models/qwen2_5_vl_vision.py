@@ -26,10 +26,9 @@ from typing import Any
 import torch
 
 from spaceserve.kernels.rotary import vision_rotary_cos_sin
-
-from .attention_backends import AttentionBackend, VitMeta
-from .ops import TorchOps, activation_torch
-from .qwen2_vl_vision import EncoderJob, VisionEncoder
+from spaceserve.models.attention.backends import AttentionBackend, VitMeta
+from spaceserve.models.ops import TorchOps, activation_torch
+from spaceserve.models.qwen2_vl_vision import EncoderJob, VisionEncoder
 
 Tensor = torch.Tensor
 NORM_EPS = 1e-6

@@ -8,14 +8,13 @@ from typing import Any
 import torch
 
 from spaceserve.kernels.budget import resolve_num_sms
-
-from . import context as _context
-from .attention_backends import AttentionBackend, get_backend
-from .mrope import mrope_positions
-from .ops import TorchOps, make_ops
-from .parallel import Communicator, TensorParallel
-from .qwen2_vl_text import KVCache, LanguageModel
-from .qwen2_vl_vision import EncoderJob, VisionEncoder
+from spaceserve.models.attention.backends import AttentionBackend, get_backend
+from spaceserve.models.mrope import mrope_positions
+from spaceserve.models.ops import TorchOps, make_ops
+from spaceserve.models.parallel import Communicator, TensorParallel
+from spaceserve.models.qwen2_vl_text import KVCache, LanguageModel
+from spaceserve.models.qwen2_vl_vision import EncoderJob, VisionEncoder
+from spaceserve.models.step import context as _context
 
 Tensor = torch.Tensor
 

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .attention_backends import AttentionBackend
-from .ops import TorchOps
-from .parallel import Communicator, SingleRank, TensorParallel, Unconnected
-from .step_context import StepContext
+from spaceserve.models.attention.backends import AttentionBackend
+from spaceserve.models.ops import TorchOps
+from spaceserve.models.parallel import Communicator, SingleRank, TensorParallel, Unconnected
+from spaceserve.models.step.step_context import StepContext
 
 Tensor = torch.Tensor
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .attention_backends import AttentionBackend, VitMeta
-from .ops import TorchOps
+from spaceserve.models.attention.backends import AttentionBackend, VitMeta
+from spaceserve.models.ops import TorchOps
 
 Tensor = torch.Tensor
 LN_EPS = 1e-6

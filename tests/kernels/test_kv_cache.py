@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spaceserve.kernels import record_launches
-from spaceserve.kernels.kv_cache import ref_store_kv, store_kv
+from spaceserve.kernels.attention.kv_cache import ref_store_kv, store_kv
 from spaceserve.kernels.testing import assert_within_budget
 
 

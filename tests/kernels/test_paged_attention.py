@@ -7,8 +7,7 @@ import inspect
 import pytest
 import torch
 
-from spaceserve.kernels.configs import clear_kernel_configs, set_kernel_configs
-from spaceserve.kernels.paged_attention import (
+from spaceserve.kernels.attention.paged import (
     DecodePlan,
     compile_specs,
     paged_decode_attention,
@@ -18,6 +17,7 @@ from spaceserve.kernels.paged_attention import (
     ref_store_kv,
     store_kv,
 )
+from spaceserve.kernels.configs import clear_kernel_configs, set_kernel_configs
 from spaceserve.kernels.testing import assert_close, poisoned_like
 
 from .paged_cases import as64, cdiv, random_cache, random_tables

@@ -6,13 +6,17 @@ import pytest
 import torch
 
 from spaceserve.kernels import record_launches
-from spaceserve.kernels.paged_decode import (
+from spaceserve.kernels.attention.paged_decode import (
     DECODE_CHUNK,
     DecodePlan,
     paged_decode_attention,
     ref_paged_decode_attention,
 )
-from spaceserve.kernels.paged_plan import StagedWorkList, build_decode_work, decode_work_host
+from spaceserve.kernels.attention.paged_plan import (
+    StagedWorkList,
+    build_decode_work,
+    decode_work_host,
+)
 from spaceserve.kernels.testing import assert_close, assert_within_budget, poisoned_like
 
 from .paged_cases import as64, cdiv, random_cache, random_tables

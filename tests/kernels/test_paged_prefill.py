@@ -6,9 +6,13 @@ import pytest
 import torch
 
 from spaceserve.kernels import record_launches
-from spaceserve.kernels.kv_cache import store_kv
-from spaceserve.kernels.paged_plan import StagedWorkList, build_prefill_work, prefill_work_host
-from spaceserve.kernels.paged_prefill import (
+from spaceserve.kernels.attention.kv_cache import store_kv
+from spaceserve.kernels.attention.paged_plan import (
+    StagedWorkList,
+    build_prefill_work,
+    prefill_work_host,
+)
+from spaceserve.kernels.attention.paged_prefill import (
     PrefillPlan,
     paged_prefill_attention,
     ref_paged_prefill_attention,

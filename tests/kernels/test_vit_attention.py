@@ -5,10 +5,7 @@ import inspect
 import pytest
 import torch
 
-from spaceserve.kernels.budget import record_launches
-from spaceserve.kernels.configs import clear_kernel_configs, set_kernel_configs
-from spaceserve.kernels.testing import assert_close, assert_within_budget, poisoned_like
-from spaceserve.kernels.vit_attention import (
+from spaceserve.kernels.attention.vit import (
     NAME,
     _vit_attention_kernel,
     compile_specs,
@@ -17,6 +14,9 @@ from spaceserve.kernels.vit_attention import (
     ref_vit_attention,
     vit_attention,
 )
+from spaceserve.kernels.budget import record_launches
+from spaceserve.kernels.configs import clear_kernel_configs, set_kernel_configs
+from spaceserve.kernels.testing import assert_close, assert_within_budget, poisoned_like
 
 
 def _cu(lens: list[int], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spaceserve.models import plan_step, text_positions
-from spaceserve.models.context import ContextPlanner
+from spaceserve.models.step.context import ContextPlanner
 
 
 def test_mixed_batch_layout():

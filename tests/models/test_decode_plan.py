@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from spaceserve.models.context import ContextPlanner
-from spaceserve.models.decode_plan import plan_decode
+from spaceserve.models.step.context import ContextPlanner
+from spaceserve.models.step.decode_plan import plan_decode
 
 S, W, BS = 12, 20, 4
 

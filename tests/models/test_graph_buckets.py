@@ -5,7 +5,7 @@ do not exist on CPU: a stand-in factory records what would be captured."""
 import pytest
 
 from spaceserve.models import DecodeGraphSet, GraphMemoryError
-from spaceserve.models.graph_buckets import decode_need, pick_bucket, table_widths
+from spaceserve.models.step.graph_buckets import decode_need, pick_bucket, table_widths
 
 
 def test_width_ladder_and_named_context_lens():

@@ -14,7 +14,7 @@ from spaceserve.models import (
     known_backends,
     weight_shapes,
 )
-from spaceserve.models.loader import canonical_name
+from spaceserve.models.loading.loader import canonical_name
 
 from .conftest import tiny_config
 
@@ -117,9 +117,9 @@ def test_image_processor_feeds_the_encoder(load):
 
 def test_only_graph_capturable_backends_get_decode_graphs():
     """A backend that plans in Python per step (flashinfer) is never captured in a graph."""
-    from spaceserve.models.attention_backends import AttentionBackend, TritonBackend
-    from spaceserve.models.cuda_graph import DecodeGraph
-    from spaceserve.models.library_backends import FlashAttnBackend, FlashInferBackend
+    from spaceserve.models.attention.backends import AttentionBackend, TritonBackend
+    from spaceserve.models.attention.library import FlashAttnBackend, FlashInferBackend
+    from spaceserve.models.step.cuda_graph import DecodeGraph
 
     assert AttentionBackend.graph_capturable and TritonBackend.graph_capturable
     assert FlashAttnBackend.graph_capturable and not FlashInferBackend.graph_capturable

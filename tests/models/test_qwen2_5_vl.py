@@ -231,7 +231,7 @@ def test_mrope_matches_get_rope_index(checkpoint, load):
 
 def test_weight_shapes_and_random_weights_match_transformers(checkpoint):
     from spaceserve.models import from_config
-    from spaceserve.models.loader import canonical_name
+    from spaceserve.models.loading.loader import canonical_name
 
     hf = checkpoint[1]
     ours = {canonical_name(k): v for k, v in weight_shapes(hf.config).items()}

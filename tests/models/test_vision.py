@@ -72,7 +72,7 @@ def test_vision_pass_stays_under_encoder_budget(load, encoded, images):
 
 
 def test_triton_ops_are_all_kernels(load):
-    from spaceserve.models.attention_backends import TritonBackend
+    from spaceserve.models.attention.backends import TritonBackend
     from spaceserve.models.ops import TritonOps
 
     model = load("small", "triton")

@@ -369,7 +369,7 @@ def source_config(source: P.ModelSource) -> Any:
     """The transformers config every rank builds its shard from (the checkpoint's config.json
     or the source's dict); None for a checkpoint of an unsupported type (`from_pretrained`
     says why, on rank 0)."""
-    from spaceserve.models.loader import SUPPORTED_MODEL_TYPES, config_class
+    from spaceserve.models.loading.loader import SUPPORTED_MODEL_TYPES, config_class
 
     if source.path is not None:
         import json

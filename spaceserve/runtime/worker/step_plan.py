@@ -38,7 +38,7 @@ class StepLimits:
     max_model_len: int
     block_size: int
     # Context lengths (tokens) decode graphs are captured for, one table width each; None: a
-    # doubling ladder up to max_model_len (see `spaceserve.models.graph_buckets`).
+    # doubling ladder up to max_model_len (see `spaceserve.models.step.graph_buckets`).
     graph_context_lens: tuple[int, ...] | None = None
     # Bound on the memory of every decode graph (None: unbounded), checked at capture.
     graph_memory_bytes: int | None = None
@@ -51,7 +51,7 @@ class StepLimits:
     def graph_table_widths(self) -> tuple[int, ...]:
         """Block-table widths of the decode graphs, ascending (the widest covers
         `max_model_len` unless `graph_context_lens` stops short of it)."""
-        from spaceserve.models.graph_buckets import table_widths
+        from spaceserve.models.step.graph_buckets import table_widths
 
         return table_widths(self.max_blocks_per_seq, self.block_size, self.graph_context_lens)
 
@@ -62,7 +62,7 @@ class StepLimits:
 
 @dataclass
 class StepPlan:
-    """Flat metadata of one step (layout as `spaceserve.models.context`): sequence ``i`` owns
+    """Flat metadata of one step (layout as `spaceserve.models.step.context`): sequence ``i`` owns
     tokens ``query_start_loc[i] .. query_start_loc[i + 1] - 1``; padding sequences (seq_len 0,
     slot -1) follow the real ones when the batch was padded to a graph bucket, and get logits
     rows too (``num_logits`` counts the real ones). Tensors live on the runner's device and are
@@ -182,7 +182,7 @@ class StepPlanner:
                  graph_batch_sizes: Sequence[int] = (), *, backend: Any = None,
                  rope: Callable[[Request], tuple[Any, int]] | None = None,
                  share_rows_with: StepPlanner | None = None) -> None:
-        from spaceserve.models.context import ContextPlanner
+        from spaceserve.models.step.context import ContextPlanner
 
         self.limits = limits
         self.device = torch.device(device)
@@ -215,7 +215,7 @@ class StepPlanner:
         """(batch size, table width) of the graph bucket a decode-only `batch` replays in:
         the smallest of `graph_batch_sizes` x `graph_widths` that holds it; None for a batch
         with prefills or that no bucket holds."""
-        from spaceserve.models.graph_buckets import pick_bucket
+        from spaceserve.models.step.graph_buckets import pick_bucket
 
         nb = batch.num_seqs
         if not nb or batch.num_decodes != nb or not self.graph_batch_sizes:
@@ -344,7 +344,7 @@ class StepPlanner:
     def _plan_decode(self, inputs: StepInputs) -> Any:
         """A decode-only step through `plan_decode`: only positions, slots and lengths are
         rewritten while the batch keeps its slots and no block was added."""
-        from spaceserve.models.decode_plan import plan_decode
+        from spaceserve.models.step.decode_plan import plan_decode
 
         rows = inputs.rows
         if rows is not self._dec_array:  # else `prepare` found the same slots

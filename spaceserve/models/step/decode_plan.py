@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .step_context import HostMeta, StepContext
+from spaceserve.models.step.step_context import HostMeta, StepContext
 
 if TYPE_CHECKING:
-    from .context import ContextPlanner
+    from spaceserve.models.step.context import ContextPlanner
 
 
 def plan_decode(planner: ContextPlanner, rows: np.ndarray, cached: np.ndarray, *,

@@ -28,7 +28,7 @@ def find_source(explicit: str | None = None) -> Path | None:
     if explicit is not None:
         roots = [Path(explicit)]
     else:
-        roots = [Path(__file__).resolve().parents[2]]
+        roots = [Path(__file__).resolve().parents[3]]
     for root in roots:
         if (root / SUITE / "conftest.py").is_file():
             return root.resolve()
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     source = find_source(args.source)
     if source is None:
-        where = args.source or Path(__file__).resolve().parents[2]
+        where = args.source or Path(__file__).resolve().parents[3]
         print(f"spaceserve bench kernels: no kernel suite at {Path(where) / SUITE}. The suite "
               "lives in SpaceServe's source tree, not in an installed wheel: run this from a "
               "checkout (pip install -e . or PYTHONPATH=.), pass --source CHECKOUT, or run "

@@ -34,9 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .budget import resolve_num_sms
-from .persistent import CompileSpec, launch_persistent
-from .vit_plan import (
+from spaceserve.kernels.attention.vit_plan import (
     DTYPE_NAMES,
     NAME,
     VitAttentionPlan,
@@ -49,6 +47,8 @@ from .vit_plan import (
     host_cu_seqlens,
     plan_vit_attention,
 )
+from spaceserve.kernels.budget import resolve_num_sms
+from spaceserve.kernels.persistent import CompileSpec, launch_persistent
 
 __all__ = ["compile_specs", "head_dim_split", "plan_vit_attention", "ref_vit_attention",
            "vit_attention", "VitAttentionPlan"]

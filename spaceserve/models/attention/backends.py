@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from spaceserve import kernels
-
-from .step_context import StepContext
+from spaceserve.models.step.step_context import StepContext
 
 Tensor = torch.Tensor
 
@@ -256,8 +255,8 @@ class TritonBackend(AttentionBackend):
 _REGISTRY: dict[str, type[AttentionBackend] | str] = {
     "triton": TritonBackend,
     "torch": TorchBackend,
-    "flash_attn": "spaceserve.models.library_backends:FlashAttnBackend",
-    "flashinfer": "spaceserve.models.library_backends:FlashInferBackend",
+    "flash_attn": "spaceserve.models.attention.library:FlashAttnBackend",
+    "flashinfer": "spaceserve.models.attention.library:FlashInferBackend",
 }
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .attention_backends import AttentionBackend, VitMeta, _scale, register_backend
-from .step_context import StepContext
+from spaceserve.models.attention.backends import AttentionBackend, VitMeta, _scale, register_backend
+from spaceserve.models.step.step_context import StepContext
 
 Tensor = torch.Tensor
 

@@ -13,8 +13,13 @@ ahead-of-time compile check.
 
 from __future__ import annotations
 
-from .kv_cache import STORE_DEFAULT, _store_kv_kernel, ref_store_kv, store_kv
-from .paged_decode import (
+from spaceserve.kernels.attention.kv_cache import (
+    STORE_DEFAULT,
+    _store_kv_kernel,
+    ref_store_kv,
+    store_kv,
+)
+from spaceserve.kernels.attention.paged_decode import (
     DECODE_CHUNK,
     DECODE_DEFAULT,
     MERGE_DEFAULT,
@@ -24,8 +29,8 @@ from .paged_decode import (
     paged_decode_attention,
     ref_paged_decode_attention,
 )
-from .paged_plan import next_pow2
-from .paged_prefill import (
+from spaceserve.kernels.attention.paged_plan import next_pow2
+from spaceserve.kernels.attention.paged_prefill import (
     PREFILL_DEFAULT,
     PrefillPlan,
     _paged_prefill_kernel,
@@ -33,7 +38,7 @@ from .paged_prefill import (
     prefill_default,
     ref_paged_prefill_attention,
 )
-from .persistent import CompileSpec
+from spaceserve.kernels.persistent import CompileSpec
 
 __all__ = [
     "DecodePlan",

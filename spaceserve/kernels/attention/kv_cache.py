@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .budget import resolve_num_sms
-from .configs import kernel_config
-from .paged_plan import cdiv, check_caches, check_index, next_pow2
-from .persistent import launch_persistent
+from spaceserve.kernels.attention.paged_plan import cdiv, check_caches, check_index, next_pow2
+from spaceserve.kernels.budget import resolve_num_sms
+from spaceserve.kernels.configs import kernel_config
+from spaceserve.kernels.persistent import launch_persistent
 
 STORE_DEFAULT = {"BLOCK_ELEMS": 4096, "num_warps": 4, "num_stages": 1}
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .measure import bench_ms, sync
+from spaceserve.bench.measure import bench_ms, sync
 
 Outputs = list[torch.Tensor]
 # make(device, dtype, big) -> (shape text, call(num_sms) -> outputs, reference() -> fp64 outputs)
@@ -166,13 +166,13 @@ CASES: list[Case] = [
     Case("rms_norm", "norms", "rms_norm", "ref_rms_norm", make_rms_norm),
     Case("layer_norm", "norms", "layer_norm", "ref_layer_norm", make_layer_norm),
     Case("apply_rotary", "rotary", "apply_rotary", "ref_apply_rotary", make_apply_rotary),
-    Case("vit_attention", "vit_attention", "vit_attention", "ref_vit_attention",
+    Case("vit_attention", "attention.vit", "vit_attention", "ref_vit_attention",
          make_vit_attention),
-    Case("paged_decode", "paged_decode", "paged_decode_attention", "ref_paged_decode_attention",
-         make_paged_decode),
-    Case("paged_prefill", "paged_prefill", "paged_prefill_attention",
+    Case("paged_decode", "attention.paged_decode", "paged_decode_attention",
+         "ref_paged_decode_attention", make_paged_decode),
+    Case("paged_prefill", "attention.paged_prefill", "paged_prefill_attention",
          "ref_paged_prefill_attention", make_paged_prefill),
-    Case("store_kv", "kv_cache", "store_kv", "ref_store_kv", make_store_kv),
+    Case("store_kv", "attention.kv_cache", "store_kv", "ref_store_kv", make_store_kv),
 ]
 
 
@@ -188,7 +188,7 @@ def resolve(case: Case) -> dict | str:
             mod = importlib.import_module(f"spaceserve.kernels.{case.module}")
         except ModuleNotFoundError as exc:
             if exc.name == f"spaceserve.kernels.{case.module}":
-                return f"not available (no spaceserve/kernels/{case.module}.py)"
+                return f"not available (no spaceserve/kernels/{case.module.replace('.', '/')}.py)"
             return f"import error: {exc}"
         except Exception as exc:
             return f"import error: {type(exc).__name__}: {exc}"

@@ -8,10 +8,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from spaceserve.bench.metrics import result_latency
+from spaceserve.bench.report.plots import plot_timeline, plot_vs_rate
 from spaceserve.runtime.policy.slo import Slo
-
-from .metrics import result_latency
-from .plots import plot_timeline, plot_vs_rate
 
 CPU_NOTE = (
     "note: this ran on a CPU. It proves correctness and plumbing - every mode serves every\n"

@@ -46,10 +46,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():  # before any kernel module is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from spaceserve.bench.kernels.cases import CASES, run_case
+    from spaceserve.bench.measure import format_table
     from spaceserve.kernels import device_num_sms
-
-    from .kernel_cases import CASES, run_case
-    from .measure import format_table
 
     names = [c.name for c in CASES]
     unknown = sorted(set(args.only or ()) - set(names))

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .context import ContextPlanner, StepContext, plan_step
-from .graph_buckets import pick_bucket
-from .qwen2_vl_text import KVCache
+from spaceserve.models.qwen2_vl_text import KVCache
+from spaceserve.models.step.context import ContextPlanner, StepContext, plan_step
+from spaceserve.models.step.graph_buckets import pick_bucket
 
 Tensor = torch.Tensor
 

@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .step_buffers import StepBuffers
-from .step_context import HostMeta, StepContext
-from .step_rows import SequenceRows, as_list, int_array
+from spaceserve.models.step.buffers import StepBuffers
+from spaceserve.models.step.rows import SequenceRows, as_list, int_array
+from spaceserve.models.step.step_context import HostMeta, StepContext
 
 __all__ = ["ContextPlanner", "HostMeta", "StepContext", "plan_step"]
 Tensor = torch.Tensor

@@ -17,12 +17,8 @@ from typing import Any
 
 import torch
 
-from .attention_backends import AttentionBackend
-from .parallel import Communicator, TensorParallel, check_text_config
-from .qwen2_5_vl import Qwen25VL
-from .qwen2_5_vl_vision import vision_weight_shapes
-from .qwen2_vl import Qwen2VL
-from .weights import (
+from spaceserve.models.attention.backends import AttentionBackend
+from spaceserve.models.loading.weights import (
     LoadStats,
     MemorySource,
     RandomSource,
@@ -31,6 +27,10 @@ from .weights import (
     iter_random,
     shard_getter,
 )
+from spaceserve.models.parallel import Communicator, TensorParallel, check_text_config
+from spaceserve.models.qwen2_5_vl import Qwen25VL
+from spaceserve.models.qwen2_5_vl_vision import vision_weight_shapes
+from spaceserve.models.qwen2_vl import Qwen2VL
 
 Tensor = torch.Tensor
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .parallel import TensorParallel, text_shard
+from spaceserve.models.parallel import TensorParallel, text_shard
 
 Tensor = torch.Tensor
 

@@ -18,10 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .budget import device_num_sms, resolve_num_sms
-from .configs import kernel_config
-from .paged_decode import LOG2E, attend_block, dot_precision, numerics_config
-from .paged_plan import (
+from spaceserve.kernels.attention.paged_decode import (
+    LOG2E,
+    attend_block,
+    dot_precision,
+    numerics_config,
+)
+from spaceserve.kernels.attention.paged_plan import (
     StagedWorkList,
     as_host_int_tensor,
     build_prefill_work,
@@ -35,7 +38,9 @@ from .paged_plan import (
     next_pow2,
     prefill_work_host,
 )
-from .persistent import launch_persistent
+from spaceserve.kernels.budget import device_num_sms, resolve_num_sms
+from spaceserve.kernels.configs import kernel_config
+from spaceserve.kernels.persistent import launch_persistent
 
 PREFILL_DEFAULT = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import triton
 
-from .budget import device_num_sms
-from .configs import kernel_config
+from spaceserve.kernels.budget import device_num_sms
+from spaceserve.kernels.configs import kernel_config
 
 NAME = "vit_attention"
 MAX_HEAD_DIM = 256

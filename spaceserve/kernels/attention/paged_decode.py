@@ -20,9 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .budget import device_num_sms, resolve_num_sms
-from .configs import kernel_config
-from .paged_plan import (
+from spaceserve.kernels.attention.paged_plan import (
     StagedWorkList,
     as_host_int_tensor,
     build_decode_work,
@@ -36,7 +34,9 @@ from .paged_plan import (
     decode_work_host,
     next_pow2,
 )
-from .persistent import launch_persistent
+from spaceserve.kernels.budget import device_num_sms, resolve_num_sms
+from spaceserve.kernels.configs import kernel_config
+from spaceserve.kernels.persistent import launch_persistent
 
 DECODE_CHUNK = 512  # tokens per split-KV work item: fixed, independent of the budget
 LOG2E = 1.4426950408889634
