@@ -29,7 +29,10 @@ COMMANDS: dict[str, tuple[str, ...]] = {
             "simulate TWSRFT + SIS on resource-utility curves: TPOT against image rate per mode"),
     "profile": ("autotune.profile", "measure resource-utility curves of a model on this device"),
     "serve": ("spaceserve.server.serve", "OpenAI-compatible HTTP server (--model PATH or tiny)"),
-    "bench": ("spaceserve.bench.cli", "benchmarks: `bench serve` (serving, in-process or HTTP)"),
+    "bench": ("spaceserve.bench.cli",
+              "benchmarks: `bench serve` (serving, in-process or HTTP), `bench kernels` (the "
+              "kernel suite over SM budgets), `bench plot-kernels` (its resource-utility "
+              "curves)"),
 }
 
 

@@ -70,3 +70,13 @@ def test_compile_check_runs_through_its_light_parser(monkeypatch: pytest.MonkeyP
                                                "spaceserve.cli_args:build_compile_check_parser"))
     assert cli.main(["fake", "--jobs", "3", "--no-spills"]) == 4
     assert seen["args"].jobs == 3 and seen["args"].no_spills and seen["args"].module is None
+
+
+def test_top_level_help_lists_every_bench_suite() -> None:
+    """`spaceserve --help` names each `spaceserve bench SUITE`, not just the first."""
+    from spaceserve import cli
+    from spaceserve.bench.cli import SUITES
+
+    text = " ".join(cli.build_parser().format_help().split())
+    for suite in SUITES:
+        assert f"`bench {suite}`" in text, (suite, text)

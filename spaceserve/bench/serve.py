@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     modes = args.modes if args.backend == "inprocess" else [args.label]
     cut = f" (LLM cut to {args.llm_layers} layers)" if args.llm_layers else ""
-    head = title(args.backend, f"{args.model}{cut}", where, modes)
+    weights = " (random weights)" if args.model == "tiny" else ""
+    head = title(args.backend, f"{args.model}{weights}{cut}", where, modes)
     print(f"serving benchmark: {head}\nrates {rates} req/s, {args.duration:g} s each, mix "
           f"{args.image_mix}, probes {args.probe_rate:g}/s, SLO {slo} ms")
     print("latencies in ms (means unless p99); good = image requests/s within the SLO, att% "
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     for label in dict.fromkeys(r["label"] for r in runs):
         show(next(r for r in runs if r["label"] == label), args.show)
     written = write_outputs(runs, args.out, vars(args), plots=not args.no_plot, title=head,
-                            extra=extra)
+                            device=where, extra=extra)
     print(f"\nwrote {', '.join(str(p) for p in written)} "
           f"({time.monotonic() - started:.1f} s in all)")
     return 0

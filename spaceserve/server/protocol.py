@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
@@ -142,7 +143,12 @@ def parse_body(body: bytes | bytearray, model: type[Req]) -> Req:
     except RecursionError:
         raise APIError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels"
                        ) from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    except ValueError as exc:  # an integer past Python's digit limit for int(str)
+        if "integer string conversion" in str(exc):
+            raise APIError(400, f"a number in the body has more than "
+                           f"{sys.get_int_max_str_digits()} digits") from None
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     check_json(data)
     if not isinstance(data, dict):
@@ -153,6 +159,8 @@ def parse_body(body: bytes | bytearray, model: type[Req]) -> Req:
         err = max(exc.errors(include_url=False), key=lambda e: len(e.get("loc", ())))
         where = _loc(tuple(err.get("loc", ())))
         msg = err.get("msg", "invalid value")
+        if err.get("type") == "value_error":  # our validators' own words, without pydantic's tag
+            msg = msg.removeprefix("Value error, ")
         if where in REFUSED:
             msg = REFUSED[where]
         raise APIError(400, f"{where or 'body'}: {msg}", param=where or None) from None

@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from spaceserve.runtime.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
 from .errors import APIError
 
 MAX_LOGPROBS = 20  # = spaceserve.runtime.core.request.MAX_LOGPROBS (no torch import here)
@@ -93,13 +95,15 @@ class SamplingFields(Strict):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list):
-            if len(v) > 4:
-                raise ValueError(f"at most 4 stop sequences, got {len(v)}")
-            if any(not s for s in v):
+        items = v if isinstance(v, list) else [] if v is None else [v]
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences, got {len(items)}")
+        for i, s in enumerate(items):
+            if not s:
                 raise ValueError("stop sequences must be non-empty")
-        elif v == "":
-            raise ValueError("stop sequences must be non-empty")
+            if len(s) > MAX_STOP_STRING_CHARS:  # matched on every token: bounded
+                raise ValueError(f"stop sequence {i} has {len(s)} characters, at most "
+                                 f"{MAX_STOP_STRING_CHARS}")
         return v
 
     @field_validator("logit_bias")

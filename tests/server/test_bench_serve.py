@@ -107,9 +107,13 @@ def test_bad_specs_raise_naming_the_argument() -> None:
         ServeWorkload(request_rate=1.0, duration_s=0)
 
 
-def test_bench_inprocess_end_to_end(tiny_path, tmp_path, capsys) -> None:
+def test_bench_inprocess_end_to_end(tiny_path, tmp_path, capsys, monkeypatch) -> None:
+    import matplotlib.pyplot as plt
+
     from spaceserve.bench.serve import main
 
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
     out = tmp_path / "run"
     rc = main(["--model", str(tiny_path), "--modes", "spatial,temporal-chunked", "--rates", "6",
                "--duration", "1", "--probe-rate", "3", "--output-len", "6",
@@ -142,6 +146,13 @@ def test_bench_inprocess_end_to_end(tiny_path, tmp_path, capsys) -> None:
         assert g["rate_per_s"] == pytest.approx(g["met"] / 1.0)
     assert (out / "latency_vs_rate.png").stat().st_size > 0
     assert (out / "sm_split_timeline.png").stat().st_size > 0
+    # both figures name the model and the CPU, and say what a CPU run proves
+    assert len(figures) == 2
+    for fig in figures:
+        head = " ".join(fig._suptitle.get_text().split())
+        assert f"{tiny_path} on CPU" in head and "modes spatial, temporal-chunked" in head
+        notes = " ".join(t.get_text() for t in fig.texts)
+        assert "ran on a CPU: this proves plumbing, not performance" in notes, notes
 
 
 def test_bench_over_http_matches_the_server(live_tiny, tmp_path) -> None:

@@ -114,3 +114,36 @@ def test_file_url_inside_allowed_folder(null_app) -> None:
     r = post(app, OK | {"messages": image_msg(f"file://{media}/ok.png")})
     assert r.status_code == 200
     assert r.json()["usage"]["prompt_tokens"] > 4  # the 2x2 merged grid's 4 tokens included
+
+
+def test_a_long_stop_string_is_a_400_naming_stop(null_app) -> None:
+    """Stop strings are matched on every token, so each is bounded: the engine's SamplingParams
+    refuses a longer one naming `stop`, and the server answers 400 with param `stop`; one at
+    the bound is served."""
+    from spaceserve.runtime.core.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
+
+    assert MAX_STOP_STRING_CHARS == 1000
+    with pytest.raises(ValueError, match=r"^stop: string 1 has 10000 characters, at most 1000"):
+        SamplingParams(stop=["ok", "x" * 10_000])
+    assert SamplingParams(stop="x" * 1000).stop == ("x" * 1000,)
+    _, _, app, _ = null_app
+    for stop in ("x" * 10_000, ["a", "x" * 10_000]):
+        r = post(app, OK | {"stop": stop})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "stop" and "10000 characters, at most 1000" in err["message"]
+        assert err["message"].startswith("stop: ") and "Value error" not in err["message"]
+    assert post(app, OK | {"stop": "x" * 1000}).status_code == 200
+
+
+def test_a_5000_digit_integer_is_a_400_in_our_words(null_app) -> None:
+    """JSON's integers are unbounded, Python's int(str) stops at 4300 digits: the 400 says so
+    without Python's own advice to the server's operator."""
+    _, _, app, _ = null_app
+    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "seed": %s}' % (
+        MODEL.encode(), b"9" * 5000)
+    r = post(app, None, raw, {"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message == "a number in the body has more than 4300 digits", message
+    assert "sys." not in message

@@ -5,6 +5,10 @@ Reads pytest-benchmark JSON written by the kernel suite (`spaceserve bench kerne
 latency and the bandwidth against the SM budget: one line per attention backend, and per file
 when several are given, so two machines or two commits compare in one figure. With several
 files it also prints each point's median per file and its ratio to the first file.
+
+Every figure names the devices and models its files were measured on (`extra_info`'s `device`
+and `model`); where a file ran on a CPU (the Triton interpreter: a smoke test of the plumbing)
+it says that the figure proves plumbing, not performance, and that the SM budgets are nominal.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from spaceserve.plotting import pyplot
+from spaceserve.plotting import NOMINAL_SMS, PLUMBING, caption, pyplot
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class Point:
     median_s: float
     gbs: float
     tflops: float
+    device: str = ""  # "cpu" or the CUDA device's name; "" in files that do not record it
+    model: str = ""
 
     @property
     def group(self) -> tuple[str, str, str]:
@@ -63,8 +69,25 @@ def load_points(path: str | Path, run: str) -> list[Point]:
                             str(info.get("dtype", "")), str(info.get("backend", "")),
                             int(info["budget"]), float(median),
                             float(gbs) if gbs is not None else math.nan,
-                            float(tflops) if tflops is not None else math.nan))
+                            float(tflops) if tflops is not None else math.nan,
+                            str(info.get("device") or ""), str(info.get("model") or "")))
     return points
+
+
+def provenance(points: list[Point]) -> tuple[str, str, bool]:
+    """(the devices and models of `points` as one line, the caveat off a GPU, whether the SM
+    budgets are nominal: some point ran on a CPU). A point whose file does not record its
+    device counts as not shown to be a GPU."""
+    devices = list(dict.fromkeys(p.device or "device not recorded" for p in points))
+    models = list(dict.fromkeys(p.model for p in points if p.model)) or ["model not recorded"]
+    cpu = any(p.device == "cpu" for p in points)
+    off_gpu = cpu or any(not p.device for p in points)
+    line = f"on {', '.join(devices)}; models {', '.join(models)}"
+    caveat = f"{'CPU run (Triton interpreter)' if cpu else 'device not recorded'}: {PLUMBING}" \
+        if off_gpu else ""
+    if cpu:
+        caveat += f"; {NOMINAL_SMS}"
+    return line, caveat, cpu
 
 
 def run_labels(paths: list[str], labels: list[str] | None = None) -> list[str]:
@@ -92,7 +115,8 @@ def plot_curves(points: list[Point], out: str | Path, title: str | None = None) 
     pairs = list(dict.fromkeys((p.run, p.backend) for p in points))
     palette = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
     styles = ["o-", "s--", "^:", "D-."]
-    height = 2.6 * len(groups) + 0.6
+    height = 2.6 * len(groups) + 1.0
+    where, caveat, nominal = provenance(points)
     fig, axes = plt.subplots(len(groups), 2, figsize=(11, height), squeeze=False)
     for row, group in zip(axes, groups, strict=True):
         mine = [p for p in points if p.group == group]
@@ -109,14 +133,14 @@ def plot_curves(points: list[Point], out: str | Path, title: str | None = None) 
         row[0].set_ylabel("latency (ms)")
         row[1].set_ylabel("GB/s")
         for ax in row:
-            ax.set_xlabel("SMs")
+            ax.set_xlabel("SM budget (nominal)" if nominal else "SM budget")
             ax.grid(alpha=0.3)
         lat = [p.median_s for p in mine]
         if min(lat) > 0 and max(lat) / min(lat) > 20:
             row[0].set_yscale("log")
         row[1].legend(fontsize=7, loc="best")
-    fig.suptitle(title or "kernel resource-utility curves: " + ", ".join(runs), fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / height))
+    head = title or "kernel resource-utility curves: " + ", ".join(runs)
+    fig.tight_layout(rect=caption(fig, f"{head}\n{where}", caveat, fontsize=10))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

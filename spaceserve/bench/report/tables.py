@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 from spaceserve.bench.metrics import result_latency
 from spaceserve.bench.report.plots import plot_timeline, plot_vs_rate
+from spaceserve.plotting import PLUMBING
 from spaceserve.runtime.policy.slo import Slo
 
 CPU_NOTE = (
@@ -23,6 +25,23 @@ CPU_NOTE = (
 
 def is_cpu(label: str | None) -> bool:
     return bool(label) and label.upper().startswith("CPU")
+
+
+def on_gpu(label: str | None) -> bool:
+    """Whether `label` names a CUDA device: ``"NVIDIA H200 (132 SMs)"`` (`device_label`), or
+    ``"cuda"`` / ``"cuda:1"`` as a torch device string."""
+    return bool(label) and (re.search(r"\(\d+ SMs\)\s*$", label) is not None or
+                            label.lower().startswith("cuda"))
+
+
+def figure_caveat(device: str | None) -> str:
+    """What a figure of a run on `device` must say about its numbers: nothing on a GPU; off
+    one (a CPU, or a device nobody named), that it proves plumbing, not performance."""
+    if on_gpu(device):
+        return ""
+    where = "ran on a CPU" if is_cpu(device) else \
+        f"ran on {device or 'a device nobody named'}, not shown to be a GPU"
+    return f"{where}: {PLUMBING}"
 
 
 def title(backend: str, model: str, device: str | None, modes: list[str]) -> str:
@@ -132,19 +151,25 @@ def results_doc(config: dict[str, Any], runs: list[dict[str, Any]],
 
 def write_outputs(runs: list[dict[str, Any]], out: Path, config: dict[str, Any], *,
                   plots: bool = True, prefix: str = "", title: str = "",
-                  extra: dict[str, Any] | None = None) -> list[Path]:
+                  device: str | None = None, extra: dict[str, Any] | None = None
+                  ) -> list[Path]:
     """results.json and (matplotlib present) the two figures under `out`; paths written.
-    `title` names the device, model and modes on every figure; `extra` joins the JSON."""
+    `title` names the device, model and modes on every figure (default: the model and device
+    of `config`); `device` (default: `extra`'s or `config`'s) decides the figures' caveat and
+    whether their SM counts are nominal; `extra` joins the JSON."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{prefix}results.json"
     path.write_text(json.dumps(results_doc(config, runs, extra), indent=1, default=str))
     written = [path]
     if plots:
-        for fn, name in ((plot_vs_rate, "latency_vs_rate.png"),
-                         (plot_timeline, "sm_split_timeline.png")):
-            fig = fn(runs, out / f"{prefix}{name}", title=title)
-            if fig is None:
-                print("note: matplotlib is not installed (or nothing to plot); no plots")
-                break
-            written.append(fig)
+        device = device or (extra or {}).get("device") or config.get("device")
+        title = title or f"{config.get('model') or 'model not recorded'} on " \
+                         f"{device or 'an unknown device'}"
+        caveat = figure_caveat(device)
+        figs = (plot_vs_rate(runs, out / f"{prefix}latency_vs_rate.png", title, caveat),
+                plot_timeline(runs, out / f"{prefix}sm_split_timeline.png", title, caveat,
+                              nominal_sms=not on_gpu(device)))
+        if None in figs:
+            print("note: matplotlib is not installed (or nothing to plot); no plots")
+        written += [f for f in figs if f is not None]
     return written

@@ -15,6 +15,9 @@ from spaceserve.checks import check_float, check_int
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_STOP_STRINGS = 4
+# Stop strings are matched against the detokenised tail on every generated token, so their
+# length multiplies the per-token cost of a request; 1,000 characters covers any real stop text.
+MAX_STOP_STRING_CHARS = 1000
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's chat limit)
 PENALTY_RANGE = 2.0  # presence / frequency penalties lie in [-2, 2]
 LOGIT_BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100]
@@ -37,8 +40,9 @@ class SamplingParams:
     batching, batch neighbours and preemption never change it; without a seed the engine picks
     one at arrival (a later choice of the same prompt would take seed + its index).
 
-    `stop` (up to 4 strings) ends the output before the first occurrence of any of them, matched
-    on the detokenised text across token boundaries (kept when `include_stop_str_in_output`);
+    `stop` (up to 4 strings, 1,000 characters each) ends the output before the first occurrence
+    of any of them, matched on the detokenised text across token boundaries (kept when
+    `include_stop_str_in_output`);
     `stop_token_ids` and the model's end-of-sequence tokens (unless `ignore_eos`) end it after
     that token. `logprobs` N asks for the log-probability of every sampled token and the N most
     likely alternatives (0..20), from the raw logits before any processing.
@@ -95,9 +99,12 @@ class SamplingParams:
             raise ValueError("stop must be a str or a sequence of str")
         if len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop: {len(stop)} strings, at most {MAX_STOP_STRINGS}")
-        for s in stop:
+        for i, s in enumerate(stop):
             if not isinstance(s, str) or not s:
                 raise ValueError("stop strings must be non-empty str")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop: string {i} has {len(s)} characters, at most "
+                                 f"{MAX_STOP_STRING_CHARS}")
         put(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if ids is None:

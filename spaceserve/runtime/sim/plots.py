@@ -1,11 +1,15 @@
-"""Figures of `spaceserve sim`: latency and goodput against the image request rate per mode."""
+"""Figures of `spaceserve sim`: latency and goodput against the image request rate per mode.
+
+Every figure is the simulator's answer, so each carries the MODELLED caveat beside its title
+(the modelled model and device), whatever curves it was given (`spaceserve.plotting.caption`).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from spaceserve.plotting import pyplot
+from spaceserve.plotting import MODELLED, caption, pyplot
 from spaceserve.runtime.sim.cluster import SimResult
 
 
@@ -51,15 +55,14 @@ def plot(sweep: dict[str, list[dict[str, Any]]], head: dict[str, Any],
                     [g.splits[-1][1]], where="post", color="k", lw=0.8,
                     label="SIS encoder split")
         ax.set_xlabel("time (s)")
-        ax.set_ylabel(f"encoder SMs (of {g.total})")
+        ax.set_ylabel(f"encoder SMs (of {g.total}, modelled)")
         ax.set_ylim(0, g.total)
         ax.set_title(f"spatial (SIS) at {head['rate']:.2f} images/s, GPU 0")
         ax.legend(loc="upper right")
     else:
         ax.set_axis_off()
-    fig.suptitle("Decode latency against image request rate" + (f"\n{title}" if title else ""),
-                 fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=caption(fig, "Decode latency against image request rate" +
+                                  (f"\n{title}" if title else ""), MODELLED, fontsize=10))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -90,9 +93,8 @@ def plot_goodput(sweep: dict[str, list[dict[str, Any]]], path: Path, title: str 
         ax.set_xlabel("image requests / s")
         ax.grid(alpha=0.3)
     ax_rate.legend()
-    fig.suptitle(f"Goodput under SLO {slo} (ms)" + (f"\n{title}" if title else ""),
-                 fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=caption(fig, f"Goodput under SLO {slo} (ms)" +
+                                  (f"\n{title}" if title else ""), MODELLED, fontsize=10))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
