@@ -201,3 +201,13 @@ def test_results_carry_provenance(page: Path) -> None:
     assert re.search(r"\b(Modelled|Measured)\b", intro), \
         f"{page.name}: does not say up front whether it is measured or modelled"
     assert page.name in (DOCS / "results" / "README.md").read_text(), page.name
+
+
+def test_serving_flag_table_names_real_flags() -> None:
+    parser, _ = parser_for(["serve"])
+    flags = {o for a in parser._actions for o in a.option_strings}
+    rows = "\n".join(line for line in (DOCS / "serving.md").read_text().splitlines()
+                     if line.startswith("| "))
+    cited = set(re.findall(r"`(--?[a-z][a-z-]*)`", rows))
+    assert {"--model", "--mode", "--max-pending"} <= cited, "the flag table is gone"
+    assert cited <= flags, f"docs/serving.md names flags serve does not have: {cited - flags}"
