@@ -79,12 +79,12 @@ def server(workdir):
     port = free_port()
     argv[argv.index("--port") + 1] = str(port)
     env = dict(os.environ, PYTHONPATH=str(README.parent), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "spaceserve.cli", "serve", *argv,
-                             "--log-level", "warning"], cwd=workdir, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    log = open(workdir / "server.log", "w")  # a file, not a pipe nobody drains
+    proc = subprocess.Popen([sys.executable, "-m", "spaceserve.cli", "serve", *argv],
+                            cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        wait_healthy(proc, port)
+        wait_healthy(proc, port, workdir / "server.log")
         yield f"127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
@@ -94,16 +94,17 @@ def server(workdir):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        log.close()
 
 
-def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 90.0) -> None:
+def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float = 90.0) -> None:
     import httpx
 
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise AssertionError(f"the README's server exited {proc.returncode}: "
-                                 f"{proc.stdout.read()[-2000:]}")
+                                 f"{log.read_text()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return
