@@ -34,7 +34,7 @@ BLOCK_SIZE = 16
 
 
 def qwen2_vl_7b_config() -> Any:
-    """Qwen2-VL-7B's shapes (DESIGN.md's workload facts) as a transformers config."""
+    """Qwen2-VL-7B's shapes (docs/design.md, Workload facts) as a transformers config."""
     from transformers import Qwen2VLConfig
 
     return Qwen2VLConfig(

@@ -1,4 +1,4 @@
-"""Persistent Triton kernels under an explicit SM budget (see DESIGN.md's kernel contract)."""
+"""Persistent Triton kernels under an explicit SM budget (see docs/design.md, Kernel contract)."""
 
 from spaceserve.kernels.budget import (
     LaunchRecord,

@@ -44,7 +44,7 @@ def launch_persistent(
     """Launch `kernel` persistently over `num_tiles` tiles under a budget of `num_sms` SMs.
 
     `programs_per_sm > 1` is only for green-context partitions whose SM count was read back from
-    the driver (DESIGN.md); everywhere else it must stay 1. None (the default) takes the value of
+    the driver (docs/design.md); elsewhere it must stay 1. None (the default) takes the value of
     the enclosing `budget.programs_per_sm_scope`, which is 1 outside a partition. `config` (block
     sizes, warps, stages) is passed to the kernel as keyword meta-parameters and kept in the launch
     record. Returns the grid.

@@ -41,6 +41,6 @@ def test_gpu_entry_point_and_shapes():
     if not torch.cuda.is_available():
         assert run("/tmp", 1.0)[0]["skipped"] == "needs a CUDA device"
     cfg = qwen2_vl_7b_config()
-    # DESIGN.md: 448^2 -> 256 LLM tokens, 1024^2 -> 1369, 1920x1080 -> 2691
+    # docs/design.md: 448^2 -> 256 LLM tokens, 1024^2 -> 1369, 1920x1080 -> 2691
     assert [image_grid(h, w, cfg) for h, w in ((448, 448), (1024, 1024), (1080, 1920))] == \
         [[1, 32, 32], [1, 74, 74], [1, 78, 138]]
