@@ -42,6 +42,13 @@ def require_ints(name: str, values: Any, low: int = 1) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """A bool; ValueError names `name` (the request-field wording, as `check_int`)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def require_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be a bool")
@@ -68,8 +75,11 @@ def check_float(name: str, value: Any, low: float, high: float, *, low_open: boo
     return value
 
 
-def require_number(name: str, value: Any, *, zero_ok: bool = False) -> float:
-    """A number > 0 (>= 0 with `zero_ok`)."""
+def require_number(name: str, value: Any, *, zero_ok: bool = False, optional: bool = False
+                   ) -> float | None:
+    """A number > 0 (>= 0 with `zero_ok`; None passes when `optional`), as a float."""
+    if value is None and optional:
+        return None
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not number or not (value >= 0 if zero_ok else value > 0):
         raise ValueError(f"{name}={value!r} must be a number {'>=' if zero_ok else '>'} 0")

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from spaceserve.checks import require_int
+
 CPU_NUM_SMS = 132
 NUM_SMS_ENV = "SPACESERVE_NUM_SMS"
 
@@ -180,9 +182,7 @@ def programs_per_sm_scope(programs_per_sm: int) -> Iterator[None]:
     Only a green-context partition (whose budget is the SM count the driver granted) enters a
     scope above 1; results do not change, since no kernel's work split depends on its grid.
     """
-    if isinstance(programs_per_sm, bool) or not isinstance(programs_per_sm, int) \
-            or programs_per_sm < 1:
-        raise ValueError(f"programs_per_sm={programs_per_sm!r} must be an int >= 1")
+    require_int("programs_per_sm", programs_per_sm)
     token = _PROGRAMS_PER_SM.set(programs_per_sm)
     try:
         yield

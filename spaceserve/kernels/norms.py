@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spaceserve.checks import require_number
 from spaceserve.kernels.budget import device_num_sms, resolve_num_sms
 from spaceserve.kernels.configs import kernel_config
 from spaceserve.kernels.persistent import CompileSpec, launch_persistent
@@ -186,8 +187,7 @@ def _check_common(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     if weight.dtype != x.dtype or weight.device != x.device:
         raise ValueError(f"weight is {weight.dtype} on {weight.device}; x is {x.dtype} on "
                          f"{x.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0.0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    require_number("eps", eps, zero_ok=True)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spaceserve.checks import require_int, require_number
 from spaceserve.kernels.budget import resolve_num_sms
 from spaceserve.kernels.configs import kernel_config
 from spaceserve.kernels.persistent import CompileSpec, launch_persistent
@@ -54,8 +55,7 @@ def _check_table_args(head_dim: int, theta: float, multiple: int) -> None:
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 \
             or head_dim % multiple:
         raise ValueError(f"head_dim must be a positive multiple of {multiple}, got {head_dim!r}")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise ValueError(f"theta must be a positive number, got {theta!r}")
+    require_number("theta", theta)
 
 
 def _check_positions(name: str, positions: torch.Tensor) -> None:
@@ -122,8 +122,7 @@ def vision_position_ids(grid_thw: torch.Tensor | Sequence[Sequence[int]],
         if any(len(row) != 3 for row in grid):
             raise ValueError(f"grid_thw must hold (t, h, w) triples, got {grid_thw!r}")
     m = spatial_merge_size
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise ValueError(f"spatial_merge_size must be a positive int, got {m!r}")
+    require_int("spatial_merge_size", m)
     parts = []
     for t, h, w in grid:
         if t < 1 or h < 1 or w < 1 or h % m or w % m:

@@ -18,8 +18,10 @@ Megatron-style split of the Qwen2-VL decoder over ``size`` ranks:
 
 The collectives go through a `Communicator` (rank, size, in-place `all_reduce`, `all_gather`
 along dim 0, and `broadcast`, with which the runtime shares a data-parallel encoder's image
-embeddings); the runtime supplies one over torch.distributed. The models never create
-processes or groups. `SingleRank` is the no-op communicator of an unsplit model.
+embeddings); the runtime supplies one over torch.distributed. Each collective takes the SM
+budget of the stage issuing it (``num_sms``, as every kernel does; None: the whole device), so a
+communicator can account the SMs it runs on. The models never create processes or groups.
+`SingleRank` is the no-op communicator of an unsplit model.
 """
 
 from __future__ import annotations
@@ -39,15 +41,15 @@ class Communicator(Protocol):
     rank: int
     size: int
 
-    def all_reduce(self, x: Tensor) -> Tensor:
+    def all_reduce(self, x: Tensor, *, num_sms: int | None = None) -> Tensor:
         """Sum `x` over the ranks, in place; returns `x`."""
         ...
 
-    def all_gather(self, x: Tensor) -> Tensor:
+    def all_gather(self, x: Tensor, *, num_sms: int | None = None) -> Tensor:
         """``[n, ...]`` on each rank -> ``[size * n, ...]``, rank 0's rows first."""
         ...
 
-    def broadcast(self, x: Tensor, src: int) -> Tensor:
+    def broadcast(self, x: Tensor, src: int, *, num_sms: int | None = None) -> Tensor:
         """Rank `src`'s `x` into `x` on every rank, in place; returns `x`."""
         ...
 
@@ -58,13 +60,13 @@ class SingleRank:
     rank = 0
     size = 1
 
-    def all_reduce(self, x: Tensor) -> Tensor:
+    def all_reduce(self, x: Tensor, *, num_sms: int | None = None) -> Tensor:
         return x
 
-    def all_gather(self, x: Tensor) -> Tensor:
+    def all_gather(self, x: Tensor, *, num_sms: int | None = None) -> Tensor:
         return x
 
-    def broadcast(self, x: Tensor, src: int) -> Tensor:
+    def broadcast(self, x: Tensor, src: int, *, num_sms: int | None = None) -> Tensor:
         return x
 
 
@@ -75,7 +77,7 @@ class Unconnected:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
 
-    def _fail(self, x: Tensor, *args: Any) -> Tensor:
+    def _fail(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         raise RuntimeError(f"rank {self.rank} of a tensor-parallel group of {self.size} was "
                            "built without a communicator: it cannot run a step")
 

@@ -163,16 +163,18 @@ class LanguageModel:
         return full.cos(), full.sin()
 
     def embed_tokens(self, input_ids: Tensor, image_embeds: Tensor | None,
-                     comm: Communicator | None = None) -> Tensor:
+                     comm: Communicator | None = None, *, num_sms: int | None = None) -> Tensor:
         """Token embeddings (vocabulary-parallel: local rows, others zeroed, all-reduced over
-        `comm`, default the model's) with `image_embeds` spliced in at image-token positions."""
+        `comm`, default the model's, under `num_sms`) with `image_embeds` spliced in at
+        image-token positions."""
         if self.tp.size == 1:
             h = F.embedding(input_ids, self.embed)
         else:
             local = input_ids - self.vocab_start
             inside = (local >= 0) & (local < self.embed.shape[0])
             h = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.embed)
-            h = (comm or self.comm).all_reduce(h.masked_fill_(~inside.unsqueeze(-1), 0))
+            h = (comm or self.comm).all_reduce(h.masked_fill_(~inside.unsqueeze(-1), 0),
+                                               num_sms=num_sms)
         if image_embeds is None:
             return h
         mask = input_ids == self.image_token_id
@@ -209,7 +211,7 @@ class LanguageModel:
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self.rotary_tables(ctx.positions)
-        h = self.embed_tokens(input_ids, image_embeds, comm)
+        h = self.embed_tokens(input_ids, image_embeds, comm, num_sms=num_sms)
         residual = None
         for i, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down) in enumerate(self.layers):
             if residual is None:
@@ -223,9 +225,11 @@ class LanguageModel:
             q, k = ops.rotary(q, k, cos, sin, num_sms=num_sms)
             be.store_kv(k, v, kv_cache.k[i], kv_cache.v[i], ctx, num_sms=num_sms)
             o = be.paged_attention(q, kv_cache.k[i], kv_cache.v[i], ctx, num_sms=num_sms)
-            h = comm.all_reduce(ops.linear(o.reshape(t, hq * d), o_w, num_sms=num_sms))
+            h = comm.all_reduce(ops.linear(o.reshape(t, hq * d), o_w, num_sms=num_sms),
+                                num_sms=num_sms)
             x, residual = ops.rms_norm(h, ln2, self.eps, residual=residual, num_sms=num_sms)
-            h = comm.all_reduce(ops.gated_mlp(x, gate_up, down, num_sms=num_sms))
+            h = comm.all_reduce(ops.gated_mlp(x, gate_up, down, num_sms=num_sms),
+                                num_sms=num_sms)
         sel = ctx.logits_indices
         if sel.numel() == 0:
             return h.new_empty(0, self.vocab_size)
@@ -235,5 +239,6 @@ class LanguageModel:
         if self.tp.size == 1:
             return logits
         rows, shard = logits.shape
-        full = comm.all_gather(logits).view(self.tp.size, rows, shard).transpose(0, 1)
+        full = comm.all_gather(logits, num_sms=num_sms).view(self.tp.size, rows, shard) \
+            .transpose(0, 1)
         return full.reshape(rows, self.tp.size * shard)[:, :self.vocab_size]

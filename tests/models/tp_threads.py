@@ -46,14 +46,14 @@ class ThreadComm:
             g.turn.acquire()
         return parts
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, *, num_sms: int | None = None) -> torch.Tensor:
         parts = self._exchange(x)
         total = parts[0].clone()
         for p in parts[1:]:
             total += p
         return x.copy_(total)
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, *, num_sms: int | None = None) -> torch.Tensor:
         return torch.cat(self._exchange(x))
 
 

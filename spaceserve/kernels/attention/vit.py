@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spaceserve.checks import require_int
 from spaceserve.kernels.attention.vit_plan import (
     DTYPE_NAMES,
     NAME,
@@ -186,8 +187,7 @@ def vit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
     if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens must be on the CPU or on {q.device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    require_int("max_seqlen", max_seqlen, 0)
     if max_seqlen == 0 and total > 0:
         raise ValueError("max_seqlen must be >= 1 when T > 0")
     sm_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)

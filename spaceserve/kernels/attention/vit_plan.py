@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import triton
 
+from spaceserve.checks import require_int
 from spaceserve.kernels.budget import device_num_sms
 from spaceserve.kernels.configs import kernel_config
 
@@ -125,8 +126,7 @@ def plan_vit_attention(cu_seqlens: torch.Tensor | Sequence[int], num_heads: int,
 
     The work list and block config do not depend on the budget, so one plan serves every split.
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    require_int("num_heads", num_heads)
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not (
             1 <= head_dim <= MAX_HEAD_DIM):
         raise ValueError(f"head_dim must be an int in 1..{MAX_HEAD_DIM}, got {head_dim!r}")

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from spaceserve.checks import require_int
 from spaceserve.models.step.buffers import StepBuffers
 from spaceserve.models.step.rows import SequenceRows, as_list, int_array
 from spaceserve.models.step.step_context import HostMeta, StepContext
@@ -77,8 +78,7 @@ class ContextPlanner:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_tokens", max_num_tokens),
                         ("max_blocks_per_seq", max_blocks_per_seq), ("block_size", block_size),
                         ("staging", staging)):
-            if v < 1:
-                raise ValueError(f"{name}={v} must be >= 1")
+            require_int(name, v)
         self.max_num_seqs, self.block_size = max_num_seqs, block_size
         self.max_num_tokens = max(max_num_tokens, max_num_seqs)
         self.max_blocks_per_seq = max_blocks_per_seq

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from spaceserve.checks import require_ints
+
 MIN_GRAPH_CONTEXT = 256  # tokens covered by the narrowest default table width
 
 __all__ = ["MIN_GRAPH_CONTEXT", "check_context_lens", "decode_need", "pick_bucket",
@@ -26,9 +28,7 @@ def check_context_lens(context_lens: Iterable[int] | None, name: str = "graph_co
     naming `name` otherwise."""
     if context_lens is None:
         return None
-    lens = tuple(context_lens)
-    if not lens or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lens):
-        raise ValueError(f"{name}={lens!r} must be a non-empty tuple of ints >= 1")
+    lens = require_ints(name, tuple(context_lens))
     return tuple(sorted(set(lens)))
 
 

@@ -8,6 +8,12 @@ from typing import Any
 
 from spaceserve.runtime.core.request import Request
 
+# The SM budgets of the partition a step runs on: (encoder SMs, decoder SMs), None meaning the
+# whole device. A step runs under its stage's entry; CUDA graphs are keyed by the decoder's.
+Budgets = tuple[int | None, int | None]
+WHOLE_DEVICE: Budgets = (None, None)
+STAGES = ("encoder", "decoder")
+
 
 @dataclass
 class ScheduledBatch:
@@ -33,6 +39,9 @@ class ScheduledBatch:
     grown: list[Request] | None = None
     admissions: int = 0  # the scheduler's admission count when it was scheduled
     input_source: Any = None  # (last-token table, slots of the decodes): set by the engine
+    # the partition the step runs on (set by a co-located mode's step; the temporal modes run
+    # on the whole device): the runner takes the budget of the step's stage from here
+    partition: Budgets = WHOLE_DEVICE
 
     @property
     def num_seqs(self) -> int:
@@ -44,6 +53,13 @@ class ScheduledBatch:
         if not self.forks:
             return self.sample_reqs
         return self.sample_reqs + [child for _, child in self.forks]
+
+    def num_sms(self, stage: str = "decoder") -> int | None:
+        """The SM budget `stage` ("encoder" or "decoder") runs this step under (None: the
+        whole device); ValueError for another stage."""
+        if stage not in STAGES:
+            raise ValueError(f"stage={stage!r} must be 'decoder' or 'encoder'")
+        return self.partition[STAGES.index(stage)]
 
     def __bool__(self) -> bool:
         return bool(self.reqs)

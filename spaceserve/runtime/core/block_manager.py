@@ -24,16 +24,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from spaceserve.checks import require_int
+
 
 class BlockManager:
     """Reference-counted blocks over ``num_blocks`` blocks of ``block_size`` tokens, with an
     optional prefix cache (`enable_caching`)."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks!r} must be an int >= 1")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size={block_size!r} must be an int >= 1")
+        require_int("num_blocks", num_blocks)
+        require_int("block_size", block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = bool(enable_caching)

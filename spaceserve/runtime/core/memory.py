@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from spaceserve.checks import require_int
+
 if TYPE_CHECKING:  # torch is imported where a plan is made, so settings can name the default
     import torch
 
@@ -69,13 +71,10 @@ def plan_kv_cache(
     ValueError on bad arguments and when not even one block fits."""
     import torch
 
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be an int >= 1")
-    if not isinstance(block_bytes, int) or block_bytes < 1:
-        raise ValueError(f"block_bytes={block_bytes!r} must be an int >= 1")
+    require_int("block_size", block_size)
+    require_int("block_bytes", block_bytes)
     if num_blocks is not None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks!r} must be an int >= 1")
+        require_int("num_blocks", num_blocks)
         return MemoryPlan(num_blocks, block_size, block_bytes, "configured")
     dev = torch.device(device)
     if dev.type != "cuda" and free_bytes is None:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from spaceserve.checks import check_float, check_int
+from spaceserve.checks import check_bool, check_float, check_int
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_STOP_STRINGS = 4
@@ -85,9 +85,7 @@ class SamplingParams:
         if self.seed is not None:
             check_int("seed", self.seed, 0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got "
-                                 f"{type(getattr(self, name)).__name__}")
+            check_bool(name, getattr(self, name))
         check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens="

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from spaceserve.checks import require_int
 from spaceserve.runtime.core.batch import ScheduledBatch
 from spaceserve.runtime.core.block_manager import BlockManager
 from spaceserve.runtime.core.forks import fork_all, own_tail
@@ -66,8 +67,7 @@ class Scheduler:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            require_int(name, value)
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

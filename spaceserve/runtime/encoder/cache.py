@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from spaceserve.checks import require_int
 from spaceserve.runtime.core.request import MultiModalData, Request
 
 CPU_DEFAULT_BYTES = 512 << 20  # without a GPU: a fixed budget in host memory
@@ -67,9 +68,7 @@ class EncoderCache:
 
     def __init__(self, capacity_bytes: int, *,
                  on_drop: Callable[[CacheEntry], Any] | None = None) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
-                or capacity_bytes < 0:
-            raise ValueError(f"encoder_cache_bytes={capacity_bytes!r} must be an int >= 0")
+        require_int("encoder_cache_bytes", capacity_bytes, 0)
         self.capacity = capacity_bytes
         self.on_drop = on_drop
         self._index: dict[str, CacheEntry] = {}  # content -> live entry (caching on)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from spaceserve.checks import require_int, require_number
 from spaceserve.runtime.core.request import MultiModalData, Request
 from spaceserve.runtime.encoder.cache import EncoderCache, MediaTracker
 from spaceserve.runtime.encoder.data_parallel import EncodingFailed, RankedTwsrft
@@ -71,10 +72,8 @@ class ChunkedEncoderStage:
                  max_wait_s: float = 0.5, max_held: int = 64, num_sms: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  cache: EncoderCache | None = None) -> None:
-        if not window_s > 0:
-            raise ValueError(f"window_s={window_s!r} must be > 0")
-        if isinstance(max_held, bool) or not isinstance(max_held, int) or max_held < 1:
-            raise ValueError(f"max_held={max_held!r} must be an int >= 1")
+        require_number("window_s", window_s)
+        require_int("max_held", max_held)
         self.runner, self.window_s, self.max_held = runner, window_s, max_held
         self.media = MediaTracker(cache if cache is not None else EncoderCache(0), runner)
         self.preemptible = all(hasattr(runner, m) for m in (

@@ -20,6 +20,7 @@ import itertools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from spaceserve.checks import require_int
 from spaceserve.runtime.policy.twsrft import Grant, JobView, TwsrftScheduler
 
 
@@ -32,8 +33,7 @@ def assign_ranks(costs: Sequence[float], ranks: int, loads: Sequence[float] | No
                  ) -> list[int]:
     """The rank of each item: longest predicted cost first, onto the least loaded rank (ties:
     the lower rank); `loads` are the ranks' predicted work already queued (default none)."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks={ranks!r} must be an int >= 1")
+    require_int("ranks", ranks)
     load = list(loads) if loads is not None else [0.0] * ranks
     if len(load) != ranks:
         raise ValueError(f"loads has {len(load)} entries for {ranks} ranks")
@@ -52,8 +52,7 @@ class RankedTwsrft:
 
     def __init__(self, ranks: int, num_layers: int, cost: Callable[[int, int], float],
                  **kwargs: Any) -> None:
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-            raise ValueError(f"ranks={ranks!r} must be an int >= 1")
+        require_int("ranks", ranks)
         self.ranks = ranks
         self.scheds = [TwsrftScheduler(num_layers, cost, **kwargs) for _ in range(ranks)]
         self._rank_of: dict[Hashable, int] = {}

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from spaceserve.checks import require_int
 from spaceserve.runtime.core.request import MultiModalData, Request
 from spaceserve.runtime.encoder.cache import EncoderCache, MediaTracker
 from spaceserve.runtime.encoder.data_parallel import assign_ranks
@@ -98,8 +99,7 @@ class TemporalEncoderStage:
                  cost: Callable[[int], float] | None = None) -> None:
         for name, value in (("max_tokens_per_step", max_tokens_per_step),
                             ("max_held", max_held)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            require_int(name, value)
         self.runner = runner
         self.max_tokens_per_step = max_tokens_per_step
         self.max_held = max_held

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from spaceserve.checks import require_choice
+
 # kind -> what it means; a new loader adds its kind here (and the server maps it to a status).
 KINDS: dict[str, str] = {
     "invalid": "malformed input (messages, placeholders, template)",
@@ -35,8 +37,7 @@ class InputError(ValueError):
 
     def __init__(self, message: str, *, kind: str = "invalid", param: str | None = None,
                  retry_after: float | None = None) -> None:
-        if kind not in KINDS:
-            raise ValueError(f"kind={kind!r} is not one of {', '.join(KINDS)}")
+        require_choice("kind", kind, tuple(KINDS))
         super().__init__(message)
         self.kind = kind
         self.param = param

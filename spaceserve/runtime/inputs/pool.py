@@ -21,6 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from spaceserve.checks import require_int
+
 LANES = ("light", "heavy")
 
 
@@ -115,8 +117,7 @@ class PreprocessPool:
                  aging_s: float = 1.0) -> None:
         for name, v in (("light_workers", light_workers), ("heavy_workers", heavy_workers),
                         ("max_queue", max_queue)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an int >= 1")
+            require_int(name, v)
         self.lanes = {"light": _Lane("light", light_workers, max_queue, aging_s),
                       "heavy": _Lane("heavy", heavy_workers, max_queue, aging_s)}
         self._seq = itertools.count()

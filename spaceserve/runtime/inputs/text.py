@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from spaceserve.checks import require_int
 from spaceserve.runtime.inputs.errors import InputError
 
 _KEY = secrets.token_hex(8)
@@ -165,8 +166,7 @@ def _max_token_bytes(tokenizer: Any, skip: set[str]) -> int:
 
 def text_byte_limit(tokenizer: Any, context_len: int) -> int:
     """UTF-8 bytes of text beyond which no tokenisation can fit in `context_len` tokens."""
-    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1:
-        raise ValueError(f"context_len={context_len!r} must be an int >= 1")
+    require_int("context_len", context_len)
     return context_len * _rule(tokenizer).max_token_bytes
 
 

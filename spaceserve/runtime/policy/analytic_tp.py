@@ -29,6 +29,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from spaceserve.checks import require_choice, require_int
 from spaceserve.runtime.policy.analytic import (
     DevicePreset,
     ModelShape,
@@ -67,11 +68,8 @@ class TensorParallelRoofline(Roofline):
 
     def __init__(self, shape: ModelShape, device: DevicePreset, dtype_bytes: int = 2, *,
                  tp: int, link: LinkPreset, mm_encoder_tp_mode: str = "data") -> None:
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tp={tp!r} must be an int >= 1")
-        if mm_encoder_tp_mode not in MM_ENCODER_TP_MODES:
-            raise ValueError(f"mm_encoder_tp_mode={mm_encoder_tp_mode!r} is not one of "
-                             f"{', '.join(MM_ENCODER_TP_MODES)}")
+        require_int("tp", tp)
+        require_choice("mm_encoder_tp_mode", mm_encoder_tp_mode, MM_ENCODER_TP_MODES)
         for what, n in (("attention heads", shape.heads), ("intermediate size",
                                                            shape.intermediate)):
             if n % tp:

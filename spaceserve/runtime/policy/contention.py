@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from spaceserve.checks import require_choice
+
 SIDES = ("encoder", "decoder")
 SOURCES = ("modelled", "measured", "override")
 
@@ -80,8 +82,7 @@ class Contention:
             raise ValueError(f"contention default needs exactly {SIDES}, got {dict(self.default)}")
         for side in SIDES:
             _slowdown(self.default[side], f"$.contention.default.{side}")
-        if self.source not in SOURCES:
-            raise ValueError(f"contention source must be one of {SOURCES}, got {self.source!r}")
+        require_choice("contention source", self.source, SOURCES)
         object.__setattr__(self, "default", {s: float(self.default[s]) for s in SIDES})
         object.__setattr__(self, "pairs", tuple(self.pairs))
 
@@ -104,8 +105,7 @@ class Contention:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        if side not in SIDES:
-            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+        require_choice("side", side, SIDES)
         pts = [(p.encoder_sms, p.decoder_sms, getattr(p, side)) for p in self.pairs
                if getattr(p, side) is not None]
         if not pts:
@@ -178,8 +178,7 @@ def from_measurements(points: Sequence[tuple[str, int, int, float, float]], *,
     is the median over that side's pairs (0 where a side has none)."""
     groups: dict[tuple[int, int], dict[str, list[float]]] = {}
     for side, e, d, iso, cor in points:
-        if side not in SIDES:
-            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+        require_choice("side", side, SIDES)
         groups.setdefault((e, d), {}).setdefault(side, []).append(max(0.0, cor / iso - 1.0))
     pairs = []
     per_side: dict[str, list[float]] = {s: [] for s in SIDES}

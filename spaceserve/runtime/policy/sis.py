@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from spaceserve.checks import require_choice, require_int, require_number
 from spaceserve.runtime.modes import OBJECTIVES
 from spaceserve.runtime.modes import PARTITIONS as PLACEMENTS
 from spaceserve.runtime.policy.curves import CurveSet
@@ -81,8 +82,7 @@ class SpaceInferenceScheduler:
                  decode_margin: float = 0.8, ttft_margin: float = 0.9,
                  comfort_factor: float = 2.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        require_choice("objective", objective, OBJECTIVES)
         if not 0 < decode_margin <= 1 or not 0 < ttft_margin <= 1 or comfort_factor < 1:
             raise ValueError("decode_margin, ttft_margin must be in (0, 1]; comfort_factor >= 1")
         self.objective, self.slo = objective, DEFAULT_SLO if slo is None else slo
@@ -96,12 +96,10 @@ class SpaceInferenceScheduler:
                              f"got {list(allowed_encoder_sms)}")
         if not tpot_factor >= 1.0:
             raise ValueError(f"tpot_factor must be >= 1, got {tpot_factor}")
-        if tpot_target_s is not None and not tpot_target_s > 0:
-            raise ValueError(f"tpot_target_s must be positive, got {tpot_target_s}")
+        require_number("tpot_target_s", tpot_target_s, optional=True)
         if not 0 <= tie_tolerance < 1 or min_gain < 0 or min_dwell_s < 0:
             raise ValueError("tie_tolerance must be in [0, 1); min_gain, min_dwell_s >= 0")
-        if chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        require_int("chunk_tokens", chunk_tokens)
         self.curves, self.total, self.allowed = curves, total, allowed
         self.tpot_factor, self.tpot_target_s = tpot_factor, tpot_target_s
         self.tie_tolerance, self.min_gain, self.min_dwell_s = tie_tolerance, min_gain, min_dwell_s

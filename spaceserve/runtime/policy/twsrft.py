@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from spaceserve.checks import require_choice, require_int, require_number
 from spaceserve.runtime.policy.curves import CurveSet
 
 Cost = Callable[[int, int], float]
@@ -109,18 +110,13 @@ class TwsrftScheduler:
                  window_s: float = 0.02, max_wait_s: float = 0.5, token_budget: int = 16384,
                  deadline_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        require_int("num_layers", num_layers)
+        require_choice("policy", policy, POLICIES)
         if not window_s > 0:
             raise ValueError(f"window_s must be positive (math.inf = whole jobs), got {window_s}")
-        if not max_wait_s > 0:
-            raise ValueError(f"max_wait_s must be positive, got {max_wait_s}")
-        if token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
-        if deadline_s is not None and not deadline_s > 0:
-            raise ValueError(f"deadline_s must be positive or None, got {deadline_s}")
+        require_number("max_wait_s", max_wait_s)
+        require_int("token_budget", token_budget)
+        require_number("deadline_s", deadline_s, optional=True)
         self.deadline_s = deadline_s
         self._aged_at = -math.inf  # when the last aged grant (deadline mode) was given
         self.num_layers, self.cost, self.policy = num_layers, cost, policy
@@ -155,8 +151,7 @@ class TwsrftScheduler:
     def submit(self, request_id: Hashable, patches: int, arrival: float | None = None) -> int:
         """Queue one image of `patches` ViT tokens that arrived at `arrival` (default: now, on
         the scheduler's clock); returns its job id."""
-        if not isinstance(patches, int) or isinstance(patches, bool) or patches < 1:
-            raise ValueError(f"patches must be a positive int, got {patches!r}")
+        require_int("patches", patches)
         now = self.clock()
         arrived = now if arrival is None else min(float(arrival), now)
         job = _Job(next(self._ids), [(request_id, patches)], 0, next(self._seq), now, arrived)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
+from spaceserve.checks import require_choice, require_int, require_number
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.twsrft import curve_cost
 
@@ -115,12 +116,10 @@ class RouterConfig:
         for name in ("block_tokens", "max_output_tokens", "recent_images", "recent_blocks",
                      "common_window", "common_min"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            require_int(name, value)
         if not 0.0 < self.common_share <= 1.0:
             raise ValueError(f"common_share={self.common_share} must be in (0, 1]")
-        if not self.decode_weight >= 0.0:
-            raise ValueError(f"decode_weight={self.decode_weight} must be >= 0")
+        require_number("decode_weight", self.decode_weight, zero_ok=True)
 
 
 class WorkModel:
@@ -197,8 +196,7 @@ def rank_replicas(policy: str, req: RouteRequest | None, replicas: Sequence[Repl
     n = len(replicas)
     if n == 0:
         return []
-    if policy not in POLICIES:
-        raise ValueError(f"policy={policy!r} is not one of {', '.join(POLICIES)}")
+    require_choice("policy", policy, POLICIES)
     if policy == "round_robin":
         start = turn % n
         return [(start + i) % n for i in range(n)]

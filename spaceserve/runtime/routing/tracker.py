@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from spaceserve.checks import require_choice
 from spaceserve.runtime.routing.router import (
     POLICIES,
     ReplicaState,
@@ -86,8 +87,7 @@ class ReplicaTracker:
     def __init__(self, model: WorkModel | None = None, config: RouterConfig | None = None, *,
                  policy: str = "media_aware", clock: Callable[[], float] = time.monotonic
                  ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy={policy!r} is not one of {', '.join(POLICIES)}")
+        require_choice("policy", policy, POLICIES)
         self.model, self.config, self.policy, self.clock = \
             model, config or RouterConfig(), policy, clock
         self._lock = threading.RLock()

@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from spaceserve.checks import require_choice, require_int, require_number
 from spaceserve.runtime.core.request import Request
 from spaceserve.runtime.encoder.cache import EncoderCache, MediaTracker
 from spaceserve.runtime.encoder.data_parallel import EncodingFailed, RankedTwsrft
@@ -69,13 +70,10 @@ class SpatialEncoderStage(EncoderLaunches):
                  event_factory: Callable[[], Any] | None = None,
                  cache: EncoderCache | None = None,
                  plan: SchedulingPolicy | None = None) -> None:
-        if driver not in DRIVERS:
-            raise ValueError(f"driver={driver!r} is not one of {', '.join(DRIVERS)}")
-        if not launch_budget_s >= 0:
-            raise ValueError(f"launch_budget_s={launch_budget_s} must be >= 0")
+        require_choice("driver", driver, DRIVERS)
+        require_number("launch_budget_s", launch_budget_s, zero_ok=True)
         for name, value in (("max_held", max_held), ("max_inflight", max_inflight)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            require_int(name, value)
         self.runner = runner
         self.partitions = partitions
         self.max_held = max_held
@@ -227,8 +225,10 @@ class SpatialEncoderStage(EncoderLaunches):
         decoder stream, outside the lock: a collective); returns an error message, or None."""
         job, enc.job = enc.job, None
         try:
-            with self.partitions.current.decoder_scope():
-                enc.embeds = self.runner.share_encoding(job, enc.embeds)
+            part = self.partitions.current
+            with part.decoder_scope():
+                enc.embeds = self.runner.share_encoding(job, enc.embeds,
+                                                        num_sms=part.decoder_sms)
         except EncodingFailed as exc:
             enc.embeds = None
             return str(exc)

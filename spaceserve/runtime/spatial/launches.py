@@ -234,7 +234,7 @@ class EncoderLaunches:
                     flight.done.append(enc)
                     g.live.remove(enc)
             else:
-                enc.embeds = self.runner.encode([enc.mm])[0]
+                enc.embeds = self.runner.encode([enc.mm], num_sms=budget)[0]
                 enc.layers_done = 1
                 flight.done.append(enc)
                 g.live.remove(enc)

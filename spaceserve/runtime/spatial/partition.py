@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from spaceserve.checks import require_int
 from spaceserve.kernels.budget import device_num_sms, programs_per_sm_scope
 from spaceserve.runtime.spatial.green_context import (
     MIN_DRIVER_VERSION,
@@ -126,6 +127,11 @@ class Partition:
         """Launches inside go on the decoder stream, with the partition's programs per SM."""
         return self._scope(self.decoder_stream)
 
+    @property
+    def budgets(self) -> tuple[int, int]:
+        """(encoder SMs, decoder SMs): what a step run on this partition carries."""
+        return self.encoder_sms, self.decoder_sms
+
     def describe(self) -> str:
         kind = "green" if self.green else "budgets"
         return f"encoder {self.encoder_sms} / decoder {self.decoder_sms} SMs ({kind})"
@@ -151,9 +157,7 @@ class PartitionSet:
             if isinstance(e, bool) or not isinstance(e, int) or not 0 < e < total:
                 raise ValueError(f"encoder_splits={list(encoder_splits)!r}: each split must be "
                                  f"an int in 1..{total - 1} (SMs of this device: {total})")
-        if isinstance(programs_per_sm, bool) or not isinstance(programs_per_sm, int) \
-                or programs_per_sm < 1:
-            raise ValueError(f"programs_per_sm={programs_per_sm!r} must be an int >= 1")
+        require_int("programs_per_sm", programs_per_sm)
         splits = sorted(set(encoder_splits))
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.shared = shared

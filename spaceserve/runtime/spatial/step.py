@@ -50,12 +50,6 @@ CONTEXT_BUCKET = 64  # SIS sees the mean decode context rounded to this
 MAX_COMPUTE_PREFILLS = 2
 
 
-def set_budgets(runner: Any, part: Partition) -> None:
-    """The runner's stage budgets follow the partition (graphs are keyed by them)."""
-    runner.encoder_num_sms = part.encoder_sms
-    runner.decoder_num_sms = part.decoder_sms
-
-
 def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, ScheduledBatch | None]:
     """(decode part, prefill part) of a batch; either is None when empty."""
     nd, n = batch.num_decodes, batch.num_seqs
@@ -66,14 +60,16 @@ def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, Scheduled
                              batch.need_logits[:nd], batch.sample_reqs[:nd], nd, nd,
                              batch.preempted, block_copies=copies, pending=batch.pending,
                              grown=batch.grown, admissions=batch.admissions,
-                             forks=[f for f in batch.forks if f[0] < nd])
+                             forks=[f for f in batch.forks if f[0] < nd],
+                             partition=batch.partition)
     if n > nd:
         pre = ScheduledBatch(batch.reqs[nd:], batch.num_cached[nd:], batch.num_new[nd:],
                              batch.need_logits[nd:], batch.sample_reqs[nd:], 0,
                              batch.num_tokens - nd, [] if dec else batch.preempted,
                              block_copies=[] if dec else copies, grown=batch.grown,
                              admissions=batch.admissions,
-                             forks=[(i - nd, c) for i, c in batch.forks if i >= nd])
+                             forks=[(i - nd, c) for i, c in batch.forks if i >= nd],
+                             partition=batch.partition)
     return dec, pre
 
 
@@ -115,6 +111,7 @@ class SpatialRuntime:
         self._choose(eng)
         part = self.partitions.current
         batch = self._schedule(eng.scheduler)
+        batch.partition = part.budgets  # the runner runs each stage under its budget here
         on_compute = self.placement == "compute" and (part.requested > 0 or
                                                       self.partitions.shared) \
             and len(self._prefills) < MAX_COMPUTE_PREFILLS
@@ -201,7 +198,6 @@ class SpatialRuntime:
         self.stage.pause()  # the switch waits until the compute side is idle
         if self.stage.idle() and not self._prefills:
             self.partitions.switch(target)
-            set_budgets(self.runner, target)
             self.switches.append((self.clock(), target.requested))
             self.stage.resume()
 
@@ -236,6 +232,10 @@ class SpatialRuntime:
             self._deferred.add(req.seq_no)
             return True
         return False
+
+    def sm_split(self) -> tuple[int, int]:
+        """(encoder SMs, decoder SMs) of the current partition: the budgets its steps carry."""
+        return self.partitions.current.budgets
 
     @property
     def num_inflight(self) -> int:
@@ -281,15 +281,13 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
     captured: tuple[int, ...] = ()
     graph_bytes: dict[int, int] = {}  # device memory the decode graphs took, per partition
     for part in parts:
-        set_budgets(runner, part)
         before = torch.cuda.memory_reserved(device) if pset.cuda else 0
         with pset.capture_scope(part):
-            captured = runner.capture_decode_graphs(graph_sizes)
+            captured = runner.capture_decode_graphs(graph_sizes, partition=part.budgets)
         if pset.cuda:
             graph_bytes[part.requested] = torch.cuda.memory_reserved(device) - before
     target = parts[0] if mode != "spatial" else pset.full
     pset.switch(target)
-    set_budgets(runner, target)
     if pset.cuda:
         torch.cuda.synchronize(device)  # weights, caches and graphs are ready on every stream
     stage = SpatialEncoderStage(runner, pset, curves, driver=config.encoder_driver,

@@ -22,10 +22,10 @@ NCCL torch 2.11 ships, 2.28.9, at communicator creation; it overrides the per-co
 ``maxCTAs`` config and also caps NVLink-SHARP channels; ``NCCL_MAX_NCHANNELS``, its older
 name, is still honoured and only lowers the count further), set in every rank's environment
 before its groups exist. Each collective is recorded in the launch record (`record_collective`:
-grid = that bound, budget = the stage's SMs from `stage_budget_scope`). Because every
-collective runs on its stage's stream, in order with the stage's kernels, it never runs beside
-them: the stage's kernels keep its whole budget, and the bound only has to fit the smallest
-partition a collective runs in (`runner.collective_sms` checks that).
+grid = that bound, budget = the stage's SMs: the ``num_sms`` it is issued with, as a kernel's).
+Because every collective runs on its stage's stream, in order with the stage's kernels, it
+never runs beside them: the stage's kernels keep its whole budget, and the bound only has to
+fit the smallest partition a collective runs in (`runner.collective_sms` checks that).
 
 Every operation has the group's timeout (gloo's default is 30 minutes); the process layer
 (`group.py`) watches the workers and turns a dead peer into an error long before that. NCCL
@@ -41,12 +41,7 @@ from typing import Any
 
 import torch
 
-from spaceserve.kernels.budget import (
-    current_stage_budget,
-    device_num_sms,
-    is_recording,
-    record_collective,
-)
+from spaceserve.kernels.budget import device_num_sms, is_recording, record_collective
 
 Tensor = torch.Tensor
 CTAS_ENV = "NCCL_MAX_CTAS"  # NCCL >= 2.17; NCCL_MAX_NCHANNELS is the older spelling
@@ -91,33 +86,32 @@ class GroupComm:
         self._reduce = _options("Allreduce")
         self._gather = _options("Allgather")
 
-    def _record(self, name: str, x: Tensor) -> None:
+    def _record(self, name: str, x: Tensor, num_sms: int | None) -> None:
         """One launch-record entry: at most `ctas` thread blocks (the whole stage budget when
-        unbounded) inside the current stage's budget, stream-ordered with its kernels."""
+        unbounded) inside the issuing stage's budget `num_sms` (None: the whole device),
+        stream-ordered with its kernels."""
         if not is_recording():
             return
-        budget = current_stage_budget()
-        if budget is None:
-            budget = device_num_sms(x.device)
+        budget = num_sms if num_sms is not None else device_num_sms(x.device)
         ctas = self.ctas if self.ctas is not None else budget
         record_collective(name, ctas, budget, group=self.name, backend=self.backend,
                           bytes=int(x.numel() * x.element_size()), overlap=False)
 
-    def all_reduce(self, x: Tensor) -> Tensor:
-        self._record("all_reduce", x)
+    def all_reduce(self, x: Tensor, *, num_sms: int | None = None) -> Tensor:
+        self._record("all_reduce", x, num_sms)
         self.pg.allreduce([x], self._reduce).wait()
         return x
 
-    def all_gather(self, x: Tensor) -> Tensor:
+    def all_gather(self, x: Tensor, *, num_sms: int | None = None) -> Tensor:
         x = x.contiguous()
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
-        self._record("all_gather", out)
+        self._record("all_gather", out, num_sms)
         self.pg._allgather_base(out, x, self._gather).wait()
         return out
 
-    def broadcast(self, x: Tensor, src: int) -> Tensor:
+    def broadcast(self, x: Tensor, src: int, *, num_sms: int | None = None) -> Tensor:
         """Rank `src`'s `x` into every rank's `x` (contiguous), in place."""
-        self._record("broadcast", x)
+        self._record("broadcast", x, num_sms)
         opts = _options("Broadcast")
         opts.rootRank = src
         opts.rootTensor = 0

@@ -141,16 +141,17 @@ class EncoderMethods:
             return entry[0]
 
     # -- whole images (the temporal stage) -------------------------------------------------------
-    def encode(self, mms: Sequence[MultiModalData], ranks: Sequence[int] | None = None
-               ) -> list[Any]:
-        """Embeddings of each request's images. With `ranks` (data-parallel; one rank per
-        request) each is encoded by its rank and shared; a failed one is an exception in its
-        place. Without, every rank encodes every image (replicated)."""
+    def encode(self, mms: Sequence[MultiModalData], ranks: Sequence[int] | None = None, *,
+               num_sms: int | None = None) -> list[Any]:
+        """Embeddings of each request's images, every launch under `num_sms` SMs. With `ranks`
+        (data-parallel; one rank per request) each is encoded by its rank and shared (under
+        the whole device: a temporal stage's); a failed one is an exception in its place.
+        Without, every rank encodes every image (replicated)."""
         if ranks is None or self.encoder_ranks == 1:
             keys = [self._key(mm) for mm in mms]
             self._send(P.Encode(keys, [(mm.pixel_values, mm.image_grid_thw) for mm in mms],
-                                self._budgets()))
-            return self._run(self.local.encode, mms, fatal=False)
+                                num_sms))
+            return self._run(self.local.encode, mms, num_sms=num_sms, fatal=False)
         if len(ranks) != len(mms) or any(not 0 <= r < self.size for r in ranks):
             raise ValueError(f"ranks={list(ranks)!r}: one rank in 0..{self.size - 1} per "
                              "request")
@@ -168,13 +169,13 @@ class EncoderMethods:
         for i, (mm, r) in enumerate(zip(mms, ranks, strict=True)):
             if out[i] is None and r != 0:
                 seq = self._to_owner(r, P.Encode([keys[i]], [(mm.pixel_values,
-                                                              mm.image_grid_thw)],
-                                                  self._budgets()))
+                                                              mm.image_grid_thw)], num_sms))
                 waits[r] = RemoteEvent(self.group, r, seq)
         for i, mm in enumerate(mms):
             if out[i] is None and ranks[i] == 0:
                 try:
-                    out[i] = self._run(self.local.encode, [mm], fatal=False)[0]
+                    out[i] = self._run(self.local.encode, [mm], num_sms=num_sms,
+                                       fatal=False)[0]
                 except (ValueError, RuntimeError) as exc:
                     out[i] = exc
         for event in waits.values():
@@ -215,24 +216,23 @@ class EncoderMethods:
 
     def advance_encode(self, job: EncoderJob, layers: int, *, num_sms: int | None = None) -> int:
         if self.encoder_ranks == 1:
-            self._send(P.AdvanceEncode(job.key, layers, num_sms, self._budgets()))
+            self._send(P.AdvanceEncode(job.key, layers, num_sms))
         if job.owner == 0:
             return self._run(self.local.advance_encode, job.local, layers, num_sms=num_sms,
                              fatal=False)
         ran = max(0, min(layers, self.local.encoder_layers - job.layers_done))
         job.layers_done += ran
-        job.seq = self._to_owner(job.owner, P.AdvanceEncode(job.key, ran, num_sms,
-                                                            self._budgets()))
+        job.seq = self._to_owner(job.owner, P.AdvanceEncode(job.key, ran, num_sms))
         return ran
 
     def finish_encode(self, job: EncoderJob, *, num_sms: int | None = None
                       ) -> torch.Tensor | None:
         """The embeddings (rank 0's job); None for another owner's (see `share_encoding`)."""
         if self.encoder_ranks == 1:
-            self._send(P.FinishEncode(job.key, num_sms, self._budgets()))
+            self._send(P.FinishEncode(job.key, num_sms))
         if job.owner == 0:
             return self._run(self.local.finish_encode, job.local, num_sms=num_sms, fatal=False)
-        job.seq = self._to_owner(job.owner, P.FinishEncode(job.key, num_sms, self._budgets()))
+        job.seq = self._to_owner(job.owner, P.FinishEncode(job.key, num_sms))
         return None
 
     def encoder_event(self, job: EncoderJob) -> RemoteEvent | None:
@@ -240,10 +240,12 @@ class EncoderMethods:
         rank 0's own job: its stage records one on its stream)."""
         return None if job.owner == 0 else RemoteEvent(self.group, job.owner, job.seq)
 
-    def share_encoding(self, job: EncoderJob, embeds: torch.Tensor | None) -> torch.Tensor:
+    def share_encoding(self, job: EncoderJob, embeds: torch.Tensor | None, *,
+                       num_sms: int | None = None) -> torch.Tensor:
         """Every rank takes the finished embeddings of `job` from its owner (data-parallel; the
-        job's event must have completed); `embeds` is rank 0's result when it is the owner.
-        Raises `EncodingFailed` with the owner's message when its encoding failed."""
+        job's event must have completed) on the decoder stream, under the decoder's budget
+        `num_sms`; `embeds` is rank 0's result when it is the owner. Raises `EncodingFailed`
+        with the owner's message when its encoding failed."""
         if self.encoder_ranks == 1:
             assert embeds is not None
             return embeds
@@ -254,39 +256,36 @@ class EncoderMethods:
                                      f"{failed.pop(job.key)}")
         elif embeds is None:
             raise EncodingFailed("image encoding on rank 0 gave no embeddings")
-        return self._share([(job.key, job.owner, job.num_tokens, embeds)])[0]
+        return self._share([(job.key, job.owner, job.num_tokens, embeds)], num_sms)[0]
 
-    def _share(self, items: list[tuple[int, int, int, torch.Tensor | None]]
-               ) -> list[torch.Tensor]:
+    def _share(self, items: list[tuple[int, int, int, torch.Tensor | None]],
+               num_sms: int | None = None) -> list[torch.Tensor]:
         """Broadcast (key, owner, tokens, rank 0's embeddings or None) from each owner on
-        the current (decoder) stream, every rank in the same order."""
+        the current (decoder) stream under the decoder's budget `num_sms`, every rank in the
+        same order."""
         if not items:
             return []
-        budgets = self._budgets()
-        self._send(P.Share([(k, r, n) for k, r, n, _ in items], budgets))
-        return self._run(self._broadcast_all, items, budgets[1])
+        self._send(P.Share([(k, r, n) for k, r, n, _ in items], num_sms))
+        return self._run(self._broadcast_all, items, num_sms)
 
     def _broadcast_all(self, items: list[tuple[int, int, int, torch.Tensor | None]],
                        budget: int | None) -> list[torch.Tensor]:
-        from spaceserve.kernels.budget import stage_budget_scope
-
         model, out = self.local.model, []
-        with stage_budget_scope(budget):
-            for key, owner, tokens, emb in items:
-                if owner == 0:
-                    buf = emb.contiguous()
-                    if buf.is_cuda:
-                        buf.record_stream(torch.cuda.current_stream(buf.device))
-                else:
-                    buf = torch.empty((tokens, model.language.hidden), dtype=model.dtype,
-                                      device=self.local.device)
-                self.comms["decoder"].broadcast(buf, owner)
-                self._shared.add(key)
+        for key, owner, tokens, emb in items:
+            if owner == 0:
+                buf = emb.contiguous()
                 if buf.is_cuda:
-                    event = torch.cuda.Event()
-                    event.record()
-                    self._ready[key] = event
-                out.append(buf)
+                    buf.record_stream(torch.cuda.current_stream(buf.device))
+            else:
+                buf = torch.empty((tokens, model.language.hidden), dtype=model.dtype,
+                                  device=self.local.device)
+            self.comms["decoder"].broadcast(buf, owner, num_sms=budget)
+            self._shared.add(key)
+            if buf.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+                self._ready[key] = event
+            out.append(buf)
         return out
 
     def wait_shared(self, key: int, emb: torch.Tensor) -> None:

@@ -32,10 +32,14 @@ Either way a finished job's output is then split into one set of rows per media 
 kept under the key of rank 0's encoder-cache entry for that item until a `Release` of it: a
 cache hit on rank 0 is a hit on every rank, and needs no encoder command anywhere.
 
-Every command that launches work carries `budgets`: rank 0's runner's (encoder, decoder) SM
-budgets when it was sent. A worker runs the command under the same budget and, in the
-co-located modes, on the streams of its own partition with those budgets (`PartitionSpec`
-builds the same partition set on every rank).
+Every command that launches work carries its SM budget, as rank 0 got it: a `Step` the
+(encoder, decoder) budgets of the partition its batch runs on (`ScheduledBatch.partition`) and
+the budget of its stage, `Capture` the partition it captures for, an encoder command the
+encoder's `num_sms` and `Share` the decoder's. A worker runs the command under the same budget
+and, in the co-located modes, on the streams of its own partition with those budgets
+(`PartitionSpec` builds the same partition set on every rank): the one of the step's budgets,
+or for a command with one stage's budget the current partition when its budget matches, else
+the one partition whose stage has that budget.
 
 Worker -> rank 0 messages are tuples: ``("hello", rank, pid)`` once imported,
 ``("ready", rank)`` once its shard is loaded, ``("reply", value)`` for the commands that
@@ -49,7 +53,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-Budgets = tuple[int | None, int | None]  # (encoder_num_sms, decoder_num_sms) on rank 0
+from spaceserve.runtime.core.batch import Budgets
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,8 @@ class Allocate:
 
 @dataclass
 class Capture:
-    """Capture decode graphs for these batch sizes under `budgets`; replies the sizes."""
+    """Capture decode graphs for these batch sizes under the decoder budget of the partition
+    `budgets`; replies the sizes."""
 
     sizes: tuple[int, ...]
     budgets: Budgets
@@ -127,7 +132,7 @@ class Encode:
 
     keys: list[int]
     images: list[tuple[Any, Any]]  # (pixel_values, image_grid_thw) per key
-    budgets: Budgets
+    num_sms: int | None
     seq: int | None = None
 
 
@@ -144,7 +149,6 @@ class AdvanceEncode:
     key: int
     layers: int
     num_sms: int | None
-    budgets: Budgets
     seq: int | None = None
 
 
@@ -152,17 +156,17 @@ class AdvanceEncode:
 class FinishEncode:
     key: int
     num_sms: int | None
-    budgets: Budgets
     seq: int | None = None
 
 
 @dataclass
 class Share:
     """Broadcast finished embeddings from their owners, in order, on the decoder stream: every
-    rank takes part in each; `items` are (key, owner rank, image tokens)."""
+    rank takes part in each under the decoder's budget `num_sms`; `items` are (key, owner rank,
+    image tokens)."""
 
     items: list[tuple[int, int, int]]
-    budgets: Budgets
+    num_sms: int | None
 
 
 @dataclass
@@ -189,7 +193,8 @@ class Split:
 
 @dataclass
 class Step:
-    """One engine step (module docstring); `pieces` are (key or None, lo, hi)."""
+    """One engine step (module docstring): `budget` is its stage's of the partition `budgets`;
+    `pieces` are (key or None, lo, hi)."""
 
     stage: str
     budget: int | None

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from spaceserve.runtime.core.batch import ScheduledBatch
+from spaceserve.checks import require_choice, require_int
+from spaceserve.runtime.core.batch import WHOLE_DEVICE, Budgets, ScheduledBatch
 from spaceserve.runtime.core.request import Request
 from spaceserve.runtime.modes import TEMPORAL_MODES
 from spaceserve.runtime.tp import protocol as P
@@ -76,16 +77,12 @@ class TensorParallelRunner(EncoderMethods):
         from spaceserve.runtime.tp.comm import connect
         from spaceserve.runtime.tp.worker import build_runner, rank_device
 
-        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
-            raise ValueError(f"tensor_parallel_size={size!r}: a tensor-parallel runner needs "
-                             "an int >= 2")
+        require_int("tensor_parallel_size", size, 2)  # one rank needs no group
         device = rank_device(source.device, 0)
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; "
                              f"{torch.cuda.device_count()} visible")
-        if mm_encoder_tp_mode not in MM_ENCODER_TP_MODES:
-            raise ValueError(f"mm_encoder_tp_mode={mm_encoder_tp_mode!r} is not one of "
-                             f"{', '.join(MM_ENCODER_TP_MODES)}")
+        require_choice("mm_encoder_tp_mode", mm_encoder_tp_mode, MM_ENCODER_TP_MODES)
         self.size = size
         self.tp_size = size
         self.source = source
@@ -161,26 +158,6 @@ class TensorParallelRunner(EncoderMethods):
         return cls(source, config.tensor_parallel_size, partitions=partitions,
                    mm_encoder_tp_mode=config.mm_encoder_tp_mode,
                    collective_sms=config.collective_sms)
-
-    # -- budgets (set by the co-located modes' partitions) ----------------------------------
-    @property
-    def encoder_num_sms(self) -> int | None:
-        return self.local.encoder_num_sms
-
-    @encoder_num_sms.setter
-    def encoder_num_sms(self, value: int | None) -> None:
-        self.local.encoder_num_sms = value
-
-    @property
-    def decoder_num_sms(self) -> int | None:
-        return self.local.decoder_num_sms
-
-    @decoder_num_sms.setter
-    def decoder_num_sms(self, value: int | None) -> None:
-        self.local.decoder_num_sms = value
-
-    def _budgets(self) -> P.Budgets:
-        return self.local.encoder_num_sms, self.local.decoder_num_sms
 
     # -- plumbing ----------------------------------------------------------------------------
     def _send(self, cmd: Any) -> None:
@@ -268,9 +245,10 @@ class TensorParallelRunner(EncoderMethods):
         self._send(P.Allocate(num_blocks, limits))
         self._run(self.local.allocate_kv_cache, num_blocks, limits)
 
-    def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
-        self._send(P.Capture(tuple(batch_sizes), self._budgets()))
-        sizes = self._run(self.local.capture_decode_graphs, batch_sizes)
+    def capture_decode_graphs(self, batch_sizes: Sequence[int], *,
+                              partition: Budgets = WHOLE_DEVICE) -> tuple[int, ...]:
+        self._send(P.Capture(tuple(batch_sizes), partition))
+        sizes = self._run(self.local.capture_decode_graphs, batch_sizes, partition=partition)
         theirs = self._replies()
         if any(tuple(t) != tuple(sizes) for t in theirs):
             raise TensorParallelError(f"decode graphs captured differ across ranks: rank 0 "
@@ -301,7 +279,7 @@ class TensorParallelRunner(EncoderMethods):
                     self.wait_shared(key, src.tensor)
             pieces.append((key, lo, hi))
         self._send(P.Step(step.stage, step.budget, step.graph, step.inputs.wire(), pieces,
-                          self._budgets()))
+                          step.partition))
         comm = self.comms.get(stage, self.comms["decoder"])
         return self._run(self.local.run_step, step, comm=comm)
 
@@ -357,8 +335,7 @@ def collective_sms_for(device: torch.device, partitions: P.PartitionSpec | None,
     smallest, where = _smallest(device, partitions)
     if requested is None:
         return max(1, min(DEFAULT_COLLECTIVE_SMS, smallest))
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise ValueError(f"collective_sms={requested!r} must be an int >= 1")
+    require_int("collective_sms", requested)
     if requested > smallest:
         raise ValueError(f"collective_sms={requested} exceeds the smallest partition a "
                          f"collective runs in ({smallest} SMs): {where}")

@@ -70,16 +70,32 @@ class WorkerState:
         self._finished: queue.Queue | None = None  # (CUDA event, seq) for the progress thread
 
     # -- partitions and budgets ----------------------------------------------------------
-    def _scope(self, budgets: P.Budgets, kind: str) -> contextlib.AbstractContextManager:
-        """Set rank 0's budgets on the runner and enter the matching partition's `kind`
-        ("encoder", "decoder" or "capture") scope, switching to it first unless capturing."""
-        self.runner.encoder_num_sms, self.runner.decoder_num_sms = budgets
+    def _partition(self, kind: str, budgets: P.Budgets | None, num_sms: int | None) -> Any:
+        """The partition of rank 0's `budgets` (a step's, a capture's), else of a command with
+        one stage's budget `num_sms`: the current partition when that stage's budget matches,
+        else one whose stage has it (see `protocol`'s module docstring)."""
+        if budgets is not None:
+            part = self.by_budgets.get(tuple(budgets))
+            if part is None:
+                raise RuntimeError(f"no partition with budgets {budgets}; this rank has "
+                                   f"{sorted(self.by_budgets)}")
+            return part
+        stage = 0 if kind == "encoder" else 1
+        if self.pset.current.budgets[stage] == num_sms:
+            return self.pset.current
+        found = [p for b, p in self.by_budgets.items() if b[stage] == num_sms]
+        if not found:
+            raise RuntimeError(f"no partition with a {kind} budget of {num_sms} SMs; this rank "
+                               f"has {sorted(self.by_budgets)}")
+        return found[0]
+
+    def _scope(self, kind: str, budgets: P.Budgets | None = None, num_sms: int | None = None
+               ) -> contextlib.AbstractContextManager:
+        """Enter the `kind` ("encoder", "decoder" or "capture") scope of the partition rank 0
+        ran the command on (`_partition`), switching to it first unless capturing."""
         if self.pset is None:
             return contextlib.nullcontext()
-        part = self.by_budgets.get(tuple(budgets))
-        if part is None:
-            raise RuntimeError(f"no partition with budgets {budgets}; this rank has "
-                               f"{sorted(self.by_budgets)}")
+        part = self._partition(kind, budgets, num_sms)
         if kind == "capture":
             return self.pset.capture_scope(part)
         if part is not self.pset.current:
@@ -129,18 +145,16 @@ class WorkerState:
 
     def _share(self, cmd: Any) -> None:
         """Take part in the owners' broadcasts of finished embeddings (decoder stream)."""
-        from spaceserve.kernels.budget import stage_budget_scope
-
         model = self.runner.model
         comm = self.comms["decoder"]
-        with self._scope(cmd.budgets, "decoder"), stage_budget_scope(cmd.budgets[1]):
+        with self._scope("decoder", num_sms=cmd.num_sms):
             for key, src, tokens in cmd.items:
                 if src == self.rank:
                     buf = self.embeds_of(key).contiguous()
                 else:
                     buf = torch.empty((tokens, model.language.hidden), dtype=model.dtype,
                                       device=self.runner.device)
-                comm.broadcast(buf, src)
+                comm.broadcast(buf, src, num_sms=cmd.num_sms)
                 self._done_encoding(key, buf)
 
     # -- commands ------------------------------------------------------------------------
@@ -150,8 +164,9 @@ class WorkerState:
         if isinstance(cmd, P.Step):
             from spaceserve.runtime.worker.qwen2_vl import PreparedStep
 
-            with self._scope(cmd.budgets, "encoder" if cmd.stage == "encoder" else "decoder"):
-                step = PreparedStep(cmd.stage, cmd.budget, cmd.graph, cmd.inputs, cmd.pieces)
+            with self._scope("encoder" if cmd.stage == "encoder" else "decoder", cmd.budgets):
+                step = PreparedStep(cmd.stage, cmd.budget, cmd.graph, cmd.inputs, cmd.pieces,
+                                    cmd.budgets)
                 r.run_step(step, embeds_of=self.embeds_of, apply_sync=True,
                            comm=self.comms.get(cmd.stage, self.comms["decoder"]))
             self.num_steps += 1
@@ -181,8 +196,8 @@ class WorkerState:
                 self.ready.pop(key, None)
             return NO_REPLY
         if isinstance(cmd, P.Capture):
-            with self._scope(cmd.budgets, "capture"):
-                return r.capture_decode_graphs(cmd.sizes)
+            with self._scope("capture", cmd.budgets):
+                return r.capture_decode_graphs(cmd.sizes, partition=cmd.budgets)
         if isinstance(cmd, P.Allocate):
             r.allocate_kv_cache(cmd.num_blocks, cmd.limits)
             return NO_REPLY
@@ -227,10 +242,10 @@ class WorkerState:
             else:
                 self.jobs[cmd.key] = r.start_encode(mm)
         elif isinstance(cmd, P.AdvanceEncode):
-            with self._scope(cmd.budgets, "encoder"):
+            with self._scope("encoder", num_sms=cmd.num_sms):
                 r.advance_encode(self.jobs[cmd.key], cmd.layers, num_sms=cmd.num_sms)
         elif isinstance(cmd, P.FinishEncode):
-            with self._scope(cmd.budgets, "encoder"):
+            with self._scope("encoder", num_sms=cmd.num_sms):
                 job = self.jobs.pop(cmd.key)
                 self._done_encoding(cmd.key, r.finish_encode(job, num_sms=cmd.num_sms))
                 self.num_encoded += 1
@@ -238,8 +253,8 @@ class WorkerState:
             from spaceserve.runtime.core.request import MultiModalData
 
             mms = [MultiModalData(pv, grid, np.zeros(0, np.int64)) for pv, grid in cmd.images]
-            with self._scope(cmd.budgets, "encoder"):
-                for key, emb in zip(cmd.keys, r.encode(mms), strict=True):
+            with self._scope("encoder", num_sms=cmd.num_sms):
+                for key, emb in zip(cmd.keys, r.encode(mms, num_sms=cmd.num_sms), strict=True):
                     self._done_encoding(key, emb)
                     self.num_encoded += 1
 

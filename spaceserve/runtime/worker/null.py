@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spaceserve.runtime.core.batch import ScheduledBatch
+from spaceserve.checks import require_int
+from spaceserve.runtime.core.batch import WHOLE_DEVICE, Budgets, ScheduledBatch
 from spaceserve.runtime.core.request import MultiModalData, Request, SamplingParams
 from spaceserve.runtime.sample.ops import M32, mix32, reference_next_token
 from spaceserve.runtime.worker.model_info import ModelInfo
@@ -64,9 +65,7 @@ class NullModelRunner:
         self._cols = mix32(torch.arange(vocab_size, dtype=torch.int64) * 0x2F0B3A49 & M32)
         self.num_executes = 0
         self.num_encoded = 0
-        if isinstance(encoder_layers, bool) or not isinstance(encoder_layers, int) \
-                or encoder_layers < 1:
-            raise ValueError(f"encoder_layers={encoder_layers!r} must be an int >= 1")
+        require_int("encoder_layers", encoder_layers)
         self.encoder_layers = encoder_layers
         self.num_encoder_layers_run = 0
 
@@ -81,7 +80,8 @@ class NullModelRunner:
         self.cache = torch.full((num_blocks * limits.block_size,), -1, dtype=torch.int64)
         self.planner = StepPlanner(limits, self.device)
 
-    def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
+    def capture_decode_graphs(self, batch_sizes: Sequence[int], *,
+                              partition: Budgets = WHOLE_DEVICE) -> tuple[int, ...]:
         assert self.planner is not None, "allocate_kv_cache first"
         sizes = tuple(s for s in self._graph_sizes if s <= self.planner.limits.max_num_seqs)
         self.planner.graph_batch_sizes = sizes
@@ -90,7 +90,8 @@ class NullModelRunner:
     def prepare_request(self, req: Request) -> None:
         req.model_state = None
 
-    def encode(self, mms: Sequence[MultiModalData]) -> list[torch.Tensor]:
+    def encode(self, mms: Sequence[MultiModalData], *, num_sms: int | None = None
+               ) -> list[torch.Tensor]:
         out = []
         group = self.info.spatial_merge_size ** 2
         for mm in mms:

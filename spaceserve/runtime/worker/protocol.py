@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from spaceserve.runtime.core.batch import ScheduledBatch
+from spaceserve.runtime.core.batch import WHOLE_DEVICE, Budgets, ScheduledBatch
 from spaceserve.runtime.core.request import MultiModalData, Request
 from spaceserve.runtime.worker.model_info import ModelInfo
 from spaceserve.runtime.worker.step_plan import StepLimits, StepPlan, StepPlanner
@@ -38,6 +38,11 @@ class ModelRunner(Protocol):
     (before its first prefill), per step `execute`. `execute` must not synchronise with the
     host; its logits rows follow ``batch.sample_reqs`` and have exactly ``info.vocab_size``
     columns.
+
+    SM budgets travel with the work, never as runner state: a step runs under the budget of
+    its stage in ``batch.partition`` (`ScheduledBatch.num_sms`), graphs are captured for the
+    decoder budget of the partition given, and encoder calls take theirs as ``num_sms``
+    (None: the whole device).
     """
 
     info: ModelInfo
@@ -54,9 +59,11 @@ class ModelRunner(Protocol):
     def allocate_kv_cache(self, num_blocks: int, limits: StepLimits) -> None:
         ...
 
-    def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
-        """Capture decode graphs for these batch sizes; returns the sizes captured (() when the
-        runner runs eagerly). Pure-decode batches are then padded to the next captured size."""
+    def capture_decode_graphs(self, batch_sizes: Sequence[int], *,
+                              partition: Budgets = WHOLE_DEVICE) -> tuple[int, ...]:
+        """Capture decode graphs for these batch sizes under the decoder budget of `partition`;
+        returns the sizes captured (() when the runner runs eagerly). Pure-decode batches are
+        then padded to the next captured size."""
         ...
 
     def prepare_request(self, req: Request) -> None:
@@ -64,12 +71,15 @@ class ModelRunner(Protocol):
         ValueError for a prompt the model cannot take."""
         ...
 
-    def encode(self, mms: Sequence[MultiModalData]) -> list[torch.Tensor]:
-        """Image embeddings, one ``[mm.num_tokens, hidden]`` tensor per request, in order."""
+    def encode(self, mms: Sequence[MultiModalData], *, num_sms: int | None = None
+               ) -> list[torch.Tensor]:
+        """Image embeddings, one ``[mm.num_tokens, hidden]`` tensor per request, in order, each
+        launch under `num_sms` SMs."""
         ...
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run one step; logits ``[len(batch.sample_reqs), vocab]`` on the device."""
+        """Run one step under ``batch.num_sms("decoder")``; logits
+        ``[len(batch.sample_reqs), vocab]`` on the device."""
         ...
 
 

@@ -24,8 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from spaceserve.kernels.budget import stage_budget_scope
-from spaceserve.runtime.core.batch import ScheduledBatch
+from spaceserve.runtime.core.batch import WHOLE_DEVICE, Budgets, ScheduledBatch
 from spaceserve.runtime.core.memory import kv_block_bytes
 from spaceserve.runtime.core.request import MultiModalData, Request
 from spaceserve.runtime.worker.model_info import ModelInfo
@@ -39,15 +38,16 @@ ImagePiece = tuple[Any, int, int]
 @dataclass
 class PreparedStep:
     """A step after its host half (`Qwen2VLRunner.prepare_step`): the stage and budget it runs
-    under, the captured batch size it replays (None: eager; the graph's table width is
-    ``inputs.width``), its planner inputs and image pieces. Everything but the pieces' sources
-    is plain data another process can run."""
+    under (the batch's, of the partition in `partition`), the captured batch size it replays
+    (None: eager; the graph's table width is ``inputs.width``), its planner inputs and image
+    pieces. Everything but the pieces' sources is plain data another process can run."""
 
     stage: str
     budget: int | None
     graph: int | None
     inputs: StepInputs
     pieces: list[ImagePiece]
+    partition: Budgets = WHOLE_DEVICE
 
 
 def _eos_ids(config: Any, path: str | None) -> tuple[int, ...]:
@@ -96,10 +96,8 @@ class Qwen2VLRunner:
         self.limits: StepLimits | None = None
         self.planner: StepPlanner | None = None
         self._encoder_planner: StepPlanner | None = None  # prefills on the encoder's stream
-        # SM budgets of the two stages (None = the whole device); a spatial encoder stage sets
-        # them, then captures graphs for the new decoder budget.
-        self.encoder_num_sms: int | None = None
-        self.decoder_num_sms: int | None = None
+        # No SM budget is kept here: a step runs under the one its batch carries, an encoder
+        # call under its `num_sms`.
         self.graphs: Any = ()  # DecodeGraphSet once allocate_kv_cache ran: keys (b, width, sms)
 
     @classmethod
@@ -151,9 +149,10 @@ class Qwen2VLRunner:
                                      planner=self.planner.core,
                                      max_bytes=limits.graph_memory_bytes)
 
-    def capture_decode_graphs(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
-        """Capture decode graphs for the current decoder budget (CUDA only): every batch size
-        in `batch_sizes` (up to `max_num_seqs`) x every table width of the limits."""
+    def capture_decode_graphs(self, batch_sizes: Sequence[int], *,
+                              partition: Budgets = WHOLE_DEVICE) -> tuple[int, ...]:
+        """Capture decode graphs for the decoder budget of `partition` (CUDA only): every batch
+        size in `batch_sizes` (up to `max_num_seqs`) x every table width of the limits."""
         if self.device.type != "cuda" or self.limits is None:
             return ()
         if not self.model.backend.graph_capturable:  # decode runs eagerly with this backend
@@ -165,7 +164,7 @@ class Qwen2VLRunner:
                 raise ValueError(f"decode graphs were captured for batch sizes "
                                  f"{graphs.batch_sizes}, not {sizes}")
             graphs.batch_sizes = sizes
-        return graphs.capture(self.decoder_num_sms)
+        return graphs.capture(partition[1])
 
     def prepare_request(self, req: Request) -> None:
         mm = req.mm
@@ -177,12 +176,12 @@ class Qwen2VLRunner:
             req.prompt_token_ids, mm.grid_of("image"), video_grid_thw=mm.grid_of("video"),
             second_per_grid_ts=list(mm.second_per_grid_ts))
 
-    def encode(self, mms: Sequence[MultiModalData]) -> list[torch.Tensor]:
+    def encode(self, mms: Sequence[MultiModalData], *, num_sms: int | None = None
+               ) -> list[torch.Tensor]:
         out = []
         for mm in mms:
             pv = mm.pixel_values.to(device=self.device, dtype=self.model.dtype)
-            out.append(self.model.encode_images(pv, mm.image_grid_thw,
-                                                num_sms=self.encoder_num_sms))
+            out.append(self.model.encode_images(pv, mm.image_grid_thw, num_sms=num_sms))
         return out
 
     # Preemptible encoding (the spatial encoder stage runs a request's images layer by layer).
@@ -253,13 +252,12 @@ class Qwen2VLRunner:
         return torch.cat(rows)
 
     def prepare_step(self, batch: ScheduledBatch, *, stage: str = "decoder") -> PreparedStep:
-        """The host half of `execute`: the stage's budget, the graph a decode-only step replays
-        (None: eager), the planner's `StepInputs` (row state written) and the image pieces."""
+        """The host half of `execute`: the stage's budget (the batch's), the graph a
+        decode-only step replays (None: eager), the planner's `StepInputs` (row state written)
+        and the image pieces."""
         assert self.kv is not None and self.planner is not None, "allocate_kv_cache first"
-        if stage not in ("decoder", "encoder"):
-            raise ValueError(f"stage={stage!r} must be 'decoder' or 'encoder'")
+        budget = batch.num_sms(stage)  # ValueError for an unknown stage
         nb, graph = batch.num_seqs, None
-        budget = self.decoder_num_sms if stage == "decoder" else self.encoder_num_sms
         width = None
         if batch.num_decodes == nb and stage == "decoder" and len(self.graphs):
             found = self.graphs.pick(nb, self.planner.decode_need(batch), budget)
@@ -279,7 +277,7 @@ class Qwen2VLRunner:
                 inputs.input_ids[idx.numpy()] = real.cpu().numpy()
                 inputs.pending, inputs.source = [], None
                 pieces = self.image_pieces(batch, inputs.input_ids)
-        return PreparedStep(stage, budget, graph, inputs, pieces)
+        return PreparedStep(stage, budget, graph, inputs, pieces, batch.partition)
 
     def _planner(self, stage: str) -> StepPlanner:
         assert self.planner is not None, "allocate_kv_cache first"
@@ -304,7 +302,7 @@ class Qwen2VLRunner:
         if step.inputs.block_copies is not None:  # copy on write, before anything is stored
             self.kv.copy_blocks(step.inputs.block_copies)
         if step.inputs.pending and comm is not None:  # rank 0's device inputs to every rank
-            comm.broadcast(ctx.input_ids[:step.inputs.num_decodes], 0)
+            comm.broadcast(ctx.input_ids[:step.inputs.num_decodes], 0, num_sms=step.budget)
         if step.graph is not None:  # the graph captured the planner's buffers: nothing to copy
             width = step.inputs.width
             graph = self.graphs.graphs.get((step.graph, width, step.budget)) \
@@ -314,11 +312,10 @@ class Qwen2VLRunner:
                                    f"for budget {step.budget}")
             return graph.replay(ctx.input_ids, ctx)
         embeds = self.image_rows(step.pieces, embeds_of)
-        with stage_budget_scope(step.budget):  # the budget the step's collectives run in
-            return self.model.forward(ctx.input_ids, ctx, self.kv, image_embeds=embeds,
-                                      num_sms=step.budget, comm=comm)
+        return self.model.forward(ctx.input_ids, ctx, self.kv, image_embeds=embeds,
+                                  num_sms=step.budget, comm=comm)
 
     def execute(self, batch: ScheduledBatch, *, stage: str = "decoder") -> torch.Tensor:
-        """One step under the decoder's budget, or under the encoder's with
-        ``stage="encoder"`` (prefill placed in the compute partition; never a graph)."""
+        """One step under the decoder's budget of the batch's partition, or under the encoder's
+        with ``stage="encoder"`` (prefill placed in the compute partition; never a graph)."""
         return self.run_step(self.prepare_step(batch, stage=stage))

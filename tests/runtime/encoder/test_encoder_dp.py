@@ -166,7 +166,7 @@ class DataParallelNull(NullModelRunner):
     def encoder_event(self, job):
         return _Later(3 * job.owner)
 
-    def share_encoding(self, job, embeds):
+    def share_encoding(self, job, embeds, *, num_sms=None):
         self.shared.append(job.owner)
         if job.owner and self.poisoned(job.mm):
             raise EncodingFailed(f"image encoding failed on tensor-parallel rank {job.owner}: "

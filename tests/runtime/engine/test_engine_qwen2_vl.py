@@ -60,10 +60,12 @@ def test_chunks_batching_and_preemption_keep_the_tokens(checkpoint, prompts, exp
     engine.check_idle()
 
 
-def test_triton_backend_matches_under_stage_budgets(checkpoint, prompts, expected) -> None:
+def test_triton_backend_matches_under_stage_budgets(checkpoint, prompts, expected,
+                                                   monkeypatch) -> None:
+    monkeypatch.setenv("SPACESERVE_NUM_SMS", "28")  # the split 8 leaves the decoder 20 SMs
     engine = Engine.from_pretrained(checkpoint[0], attention_backend="triton", device="cpu",
-                                    num_kv_blocks=32, block_size=4)
-    engine.runner.encoder_num_sms, engine.runner.decoder_num_sms = 8, 20
+                                    num_kv_blocks=32, block_size=4, mode="spatial-static",
+                                    encoder_sms=8)
     with record_launches() as launches:
         outs = engine.generate(prompts[:2], SamplingParams(max_tokens=3, temperature=0.0,
                                                            ignore_eos=True))
@@ -188,7 +190,7 @@ def test_decode_steps_take_the_narrowest_graph_bucket(checkpoint, prompts, expec
 
     runner.graphs = DecodeGraphSet(runner.model, runner.kv, (1, 2, 4), runner.graphs.widths,
                                    planner=runner.planner.core, factory=Replayed)
-    runner.graphs.capture(runner.decoder_num_sms)
+    runner.graphs.capture(None)  # the whole device: the temporal mode's budget
     assert engine.generate(prompts[0], GREEDY)[0].token_ids == expected[0]  # 11 tokens
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected

@@ -264,8 +264,7 @@ def test_fallback_logged_once_and_engines_still_work(caplog) -> None:
         assert len(lines) == 1
     finally:
         partition._LOGGED.update(saved)
-    assert engines[1].runner.encoder_num_sms == 40
-    assert engines[1].runner.decoder_num_sms == engines[1].spatial.partitions.total - 40
+    assert engines[1].spatial.sm_split() == (40, engines[1].spatial.partitions.total - 40)
     gen = torch.Generator().manual_seed(9)
     prompts = [image_prompt(gen, 4), text_prompt(gen, 6)]
     params = SamplingParams(max_tokens=5, temperature=0.0)

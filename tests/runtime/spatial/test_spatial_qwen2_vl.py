@@ -102,10 +102,26 @@ def test_triton_kernels_across_moving_splits(tiny, prompts, expected) -> None:
     engine.spatial.sis.decide = lambda state: (
         lambda e: Split(e, pset.total - e, "compute" if e == 8 else "decode", 0, 0, 1, True))(
         next(plan))
+    runner, steps = engine.runner, []
+    execute = runner.execute
+
+    def execute_recorded(batch, *, stage="decoder"):
+        """Each step's own launches, beside the partition it ran on."""
+        part = pset.current
+        with record_launches() as mine:
+            logits = execute(batch, stage=stage)
+        steps.append((stage, part.encoder_sms if stage == "encoder" else part.decoder_sms,
+                      {r.num_sms for r in mine}))
+        return logits
+
+    runner.execute = execute_recorded
     short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     with record_launches() as launches:
         got = staggered(engine, [prompts[3], prompts[1]], short, gap=1)
     assert got == [expected[3][:3], expected[1][:3]]
+    # a step launches under its stage's budget of the partition it ran on, and no other
+    assert all(sms == {budget} for _, budget, sms in steps), steps
+    assert len({budget for stage, budget, _ in steps if stage == "decoder"}) >= 2
     budgets = {p.encoder_sms for p in pset.splits.values()} | \
         {p.decoder_sms for p in pset.partitions()}
     assert {r.num_sms for r in launches} <= budgets
@@ -192,7 +208,7 @@ class CurveClock:
         execute, advance, step = runner.execute, runner.advance_encode, eng.step
 
         def timed_execute(batch, *, stage="decoder"):
-            sms = runner.encoder_num_sms if stage == "encoder" else runner.decoder_num_sms
+            sms = batch.num_sms(stage)
             lane = "compute" if stage == "encoder" else "decode"
             if batch.num_decodes == batch.num_seqs:
                 secs = self.curves.decode(batch.num_seqs, 64, sms, True)

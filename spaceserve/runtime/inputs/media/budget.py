@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 
+from spaceserve.checks import require_int
 from spaceserve.runtime.inputs.errors import InputError
 
 
@@ -49,8 +50,7 @@ class PixelBudget:
     """At most `capacity` decoded pixels in preprocessing at once (thread-safe)."""
 
     def __init__(self, capacity: int, *, retry_after: float = 1.0) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity={capacity!r} must be an int >= 1")
+        require_int("capacity", capacity)
         self.capacity = capacity
         self.retry_after = retry_after
         self._used = 0

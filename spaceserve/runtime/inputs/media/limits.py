@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spaceserve.checks import require_int
+
 
 def check_positive_ints(obj: object, names: tuple[str, ...]) -> None:
     """ValueError unless every named field of `obj` is an int >= 1 (bools refused)."""
     for name in names:
         value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
+        require_int(name, value)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+from spaceserve.checks import require_int
 from spaceserve.runtime.inputs.errors import InputError, safe_detail
 
 # Content-Types accepted beside "<media>/*" (servers often label media generically)
@@ -92,8 +93,7 @@ class RemotePolicy:
                 raise ValueError(f"{name}={v!r} must be a positive number of seconds")
         for name, low in (("max_redirects", 0), ("max_concurrent", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"{name}={v!r} must be an int >= {low}")
+            require_int(name, v, low)
 
 
 def address_problem(ip: str, allow_loopback: bool = False) -> str | None:
