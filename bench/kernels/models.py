@@ -24,6 +24,7 @@ import torch
 
 from bench.common import Rows, bench_ms, section_rows
 from spaceserve.bench.prompts import image_grid as prompt_image_grid
+from spaceserve.models.presets import get_preset
 
 SECTION = "models"
 IMAGES = {"448x448": (448, 448), "1024x1024": (1024, 1024), "1920x1080": (1080, 1920)}
@@ -34,18 +35,8 @@ BLOCK_SIZE = 16
 
 
 def qwen2_vl_7b_config() -> Any:
-    """Qwen2-VL-7B's shapes (DESIGN.md's workload facts) as a transformers config."""
-    from transformers import Qwen2VLConfig
-
-    return Qwen2VLConfig(
-        text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                         rms_norm_eps=1e-6, max_position_embeddings=32768,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                          "mrope_section": [16, 24, 24]}),
-        vision_config=dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16,
-                           mlp_ratio=4, hidden_act="quick_gelu"),
-    )
+    """Qwen2-VL-7B's shapes (its preset) as a transformers config."""
+    return get_preset("qwen2-vl-7b").hf_config()
 
 
 def image_grid(height: int, width: int, config: Any) -> list[int]:

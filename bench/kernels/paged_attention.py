@@ -37,8 +37,10 @@ from bench.common import (
     tflops,
     time_call,
 )
+from spaceserve.models.presets import get_preset
 
-HQ, HKV, DIM, PAGE = 28, 4, 128, 16
+_TEXT = get_preset("qwen2-vl-7b").text
+HQ, HKV, DIM, PAGE = _TEXT.heads, _TEXT.kv_heads, _TEXT.head_dim, 16  # 28, 4, 128
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (512, 4096, 32768)
 SWEEP = (8, 16, 32, 48, 64, 96, 132)

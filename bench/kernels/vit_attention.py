@@ -25,8 +25,10 @@ from typing import Any
 import torch
 
 from bench.common import bench_ms, plot_lines, section_rows, tflops, write_json
+from spaceserve.models.presets import get_preset
 
-HEADS, DIM = 16, 80
+_VISION = get_preset("qwen2-vl-7b").vision  # every Qwen2-VL / Qwen2.5-VL tower's heads
+HEADS, DIM = _VISION.heads, _VISION.embed // _VISION.heads  # 16, 80
 SWEEP = (8, 16, 32, 48, 64, 96, 132)
 BF16_RTOL = 1.6e-2
 WORKLOADS: dict[str, list[int]] = {
