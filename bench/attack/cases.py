@@ -228,7 +228,7 @@ async def attack_malformed(ctx: Ctx) -> list[Row]:
 def _injection_check(ctx: Ctx):
     from transformers import AutoTokenizer
 
-    from spaceserve.server.tiny import resolve_model
+    from spaceserve.models.tiny import resolve_model
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model("tiny")))
     start = tok.convert_tokens_to_ids("<|im_start|>")

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         server = start_server(args.port, args.mode, args.out / "server.log", args.threads)
         args.base_url = f"http://127.0.0.1:{args.port}"
     if args.tokenizer is None:
-        from spaceserve.server.tiny import resolve_model
+        from spaceserve.models.tiny import resolve_model
 
         args.tokenizer = str(resolve_model("tiny"))
     try:

@@ -193,7 +193,7 @@ def main() -> None:
             print(f"{mode:>17} {total:>8.2f} / {noise:.2f}")
     if args.skip_detok:
         return
-    from spaceserve.server.tiny import _build_tokenizer
+    from spaceserve.models.tiny import _build_tokenizer
 
     tok = _build_tokenizer(512)
     print("\nstreaming output path, host CPU us per token (tiny byte-level BPE)")

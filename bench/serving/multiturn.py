@@ -44,9 +44,9 @@ QUESTIONS = ("Describe this image.", "What colours do you see?", "Count the peop
 def run(model: str, caching: bool, conversations: int, turns: int, max_tokens: int,
         size: tuple[int, int]) -> list[dict[str, float]]:
     """Per turn index: mean TTFT (ms), prompt, cached and prefilled tokens, encoder jobs."""
+    from spaceserve.models.tiny import resolve_model
     from spaceserve.runtime.inputs import ImageLimits
     from spaceserve.server.engine_client import load_engine
-    from spaceserve.server.tiny import resolve_model
 
     extra = {} if caching else {"encoder_cache_bytes": 0, "enable_prefix_caching": False}
     engine, pre, _ = load_engine(resolve_model(model), device="cpu", **extra)
