@@ -39,8 +39,14 @@ class TuneShapes:
 
     @classmethod
     def qwen2_vl_7b(cls) -> TuneShapes:
-        """Qwen2-VL-7B: a 4096-patch vision batch, 2048-token prefill, decode batch 32 at 2k."""
-        return cls(4096, (1024, 3072), 1280, 16, 5120, 3584, 18944, 28, 4, 128, 2048, 32, 2048)
+        """Qwen2-VL-7B (its preset): a 4096-patch vision batch, 2048-token prefill, decode
+        batch 32 at 2k."""
+        from spaceserve.models.presets import get_preset
+
+        p = get_preset("qwen2-vl-7b")
+        v, t = p.vision, p.text
+        return cls(4096, (1024, 3072), v.embed, v.heads, v.intermediate, t.hidden,
+                   t.intermediate, t.heads, t.kv_heads, t.head_dim, 2048, 32, 2048)
 
     @classmethod
     def tiny(cls) -> TuneShapes:

@@ -1,9 +1,9 @@
 """pytest under bench/: only the kernel suite (bench/kernel_suite/) is ever collected.
 
-The other modules here (bench_*.py, kernels.py, gpu/) are scripts and harness sections, not
-tests, so `pytest bench/` ignores them whatever `python_files` says. The suite's command-line
-options are registered here, where pytest finds them for `pytest bench/` as well as for
-`pytest bench/kernel_suite`. The plain test command (`pytest`, testpaths = tests) never comes
+The other modules here (serving/, kernels/, sim/, attack/, gpu/) are scripts and harness
+sections, not tests, so `pytest bench/` ignores them whatever `python_files` says. The suite's
+command-line options are registered here, where pytest finds them for `pytest bench/` as well
+as for `pytest bench/kernel_suite`. The plain test command (`pytest`, testpaths = tests) never comes
 here.
 """
 

@@ -8,11 +8,11 @@ fails the reading test if it was killed. Each run's `wall` is its own run time, 
 is read.
 
 - `whole_run`, `stalled_run`: the GPU harness's dry run, whole and with facts made to hang
-  (tests/test_harness_dry_run.py);
+  (tests/bench/test_harness_dry_run.py);
 - `sm90_run`: the ahead-of-time sm_90 compile of every kernel module, every GPU tuning
   candidate and the harness's facts kernels, once per python (the `sm90_check` fixture);
 - `kernels_cli_run`: `spaceserve bench kernels` on a slice of the kernel suite
-  (tests/test_kernel_suite.py).
+  (tests/bench/test_kernel_suite.py).
 """
 
 from __future__ import annotations

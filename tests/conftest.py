@@ -40,7 +40,7 @@ def device() -> torch.device:
 def tiny_path(tmp_path_factory):
     """The `--model tiny` checkpoint (tokenizer, image processor, random weights), built once
     per session."""
-    from spaceserve.server.tiny import build_tiny_checkpoint
+    from spaceserve.models.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
 

@@ -1,6 +1,6 @@
 """`spaceserve <cmd> --help`: answered before anything heavy is imported, usage names the
 command, every flag has help text and shows its default. (How fast it is, is measured by
-bench/bench_cli_help.py, never asserted here.)"""
+bench/serving/cli_help.py, never asserted here.)"""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def probes(dev: torch.device, timer: Timer) -> None:
 
 
 def paged_decode(dev: torch.device, timer: Timer, context: int, batches: tuple[int, ...]) -> None:
-    from bench.bench_paged_attention import DIM, HKV, HQ, PAGE
+    from bench.kernels.paged_attention import DIM, HKV, HQ, PAGE
     from spaceserve.kernels import DecodePlan
 
     pages = -(-context // PAGE)
@@ -79,7 +79,7 @@ def paged_decode(dev: torch.device, timer: Timer, context: int, batches: tuple[i
 
 
 def paged_prefill(dev: torch.device, timer: Timer, tokens: int) -> None:
-    from bench.bench_paged_attention import DIM, HKV, HQ, PAGE
+    from bench.kernels.paged_attention import DIM, HKV, HQ, PAGE
     from spaceserve.kernels import paged_prefill_attention
 
     pages = -(-tokens // PAGE)
@@ -93,7 +93,7 @@ def paged_prefill(dev: torch.device, timer: Timer, tokens: int) -> None:
 
 def vit_attention(dev: torch.device, timer: Timer, lens: list[int], rotary: bool) -> None:
     """Host-planned and device work lists, and the fused rotary path with apply_rotary."""
-    from bench.bench_vit_attention import DIM, HEADS
+    from bench.kernels.vit_attention import DIM, HEADS
     from spaceserve.kernels import apply_rotary, plan_vit_attention
     from spaceserve.kernels import vit_attention as attn
 
@@ -120,7 +120,7 @@ def _one_layer(config: Any) -> Any:
 def models_suite(dev: torch.device, timer: Timer, images: tuple[str, ...],
                  batches: tuple[int, ...], context: int | None = None) -> None:
     """The models section's own code (vision pass, eager and graph decode) at one layer."""
-    from bench import bench_models as bm
+    from bench.kernels import models as bm
     from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
 
     bm.run_suite(_one_layer(qwen2_vl_7b_config()), dev, DTYPE,
@@ -131,7 +131,7 @@ def models_suite(dev: torch.device, timer: Timer, images: tuple[str, ...],
 
 def qwen25_vision(dev: torch.device, timer: Timer, images: tuple[str, ...]) -> None:
     """The qwen25-vision section's tower at two blocks: one windowed, one full."""
-    from bench import bench_qwen25_vision as bq
+    from bench.kernels import qwen25_vision as bq
     from spaceserve.runtime.policy.analytic import qwen2_5_vl_7b_config
 
     config = qwen2_5_vl_7b_config()
@@ -143,7 +143,7 @@ def qwen25_vision(dev: torch.device, timer: Timer, images: tuple[str, ...]) -> N
 
 def colocation_engine(dev: torch.device, timer: Timer, mode: str) -> None:
     """The colocation section's engine (its config and warm workload) at one layer per stack."""
-    from bench import bench_colocation as bc
+    from bench.serving import colocation as bc
 
     setup = bc.setup(llm_layers=1, vision_depth=1)
     engine = setup.make_engine(mode)
@@ -153,7 +153,7 @@ def colocation_engine(dev: torch.device, timer: Timer, mode: str) -> None:
 
 def serving_engine(dev: torch.device, timer: Timer, mode: str) -> None:
     """The serving section's plan for one mode and rate, briefly, at one LLM layer."""
-    from bench import bench_serving as bs
+    from bench.serving import serving as bs
 
     plan = bs.Plan(llm_layers=1, modes=(mode,), rates=(bs.RATES[-1],), duration_s=0.5,
                    min_mode_s=0.0)
@@ -163,10 +163,10 @@ def serving_engine(dev: torch.device, timer: Timer, mode: str) -> None:
 
 def cases() -> list[tuple[str, str, str, dict[str, Any], float]]:
     """(case, kernel, function, kwargs, relative cost): the long poles first."""
-    from bench import bench_models as bm
-    from bench import bench_paged_attention as bp
-    from bench import bench_vit_attention as bv
     from bench.gpu import bench_kernels as bk
+    from bench.kernels import models as bm
+    from bench.kernels import paged_attention as bp
+    from bench.kernels import vit_attention as bv
 
     out: list[tuple[str, str, str, dict[str, Any], float]] = []
     for mode in ("spatial-static", "temporal"):

@@ -113,11 +113,6 @@ def _qwen2_vl_config(hidden: int, inter: int, layers: int, heads: int, kv: int,
                          vision_end_token_id=151653)
 
 
-def qwen2_vl_72b_config() -> Any:
-    """Qwen2-VL-72B's config, built offline: the 7B vision tower, LLM 8192 / 64 heads / 8 KV."""
-    return _qwen2_vl_config(8192, 29568, 80, 64, 8)
-
-
 def tiny_config() -> Any:
     """A tiny Qwen2-VL (interpreter-sized): vision 64 wide (2 heads of 32), LLM 64 wide
     (4 heads / 2 KV heads of 16)."""
@@ -128,10 +123,10 @@ def tiny_config() -> Any:
 def models(profile: str) -> dict[str, ModelDims]:
     """Model dims of a profile by short name ("7b", "72b" on the GPU; "tiny" on CPU)."""
     if profile == "gpu":
-        from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
+        from spaceserve.models.presets import get_preset
 
-        return {"7b": ModelDims.from_config(qwen2_vl_7b_config(), "qwen2-vl-7b"),
-                "72b": ModelDims.from_config(qwen2_vl_72b_config(), "qwen2-vl-72b")}
+        return {size: ModelDims.from_config(get_preset(key).hf_config(), key)
+                for size, key in (("7b", "qwen2-vl-7b"), ("72b", "qwen2-vl-72b"))}
     return {"tiny": ModelDims.from_config(tiny_config(), "qwen2-vl-tiny")}
 
 

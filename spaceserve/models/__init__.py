@@ -1,57 +1,50 @@
 """Qwen2-VL and Qwen2.5-VL on SpaceServe kernels: loading, stage entry points, attention
-backends, planner."""
+backends, planner; `presets` holds the published models' shapes, `tiny` the `--model tiny`
+checkpoint builder.
 
-from spaceserve.models.attention.backends import (
-    AttentionBackend,
-    BackendUnavailable,
-    VitMeta,
-    available_backends,
-    get_backend,
-    known_backends,
-)
-from spaceserve.models.loading.loader import (
-    from_config,
-    from_pretrained,
-    from_state_dict,
-    random_state_dict,
-    weight_shapes,
-)
-from spaceserve.models.mrope import mrope_positions, text_positions
-from spaceserve.models.qwen2_5_vl import Qwen25VL
-from spaceserve.models.qwen2_5_vl_vision import Qwen25VisionEncoder, WindowEncoderJob, window_layout
-from spaceserve.models.qwen2_vl import Qwen2VL
-from spaceserve.models.qwen2_vl_text import KVCache, LanguageModel
-from spaceserve.models.qwen2_vl_vision import EncoderJob, VisionEncoder
-from spaceserve.models.step.context import HostMeta, StepContext, plan_step
-from spaceserve.models.step.cuda_graph import DecodeGraph, DecodeGraphSet, GraphMemoryError
+The names below are imported on first use, so that `spaceserve.models.presets` (pure Python,
+read by the runtime's policy and the simulator) does not pull in torch."""
 
-__all__ = [
-    "AttentionBackend",
-    "BackendUnavailable",
-    "DecodeGraph",
-    "DecodeGraphSet",
-    "EncoderJob",
-    "GraphMemoryError",
-    "HostMeta",
-    "KVCache",
-    "LanguageModel",
-    "Qwen25VL",
-    "Qwen25VisionEncoder",
-    "Qwen2VL",
-    "StepContext",
-    "VisionEncoder",
-    "VitMeta",
-    "WindowEncoderJob",
-    "available_backends",
-    "from_config",
-    "from_pretrained",
-    "from_state_dict",
-    "get_backend",
-    "known_backends",
-    "mrope_positions",
-    "plan_step",
-    "random_state_dict",
-    "text_positions",
-    "weight_shapes",
-    "window_layout",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AttentionBackend": "spaceserve.models.attention.backends",
+    "BackendUnavailable": "spaceserve.models.attention.backends",
+    "VitMeta": "spaceserve.models.attention.backends",
+    "available_backends": "spaceserve.models.attention.backends",
+    "get_backend": "spaceserve.models.attention.backends",
+    "known_backends": "spaceserve.models.attention.backends",
+    "HostMeta": "spaceserve.models.step.context",
+    "StepContext": "spaceserve.models.step.context",
+    "plan_step": "spaceserve.models.step.context",
+    "DecodeGraph": "spaceserve.models.step.cuda_graph",
+    "DecodeGraphSet": "spaceserve.models.step.cuda_graph",
+    "GraphMemoryError": "spaceserve.models.step.cuda_graph",
+    "from_config": "spaceserve.models.loading.loader",
+    "from_pretrained": "spaceserve.models.loading.loader",
+    "from_state_dict": "spaceserve.models.loading.loader",
+    "random_state_dict": "spaceserve.models.loading.loader",
+    "weight_shapes": "spaceserve.models.loading.loader",
+    "mrope_positions": "spaceserve.models.mrope",
+    "text_positions": "spaceserve.models.mrope",
+    "Qwen25VL": "spaceserve.models.qwen2_5_vl",
+    "Qwen25VisionEncoder": "spaceserve.models.qwen2_5_vl_vision",
+    "WindowEncoderJob": "spaceserve.models.qwen2_5_vl_vision",
+    "window_layout": "spaceserve.models.qwen2_5_vl_vision",
+    "Qwen2VL": "spaceserve.models.qwen2_vl",
+    "KVCache": "spaceserve.models.qwen2_vl_text",
+    "LanguageModel": "spaceserve.models.qwen2_vl_text",
+    "EncoderJob": "spaceserve.models.qwen2_vl_vision",
+    "VisionEncoder": "spaceserve.models.qwen2_vl_vision",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'spaceserve.models' has no attribute {name!r}")

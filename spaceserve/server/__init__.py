@@ -12,6 +12,6 @@ pixel budget), streams.py (the routes' request and response plumbing), shutdown.
 graceful shutdown), thread.py (`ServerThread`), engine_client.py (`AsyncEngine`: the engine
 on a background thread; `load_engine`), replicas/ (engine replicas on Ray Serve,
 `ReplicaClient`), media_args.py (video and remote media flags), metrics.py (Prometheus
-text), tiny.py (the tiny checkpoint). Chat templates, media decoding and limits are input
-processing: `spaceserve.runtime.inputs`.
+text). Chat templates, media decoding and limits are input processing:
+`spaceserve.runtime.inputs`; the `--model tiny` checkpoint is built by `spaceserve.models.tiny`.
 """

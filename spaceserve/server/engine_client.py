@@ -306,7 +306,7 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
     from spaceserve.runtime.engine.load_runner import load_runner
     from spaceserve.runtime.inputs import ChatPreprocessor
 
-    from .tiny import resolve_model
+    from ..models.tiny import resolve_model
 
     run_mode, note = resolve_mode(mode)
     cfg = EngineConfig(mode=run_mode, **config)

@@ -216,7 +216,7 @@ def test_bench_fails_fast_against_an_unreachable_server(tmp_path, capsys) -> Non
 
 
 def test_http_client_against_a_server_of_known_timing(tmp_path) -> None:
-    """The aiohttp client against bench/sse_stub.py: every token and the usage counted, TTFT
+    """The aiohttp client against bench/serving/sse_stub.py: every token and the usage counted, TTFT
     and E2EL never below what the stub guarantees; and the aiperf trace the comparison script
     writes holds the benchmark's own requests."""
     import asyncio
@@ -224,14 +224,14 @@ def test_http_client_against_a_server_of_known_timing(tmp_path) -> None:
     import subprocess
     import sys
 
-    from bench.compare_aiperf import write_trace
+    from bench.serving.compare_aiperf import write_trace
     from spaceserve.bench.backends import HttpBackend
     from spaceserve.bench.schedule import run_one
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    stub = subprocess.Popen([sys.executable, "-m", "bench.sse_stub", "--port", str(port),
+    stub = subprocess.Popen([sys.executable, "-m", "bench.serving.sse_stub", "--port", str(port),
                              "--ttft-ms", "30", "--itl-ms", "2"])
     w = ServeWorkload(request_rate=20.0, duration_s=0.5, image_mix={"112x112": 1.0},
                       output_len=6, seed=2)

@@ -128,7 +128,7 @@ def test_server_overhead_benchmark_runs(tiny_engine) -> None:
     """The overhead benchmark drives both paths (its figure is a benchmark's, not asserted)."""
     import math
 
-    from bench.bench_server_overhead import measure
+    from bench.serving.server_overhead import measure
 
     engine, pre = tiny_engine
     res = measure(engine, pre, requests=8, rounds=2)

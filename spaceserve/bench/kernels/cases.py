@@ -16,6 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from spaceserve.bench.measure import bench_ms, sync
+from spaceserve.models.presets import get_preset
+
+_7B = get_preset("qwen2-vl-7b").text  # the big (GPU) shapes: Qwen2-VL-7B's LLM
 
 Outputs = list[torch.Tensor]
 # make(device, dtype, big) -> (shape text, call(num_sms) -> outputs, reference() -> fp64 outputs)
@@ -45,7 +48,7 @@ def _as_list(out) -> Outputs:
 
 
 def make_linear(dev, dtype, big, f):
-    m, k, n = (1024, 3584, 3584) if big else (130, 96, 272)
+    m, k, n = (1024, _7B.hidden, _7B.hidden) if big else (130, 96, 272)
     x, w, b = _r(m, k, dev=dev, dtype=dtype), _r(n, k, dev=dev, dtype=dtype, scale=k**-0.5), \
         _r(n, dev=dev, dtype=dtype)
     return (f"M={m} K={k} N={n} silu", lambda s: [f["fn"](x, w, b, activation="silu", num_sms=s)],
@@ -53,7 +56,7 @@ def make_linear(dev, dtype, big, f):
 
 
 def make_gated_mlp(dev, dtype, big, f):
-    m, k, i = (256, 3584, 18944) if big else (19, 64, 96)
+    m, k, i = (256, _7B.hidden, _7B.intermediate) if big else (19, 64, 96)
     x = _r(m, k, dev=dev, dtype=dtype)
     wgu, wd = _r(2 * i, k, dev=dev, dtype=dtype, scale=k**-0.5), _r(k, i, dev=dev, dtype=dtype,
                                                                    scale=i**-0.5)
@@ -62,7 +65,7 @@ def make_gated_mlp(dev, dtype, big, f):
 
 
 def make_rms_norm(dev, dtype, big, f):
-    m, k = (4096, 3584) if big else (301, 200)
+    m, k = (4096, _7B.hidden) if big else (301, 200)
     x, res, w = _r(m, k, dev=dev, dtype=dtype), _r(m, k, dev=dev, dtype=dtype), \
         _r(k, dev=dev, dtype=dtype)
     return (f"M={m} K={k} +residual",

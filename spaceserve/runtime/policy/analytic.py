@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from spaceserve.models.presets import ModelPreset, get_preset
 from spaceserve.runtime.policy.contention import Contention
 from spaceserve.runtime.policy.curves import STAGE_AXES, Curve, CurveSet
 
@@ -104,56 +105,35 @@ class ModelShape:
                    tc.hidden_size, tc.intermediate_size, heads, tc.num_key_value_heads, head_dim,
                    tc.vocab_size, vision_window=window, vision_window_layers=window_layers)
 
+    @classmethod
+    def from_preset(cls, preset: ModelPreset, name: str | None = None) -> ModelShape:
+        """The dimensions of a model preset (`spaceserve.models.presets`), as `from_config`
+        reads them from the preset's transformers config, without building one."""
+        v, t = preset.vision, preset.text
+        window = window_layers = 0
+        if v.gated and v.window_size:
+            window = (v.window_size // v.merge // v.patch_size * v.merge) ** 2
+            full = {i for i in v.fullatt_blocks if 0 <= i < v.depth}
+            window_layers = v.depth - len(full) if window else 0
+        return cls(name or preset.name, v.depth, v.embed, v.heads, v.intermediate, v.gated,
+                   v.out_hidden, v.merge, v.patch_dim, t.layers, t.hidden, t.intermediate,
+                   t.heads, t.kv_heads, t.head_dim, t.vocab, vision_window=window,
+                   vision_window_layers=window_layers)
+
 
 def qwen2_vl_7b_config() -> Any:
-    """Qwen2-VL-7B's config, built offline (no hub access)."""
-    from transformers import Qwen2VLConfig
-
-    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                 "mrope_section": [16, 24, 24]})
-    vision = dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4,
-                  hidden_act="quick_gelu", patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, in_channels=3)
-    return Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
-                         video_token_id=151656, vision_start_token_id=151652,
-                         vision_end_token_id=151653)
+    """Qwen2-VL-7B's transformers config, built offline from its preset."""
+    return get_preset("qwen2-vl-7b").hf_config()
 
 
 def qwen2_vl_72b_config() -> Any:
-    """Qwen2-VL-72B's config, built offline: the 7B's vision tower (merged to 8192), an LLM of
-    80 layers, hidden 8192, 64 query / 8 KV heads, intermediate 29568."""
-    from transformers import Qwen2VLConfig
-
-    text = dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568,
-                num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                 "mrope_section": [16, 24, 24]})
-    vision = dict(depth=32, embed_dim=1280, hidden_size=8192, num_heads=16, mlp_ratio=4,
-                  hidden_act="quick_gelu", patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, in_channels=3)
-    return Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
-                         video_token_id=151656, vision_start_token_id=151652,
-                         vision_end_token_id=151653)
+    """Qwen2-VL-72B's transformers config, built offline from its preset."""
+    return get_preset("qwen2-vl-72b").hf_config()
 
 
 def qwen2_5_vl_7b_config() -> Any:
-    """Qwen2.5-VL-7B's config, built offline (no hub access)."""
-    from transformers import Qwen2_5_VLConfig
-
-    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                rms_norm_eps=1e-6, max_position_embeddings=128000,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                 "mrope_section": [16, 24, 24]})
-    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                  out_hidden_size=3584, hidden_act="silu", patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, in_channels=3, window_size=112,
-                  fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=151655,
-                            video_token_id=151656, vision_start_token_id=151652,
-                            vision_end_token_id=151653)
+    """Qwen2.5-VL-7B's transformers config, built offline from its preset."""
+    return get_preset("qwen2.5-vl-7b").hf_config()
 
 
 class Roofline:
@@ -272,11 +252,12 @@ def analytic_curves(config: Any = None, device: str | DevicePreset = "H200", *,
                     name: str | None = None, dtype: str = "bfloat16",
                     roofline: Callable[[ModelShape, DevicePreset, int], Roofline] = Roofline,
                     meta: dict[str, Any] | None = None) -> CurveSet:
-    """Modelled curves for `config` (default Qwen2-VL-7B) on a device preset; `roofline`
-    builds the cost model (one rank of a tensor-parallel group: `analytic_tp`), `meta` is
-    added to the curve set's model description."""
+    """Modelled curves for `config` (a transformers config or a model preset; default the
+    Qwen2-VL-7B preset) on a device preset; `roofline` builds the cost model (one rank of a
+    tensor-parallel group: `analytic_tp`), `meta` is added to the curve set's model
+    description."""
     if config is None:
-        config, name = qwen2_vl_7b_config(), name or "Qwen2-VL-7B"
+        config = get_preset("qwen2-vl-7b")
     if isinstance(device, str):
         if device not in PRESETS:
             raise ValueError(f"device: unknown preset {device!r}; choose from {sorted(PRESETS)}")
@@ -284,7 +265,8 @@ def analytic_curves(config: Any = None, device: str | DevicePreset = "H200", *,
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}.get(dtype)
     if dtype_bytes is None:
         raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
-    shape = ModelShape.from_config(config, name)
+    shape = ModelShape.from_preset(config, name) if isinstance(config, ModelPreset) \
+        else ModelShape.from_config(config, name)
     model = roofline(shape, device, dtype_bytes)
     sms = sms_grid(device.num_sms)
     fns = {"encoder": model.encoder_layer, "prefill": model.prefill, "decode": model.decode}

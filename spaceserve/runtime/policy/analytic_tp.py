@@ -30,12 +30,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from spaceserve.checks import require_choice, require_int
+from spaceserve.models.presets import get_preset
 from spaceserve.runtime.policy.analytic import (
     DevicePreset,
     ModelShape,
     Roofline,
     analytic_curves,
-    qwen2_vl_72b_config,
 )
 from spaceserve.runtime.policy.curves import CurveSet
 
@@ -159,7 +159,7 @@ def tensor_parallel_curves(config: Any = None, device: str | DevicePreset = "H20
     H200). The model description records ``tp``, ``mm_encoder_tp_mode``, ``encoder_ranks`` (the
     ranks encoding images at once: `tp` when data-parallel, else 1) and the link preset."""
     if config is None:
-        config, name = qwen2_vl_72b_config(), name or "Qwen2-VL-72B"
+        config = get_preset("qwen2-vl-72b")
     key = device if isinstance(device, str) else device.name
     if link is None or isinstance(link, str):
         link_key = link or key

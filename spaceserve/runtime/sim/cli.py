@@ -21,14 +21,9 @@ import time
 from pathlib import Path
 
 from spaceserve.cli_args import HelpFormatter
+from spaceserve.models.presets import PRESETS as MODELS
 from spaceserve.runtime.modes import OBJECTIVES
-from spaceserve.runtime.policy.analytic import (
-    PRESETS,
-    analytic_curves,
-    qwen2_5_vl_7b_config,
-    qwen2_vl_7b_config,
-    qwen2_vl_72b_config,
-)
+from spaceserve.runtime.policy.analytic import PRESETS, analytic_curves
 from spaceserve.runtime.policy.contention import Contention
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler
@@ -50,9 +45,6 @@ from spaceserve.runtime.sim.workload import DEFAULT_MIX, Workload
 DEFAULT_MODES = ("temporal", "temporal-chunked", "spatial")
 DEFAULT_RATES = "0,2,4,6,8,10,12,14,16,18,20"
 DEFAULT_SEEDS = (0, 1)
-MODELS = {"qwen2-vl-7b": ("Qwen2-VL-7B", qwen2_vl_7b_config),
-          "qwen2.5-vl-7b": ("Qwen2.5-VL-7B", qwen2_5_vl_7b_config),
-          "qwen2-vl-72b": ("Qwen2-VL-72B", qwen2_vl_72b_config)}
 
 
 def _mix(text: str) -> dict[str, float]:
@@ -92,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curves", type=Path,
                    help="a curves JSON file (measured) instead (default: analytic curves)")
     p.add_argument("--model", default="qwen2-vl-7b", choices=sorted(MODELS),
-                   help="model shapes of the analytic curves")
+                   help="model shapes of the analytic curves (spaceserve.models.presets)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: curves of one rank of the group (analytic)")
     p.add_argument("--mm-encoder-tp-mode", default="data", choices=("data", "weights"),
@@ -175,18 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             raise SystemExit(f"--curves {args.curves}: {exc}") from None
     else:
-        name, config = MODELS[args.model]
+        preset = MODELS[args.model]
         if args.tp > 1:
             from spaceserve.runtime.policy.analytic_tp import tensor_parallel_curves
 
             try:
-                curves = tensor_parallel_curves(config(), args.device, tp=args.tp,
-                                                mm_encoder_tp_mode=args.mm_encoder_tp_mode,
-                                                name=name)
+                curves = tensor_parallel_curves(preset, args.device, tp=args.tp,
+                                                mm_encoder_tp_mode=args.mm_encoder_tp_mode)
             except ValueError as exc:
                 raise SystemExit(f"--tp {args.tp}: {exc}") from None
         else:
-            curves = analytic_curves(config(), args.device, name=name)
+            curves = analytic_curves(preset, args.device)
     if args.contention is not None:
         try:
             curves = curves.with_contention(Contention.flat(args.contention))

@@ -12,7 +12,7 @@ Drivers (who issues the launches; a grant is launched layer by layer either way)
   for the GIL. The encoder's launch rate is bounded by that budget per decode step.
 - ``thread``: a worker launches whole grants and waits on their events, yielding the GIL
   between layers; the engine thread still waits for it when it needs the GIL mid-layer.
-Measured on CPU, host side only (`bench/colocation_driver.py` ``driver_experiment``: a model
+Measured on CPU, host side only (`bench/serving/colocation_driver.py` ``driver_experiment``: a model
 whose device is a virtual clock with a queue per partition; launches burn host time holding the
 GIL, reading tokens sleeps until the step's device time passed): with 12 x 20 us launches per
 4 ms vision layer, 6 ms decode steps (0.5 ms host) at batch 32 and a 32-layer image every

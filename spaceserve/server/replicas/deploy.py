@@ -153,10 +153,10 @@ class DataParallelServer:
 
         from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
 
+        from ...models.tiny import resolve_model
         from ..app import create_app
         from ..engine_client import cap_video_tokens
         from ..handles import DEFAULT_PIXELS
-        from ..tiny import resolve_model
         from .client import ReplicaClient
 
         ray = _import_ray()

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
+from spaceserve.models.tiny import _build_tokenizer
 from spaceserve.runtime.engine.outputs import Detokenizer, held_prefix, make_decoder
-from spaceserve.server.tiny import _build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -148,7 +148,7 @@ def test_content_hashes_are_stable_and_discriminating() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_pre(tmp_path_factory):
-    from spaceserve.server.tiny import build_tiny_checkpoint
+    from spaceserve.models.tiny import build_tiny_checkpoint
 
     return ChatPreprocessor.from_pretrained(build_tiny_checkpoint(
         tmp_path_factory.mktemp("tiny") / "ckpt"))

@@ -1,0 +1,6 @@
+"""A hostile client against a live ``spaceserve serve --model tiny`` (``python -m bench.attack``).
+
+- `run`: the server's lifecycle, the context and rows, the table; `main`.
+- `cases`: the attacks, one coroutine each.
+- `probe`: the "hi" probe, run in its own process.
+"""

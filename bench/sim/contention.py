@@ -1,0 +1,133 @@
+"""Which scheduling conclusions survive co-running contention: the simulator at 0, 8, 20, 35%.
+
+Co-running slowdown is the least known number in the model (the analytic presets guess a flat
+8%; `spaceserve profile` measures it on a GPU). This runs `spaceserve sim`'s sweep - H200
+analytic curves of Qwen2-VL-7B, 32 background decodes, the default image mix, --duration s of
+Poisson arrivals per seed - with the contention table replaced by a flat slowdown of each
+level, and counts goodput (image requests/s within the SLO, `runtime.policy.slo`) under two
+SLOs, each from runs scheduled for it: A ``ttft:2000,tpot:50`` (the default) and B
+``ttft:2000,itl:21``.
+It prints a goodput table per level and which conclusions hold at which levels, and writes
+both as JSON and markdown under --out.
+
+    python -m bench.sim.contention --out runs/sim-contention
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from spaceserve.runtime.policy.slo import Slo
+
+SLOS = {"A": Slo.parse("ttft:2000,tpot:50"), "B": Slo.parse("ttft:2000,itl:21")}
+MODES = ("temporal", "temporal-chunked", "spatial")
+
+
+def sweep(level: float, rates: list[float], seeds: list[int], duration: float,
+          drain: float) -> dict[str, dict[float, dict[str, float]]]:
+    """{mode: {rate: {slo name: goodput per s, "<name>_att": attainment}}} at one level."""
+    from spaceserve.runtime.policy.analytic import analytic_curves
+    from spaceserve.runtime.policy.contention import Contention
+    from spaceserve.runtime.sim import SimConfig, Workload, simulate
+    from spaceserve.runtime.sim.sweep import pooled_goodput
+
+    curves = analytic_curves(device="H200").with_contention(Contention.flat(level))
+    out: dict[str, dict[float, dict[str, float]]] = {}
+    for mode in MODES:
+        out[mode] = {}
+        for rate in rates:
+            cell: dict[str, float] = {}
+            for name, slo in SLOS.items():
+                # each SLO's runs are scheduled for it (SIS's goodput objective and TWSRFT's
+                # deadlines aim at the SLO they are judged by)
+                runs = [simulate(curves, SimConfig(mode=mode, slo=slo),
+                                 Workload(rate, duration, seed=s), drain_s=drain) for s in seeds]
+                g = pooled_goodput(runs, slo)
+                cell[name], cell[f"{name}_att"] = g["rate_per_s"], g["attainment"]
+            out[mode][rate] = cell
+    return out
+
+
+def _best_temporal(res: dict, rate: float, slo: str) -> float:
+    return max(res["temporal"][rate][slo], res["temporal-chunked"][rate][slo])
+
+
+# (statement, test on one level's results) - the claims the README weighs
+CONCLUSIONS: list[tuple[str, Callable[[dict, list[float]], bool]]] = [
+    ("SLO A: spatial >= 0.95x the best of temporal and temporal-chunked at every rate",
+     lambda r, rates: all(r["spatial"][x]["A"] >= 0.95 * _best_temporal(r, x, "A")
+                          for x in rates)),
+    ("SLO B: spatial >= 0.95x the best of temporal and temporal-chunked at every rate",
+     lambda r, rates: all(r["spatial"][x]["B"] >= 0.95 * _best_temporal(r, x, "B")
+                          for x in rates)),
+    ("SLO B: spatial >= 5x temporal at every rate >= 8 img/s",
+     lambda r, rates: all(r["spatial"][x]["B"] >= 5 * r["temporal"][x]["B"]
+                          for x in rates if x >= 8)),
+    ("SLO A: temporal-chunked >= temporal at every rate",
+     lambda r, rates: all(r["temporal-chunked"][x]["A"] >= r["temporal"][x]["A"] - 1e-9
+                          for x in rates)),
+    ("SLO B: temporal-chunked >= temporal at every rate",
+     lambda r, rates: all(r["temporal-chunked"][x]["B"] >= r["temporal"][x]["B"] - 1e-9
+                          for x in rates)),
+    ("spatial serves >= 90% within SLO A at 8 img/s",
+     lambda r, rates: 8.0 in r["spatial"] and r["spatial"][8.0]["A_att"] >= 0.9),
+]
+
+
+def markdown(results: dict[float, dict], rates: list[float]) -> str:
+    """Goodput tables (one row per level and rate) and the conclusions' verdicts."""
+    lines = ["| contention | img/s | " + " | ".join(
+        f"{m} A / B" for m in MODES) + " |", "|---|---|" + "---|" * len(MODES)]
+    for level, res in results.items():
+        for rate in rates:
+            cells = [f"{res[m][rate]['A']:.2f} / {res[m][rate]['B']:.2f}" for m in MODES]
+            lines.append(f"| {100 * level:g}% | {rate:g} | " + " | ".join(cells) + " |")
+    lines += ["", "| conclusion | " + " | ".join(f"{100 * lv:g}%" for lv in results) + " |",
+              "|---|" + "---|" * len(results)]
+    for text, test in CONCLUSIONS:
+        lines.append(f"| {text} | " + " | ".join("holds" if test(res, rates) else "fails"
+                                                 for res in results.values()) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.sim.contention", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levels", default="0,0.08,0.2,0.35", help="co-running slowdowns")
+    p.add_argument("--rates", default="2,4,6,8,10,12,14,16,18,20", help="image requests/s")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    p.add_argument("--drain", type=float, default=10.0, help="seconds after arrivals stop")
+    p.add_argument("--out", type=Path, default=Path("runs/sim-contention"))
+    args = p.parse_args(argv)
+    levels = [float(x) for x in args.levels.split(",")]
+    rates = [float(x) for x in args.rates.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    t0 = time.perf_counter()
+    results = {}
+    for level in levels:
+        results[level] = sweep(level, rates, seeds, args.duration, args.drain)
+        print(f"contention {100 * level:g}% done ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+    md = markdown(results, rates)
+    print(f"\ngoodput (image requests/s within SLO A ttft:2000,tpot:50 / B ttft:2000,itl:21), "
+          f"H200 modelled, Qwen2-VL-7B, batch 32, {args.duration:g} s x seeds {seeds}:\n")
+    print(md)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "contention.md").write_text(md + "\n")
+    (args.out / "contention.json").write_text(json.dumps(
+        {"config": vars(args) | {"out": str(args.out)},
+         "slos": {k: v.to_dict() for k, v in SLOS.items()},
+         "results": {str(lv): {m: {str(r): c for r, c in rows.items()}
+                               for m, rows in res.items()} for lv, res in results.items()}},
+        indent=1))
+    print(f"\nwrote {args.out / 'contention.md'} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
