@@ -45,7 +45,7 @@ from starlette.responses import Response, StreamingResponse
 from spaceserve.runtime.inputs import ChatPreprocessor, RemoteFetcher, text_byte_limit
 
 from . import protocol as P
-from .flags import build_parser
+from .flags import build_parser, engine_args
 from .guard import AdmissionMiddleware, GuardLimits, release_body
 from .handles import Cancelled, QueueFull
 from .logprobs import TokenText
@@ -222,17 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         settings = ServeSettings.from_args(args)
-        engine, pre, note = load_engine(
-            args.model, mode=args.mode, device=args.device, dtype=args.dtype,
-            attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-            max_model_len=args.max_model_len, seed=args.seed,
-            max_images_per_prompt=args.max_images_per_request,
-            tensor_parallel_size=args.tensor_parallel_size,
-            mm_encoder_tp_mode=args.mm_encoder_tp_mode, slo=args.slo,
-            encoder_window_s=args.encoder_window_ms / 1e3,
-            encoder_cache_bytes=args.encoder_cache_bytes,
-            enable_prefix_caching=args.prefix_caching)
+        engine, pre, note = load_engine(args.model, **engine_args(args))
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2

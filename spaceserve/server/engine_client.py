@@ -296,13 +296,11 @@ def resolve_mode(mode: str) -> tuple[str, str | None]:
 def load_engine(model: str, *, mode: str = "temporal", device: str | None = None,
                 dtype: str | None = None, attention_backend: str | None = None,
                 **config: Any) -> tuple[Engine, Any, str | None]:
-    """(engine, chat preprocessor, mode note) for a checkpoint directory or ``tiny``.
-
-    Defaults: CUDA when present, the checkpoint's dtype, the triton attention backend on CUDA
-    and the torch one on CPU (the Triton interpreter is far too slow to serve)."""
-    import torch
-
-    from spaceserve.runtime.engine.engine import Engine, EngineConfig
+    """(engine, chat preprocessor, mode note) for a checkpoint directory or ``tiny``, built by
+    the one assembly path (`runtime.engine.assemble`): CUDA when present, the checkpoint's
+    dtype, the default attention backend of the mode and device unless given."""
+    from spaceserve.runtime.engine.assemble import assemble_engine
+    from spaceserve.runtime.engine.config import EngineConfig
     from spaceserve.runtime.engine.load_runner import load_runner
     from spaceserve.runtime.inputs import ChatPreprocessor
 
@@ -311,21 +309,19 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
     run_mode, note = resolve_mode(mode)
     cfg = EngineConfig(mode=run_mode, **config)
     path = resolve_model(model)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if attention_backend is None:
-        attention_backend = "triton" if str(device).startswith("cuda") else "torch"
-    runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
-                         device=device)
-    try:
+    pres: list[Any] = []
+
+    def processors(runner: Any) -> tuple[Any, Any]:
         pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id,
                                                video_token_id=runner.info.video_token_id)
-        engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
-    except BaseException:
-        close = getattr(runner, "close", None)  # a tensor-parallel runner's workers
-        if close is not None:
-            close()
-        raise
+        pres.append(pre)
+        return pre.tokenizer, pre
+
+    engine = assemble_engine(
+        cfg, lambda backend, dev: load_runner(path, cfg, attention_backend=backend, dtype=dtype,
+                                              device=dev),
+        attention_backend=attention_backend, device=device, processors=processors)
+    pre = pres[0]
     cap_video_tokens(pre, engine.max_model_len)
     return engine, pre, note
 
