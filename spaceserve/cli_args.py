@@ -30,12 +30,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter,
 
 
 def switch_default(action: argparse.Action) -> str:
-    """What a flag without a value leaves in place when not given, in words."""
+    """What a flag without a value leaves in place when not given, in words: ``--no-X``
+    turns X off, so X is on unless the flag is given; another flag turns its thing on."""
     long = next((o for o in action.option_strings if o.startswith("--")),
                 action.option_strings[0])
-    if long.startswith("--no-"):  # --no-X: X is on unless the flag is given
-        return f"{long[5:].replace('-', ' ')} {'on' if action.default else 'off'}"
-    return "on" if action.default else "off"
+    as_if_given = action.default == action.const  # the flag would change nothing
+    if long.startswith("--no-"):
+        return f"{long[5:].replace('-', ' ')} {'off' if as_if_given else 'on'}"
+    return "on" if as_if_given else "off"
 
 
 def build_compile_check_parser(prog: str = "spaceserve compile-check") -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ from typing import Any
 from spaceserve.cli_args import HelpFormatter
 from spaceserve.runtime.engine.args import (
     SERVE_FIELDS,
+    SM_BUDGET_FIELDS,
     add_engine_args,
     add_load_args,
     add_sm_budget_args,
@@ -96,7 +97,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     loader's, the engine's (`runtime.engine.args`), and --max-images-per-request as the
     prompt's image bound. One engine (app.py) and every replica (replicas/deploy.py) get these;
     ValueError names a bad flag (a malformed --curves file among them)."""
-    return {**load_kwargs(args), **engine_kwargs(args),
+    return {**load_kwargs(args), **engine_kwargs(args, SERVE_FIELDS + SM_BUDGET_FIELDS),
             "max_images_per_prompt": args.max_images_per_request}
 
 

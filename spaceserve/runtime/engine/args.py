@@ -117,15 +117,16 @@ def check_curves(path: str) -> str:
     return os.path.abspath(path)
 
 
-def engine_kwargs(args: argparse.Namespace, names: Iterable[str] | None = None
-                  ) -> dict[str, Any]:
-    """`EngineConfig` keywords from parsed flags: every field in `names` (default: every
-    field whose flag the parser declared), converted to the field's unit. A ``--curves`` file
-    is read and checked here, so a malformed one is refused before anything loads."""
+def engine_kwargs(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
+    """`EngineConfig` keywords from parsed flags: the fields `names` (those whose flags the
+    parser was given), converted to the field's unit; a flag left None keeps the field's own
+    default. A ``--curves`` file is read and checked here, so a malformed one is refused
+    before anything loads."""
     out: dict[str, Any] = {}
+    names = tuple(names)
     for name, f in engine_fields().items():
         flag: Flag = f.metadata["flag"]
-        if (names is not None and name not in names) or not hasattr(args, flag.dest):
+        if name not in names:
             continue
         value = getattr(args, flag.dest)
         if value is not None and flag.to_field is not None:
@@ -143,9 +144,10 @@ def load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in LOAD_FLAGS if hasattr(args, name)}
 
 
-def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
-    """The `EngineConfig` of parsed flags (`engine_kwargs`), `overrides` on top."""
-    return EngineConfig(**{**engine_kwargs(args), **overrides})
+def engine_config(args: argparse.Namespace, names: Iterable[str], **overrides: Any
+                  ) -> EngineConfig:
+    """The `EngineConfig` of parsed flags (`engine_kwargs` of `names`), `overrides` on top."""
+    return EngineConfig(**{**engine_kwargs(args, names), **overrides})
 
 
 __all__ = ["LOAD_FLAGS", "SERVE_FIELDS", "SM_BUDGET_FIELDS", "add_engine_args",

@@ -133,7 +133,7 @@ class EngineConfig:
         "prefix caching)", Flag(("--no-prefix-caching",), negate=True,
                                 help="turn automatic prefix caching of KV blocks off"))
     slo: Slo | str = setting(
-        DEFAULT_SLO, "latency SLO in ms finished requests are judged by (goodput; /metrics "
+        DEFAULT_SLO, "latency SLO in ms requests are judged by (goodput; the server's "
         "request_slo_total) and spatial's SIS aims at: any of ttft, tpot, itl (p99 per "
         f"request), e2el (default {DEFAULT_SLO_TEXT})", Flag(("--slo",), from_field=str))
     sis_objective: str = setting(
