@@ -71,7 +71,8 @@ if TYPE_CHECKING:
 
     from .engine_client import AsyncEngine
 
-__all__ = ["ServerLimits", "build_parser", "create_app", "main"]  # and ServerThread, lazily
+# and ServerThread, lazily
+__all__ = ["ServerLimits", "build_parser", "build_server", "create_app", "main"]
 
 
 def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, model_name: str,
@@ -211,30 +212,38 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``spaceserve serve`` with one engine in this process (serve.py picks this or
-    replicas)."""
-    args = build_parser().parse_args(argv)
-    from spaceserve.runtime.tp.group import TensorParallelError
-
+def build_server(args: Any) -> tuple[Any, AsyncEngine, FastAPI, Any]:
+    """(engine, client, app, settings) of ``spaceserve serve``'s parsed flags (one engine in
+    this process), ready to serve; ValueError names a bad flag, a malformed --curves file
+    among them."""
     from .engine_client import AsyncEngine, load_engine
     from .settings import ServeSettings
 
-    try:
-        settings = ServeSettings.from_args(args)
-        engine, pre, note = load_engine(args.model, **engine_args(args))
-    except ValueError as exc:
-        print(f"spaceserve serve: {exc}", file=sys.stderr)
-        return 2
-    except TensorParallelError as exc:  # a worker failed to start
-        print(f"spaceserve serve: {exc}", file=sys.stderr)
-        return 1
+    settings = ServeSettings.from_args(args)
+    engine, pre, note = load_engine(args.model, **engine_args(args))
     if note:
         print(f"spaceserve serve: {note}", file=sys.stderr)
     client = AsyncEngine(engine, max_pending=settings.max_pending, pool=settings.pool(),
                          pixels=settings.pixels(), mode_note=note)
     app = create_app(client, pre, model_name=args.served_model_name or args.model,
                      limits=settings.limits, root=args.model, guard=settings.guard)
+    return engine, client, app, settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``spaceserve serve`` with one engine in this process (serve.py picks this or
+    replicas)."""
+    args = build_parser().parse_args(argv)
+    from spaceserve.runtime.tp.group import TensorParallelError
+
+    try:
+        engine, client, app, settings = build_server(args)
+    except ValueError as exc:
+        print(f"spaceserve serve: {exc}", file=sys.stderr)
+        return 2
+    except TensorParallelError as exc:  # a worker failed to start
+        print(f"spaceserve serve: {exc}", file=sys.stderr)
+        return 1
     print(f"spaceserve serve: {args.model} ({client.mode}, SLO {engine.config.slo}) on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     server = settings.server(app, client, host=args.host, port=args.port,
