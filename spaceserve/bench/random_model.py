@@ -109,7 +109,7 @@ class RandomModels:
         """(engine, prompt maker, mode note) for `mode`; a mode this engine build lacks runs
         as temporal and the note says so. `config`: EngineConfig fields."""
         from spaceserve.runtime.engine.assemble import assemble_engine
-        from spaceserve.runtime.engine.config import EngineConfig
+        from spaceserve.runtime.engine.engine import Engine, EngineConfig
         from spaceserve.runtime.worker.qwen2_vl import Qwen2VLRunner
         from spaceserve.server.engine_client import resolve_mode
 
@@ -131,6 +131,6 @@ class RandomModels:
                     attention_backend=backend, dtype=self.dtype, device=device)
             return Qwen2VLRunner(self.models[backend], eos_token_ids=())
 
-        engine = assemble_engine(cfg, make_runner, attention_backend=attention_backend,
+        engine = assemble_engine(Engine, cfg, make_runner, attention_backend=attention_backend,
                                  device=self.device)
         return engine, TokenPrompts(engine.runner.info, self.config, seed=self.seed), note

@@ -300,7 +300,7 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
     the one assembly path (`runtime.engine.assemble`): CUDA when present, the checkpoint's
     dtype, the default attention backend of the mode and device unless given."""
     from spaceserve.runtime.engine.assemble import assemble_engine
-    from spaceserve.runtime.engine.config import EngineConfig
+    from spaceserve.runtime.engine.engine import Engine, EngineConfig
     from spaceserve.runtime.engine.load_runner import load_runner
     from spaceserve.runtime.inputs import ChatPreprocessor
 
@@ -317,10 +317,11 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
         pres.append(pre)
         return pre.tokenizer, pre
 
-    engine = assemble_engine(
-        cfg, lambda backend, dev: load_runner(path, cfg, attention_backend=backend, dtype=dtype,
-                                              device=dev),
-        attention_backend=attention_backend, device=device, processors=processors)
+    def make_runner(backend: str, dev: Any) -> Any:
+        return load_runner(path, cfg, attention_backend=backend, dtype=dtype, device=dev)
+
+    engine = assemble_engine(Engine, cfg, make_runner, attention_backend=attention_backend,
+                             device=device, processors=processors)
     pre = pres[0]
     cap_video_tokens(pre, engine.max_model_len)
     return engine, pre, note

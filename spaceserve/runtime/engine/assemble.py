@@ -1,10 +1,11 @@
 """Engine assembly: the one path from settings and a runner maker to a running engine.
 
 `assemble_engine` is used by every place that builds an engine (`Engine.from_pretrained`, the
-server's `load_engine`, the benchmark's random-weight models): it resolves the device, picks
-the attention backend by the one rule (`config.default_attention_backend`), refuses
-``green_contexts="on"`` where the driver has no green contexts, makes the runner, and builds the
-engine, closing the runner (a tensor-parallel group's workers) if that fails.
+server's `load_engine`, the benchmark's random-weight models; each passes the engine class, so
+this module imports no engine): it resolves the device, picks the attention backend by the one
+rule (`config.default_attention_backend`), refuses ``green_contexts="on"`` where the driver
+has no green contexts, makes the runner, and builds the engine, closing the runner (a
+tensor-parallel group's workers) if that fails.
 """
 
 from __future__ import annotations
@@ -57,18 +58,16 @@ def check_green_contexts(config: EngineConfig, device: torch.device) -> None:
                          "or off")
 
 
-def assemble_engine(config: EngineConfig, make_runner: Callable[[str, torch.device], Any], *,
+def assemble_engine(engine_cls: Any, config: EngineConfig,
+                    make_runner: Callable[[str, torch.device], Any], *,
                     attention_backend: str | None = None, device: Any = None,
-                    processors: Callable[[Any], tuple[Any, Any]] | None = None,
-                    engine_cls: Any = None) -> Any:
-    """An engine (`engine_cls`, default `Engine`) of `config` on the runner
-    ``make_runner(backend, device)``; `processors(runner)` gives its (tokenizer, processor).
-    The runner is closed if anything after it fails."""
+                    processors: Callable[[Any], tuple[Any, Any]] | None = None) -> Any:
+    """An `engine_cls` (`Engine`) of `config` on the runner ``make_runner(backend, device)``;
+    `processors(runner)` gives its (tokenizer, processor). The runner is closed if anything
+    after it fails."""
     dev = resolve_device(device)
     backend = attention_backend_for(config.mode, dev, attention_backend)
     check_green_contexts(config, dev)
-    if engine_cls is None:
-        from spaceserve.runtime.engine.engine import Engine as engine_cls
     runner = make_runner(backend, dev)
     try:
         tokenizer, processor = processors(runner) if processors is not None else (None, None)

@@ -44,10 +44,10 @@ class EngineFrontends:
 
         cfg = EngineConfig(mode=mode, **config)
         return assemble_engine(
-            cfg, lambda backend, dev: load_runner(path, cfg, attention_backend=backend,
+            cls, cfg, lambda backend, dev: load_runner(path, cfg, attention_backend=backend,
                                                   dtype=dtype, device=dev),
             attention_backend=attention_backend, device=device,
-            processors=lambda runner: load_processor(path), engine_cls=cls)
+            processors=lambda runner: load_processor(path))
 
     # Front ends.
 
