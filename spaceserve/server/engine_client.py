@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
+from spaceserve.runtime.modes import MODES
 from spaceserve.runtime.policy.slo import DEFAULT_SLO
 
 from .errors import APIError
@@ -53,7 +54,7 @@ ENGINE_COUNTERS = (
      "Tokens computed in prefill (every computed token but a decode's newest)."),
 )
 
-KNOWN_MODES = ("temporal", "temporal-chunked", "spatial", "spatial-static", "shared")
+KNOWN_MODES = MODES  # every mode SpaceServe names (runtime/modes.py)
 
 
 @dataclass(frozen=True)
