@@ -71,13 +71,32 @@ def assemble_engine(engine_cls: Any, config: EngineConfig,
     runner = make_runner(backend, dev)
     try:
         tokenizer, processor = processors(runner) if processors is not None else (None, None)
-        return engine_cls(runner, config, tokenizer=tokenizer, processor=processor)
+        engine = engine_cls(runner, config, tokenizer=tokenizer, processor=processor)
     except BaseException:
         close = getattr(runner, "close", None)
         if close is not None:
             close()
         raise
+    try:
+        check_green_partitions(config, engine)
+    except ValueError:
+        engine.close()
+        raise
+    return engine
+
+
+def check_green_partitions(config: EngineConfig, engine: Any) -> None:
+    """``green_contexts="on"``: the engine's partitions must be green contexts; ValueError with
+    the reason when the driver refused them (every split fell back to kernel budgets)."""
+    if config.green_contexts != "on":
+        return
+    pset = getattr(getattr(engine, "spatial", None), "partitions", None)
+    if pset is None or getattr(pset, "shared", False) or pset.green:
+        return
+    raise ValueError(f"green_contexts='on' (--green-contexts on) but no split became a green "
+                     f"context: {pset.reason or 'refused'}; use auto (kernel budgets where "
+                     "they are missing) or off")
 
 
 __all__ = ["assemble_engine", "attention_backend_for", "check_green_contexts",
-           "resolve_device"]
+           "check_green_partitions", "resolve_device"]

@@ -18,7 +18,11 @@ from spaceserve.runtime.engine.args import (
     engine_fields,
     engine_kwargs,
 )
-from spaceserve.runtime.engine.assemble import attention_backend_for, check_green_contexts
+from spaceserve.runtime.engine.assemble import (
+    attention_backend_for,
+    check_green_contexts,
+    check_green_partitions,
+)
 from spaceserve.runtime.engine.config import EngineConfig, default_attention_backend
 
 ALL = tuple(engine_fields())
@@ -85,6 +89,21 @@ def test_green_contexts_on_is_refused_where_there_are_none() -> None:
             check_green_contexts(EngineConfig(mode=mode, green_contexts="on"), cpu)
         check_green_contexts(EngineConfig(mode=mode), cpu)  # auto: falls back
     check_green_contexts(EngineConfig(mode="temporal", green_contexts="on"), cpu)  # unpartitioned
+
+
+def test_green_contexts_on_is_refused_when_every_split_fell_back() -> None:
+    from types import SimpleNamespace as NS
+
+    def engine(green: bool, shared: bool = False):
+        pset = NS(green=green, shared=shared, reason="probe refused split 48")
+        return NS(spatial=NS(partitions=pset))
+
+    on = EngineConfig(mode="spatial-static", green_contexts="on")
+    with pytest.raises(ValueError, match="no split became a green context: probe refused"):
+        check_green_partitions(on, engine(False))
+    check_green_partitions(on, engine(True))
+    check_green_partitions(EngineConfig(mode="spatial-static"), engine(False))  # auto
+    check_green_partitions(on, NS(spatial=None))  # no partitions (a temporal engine)
 
 
 def test_one_default_attention_backend_rule() -> None:
