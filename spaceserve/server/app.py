@@ -244,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     except TensorParallelError as exc:  # a worker failed to start
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 1
-    print(f"spaceserve serve: {args.model} ({client.mode}, SLO {engine.config.slo}) on "
+    enc, dec = client.sm_split()  # the static split; spatial's changes per step
+    budget = f", encoder {enc} / decoder {dec} SMs" if client.mode == "spatial-static" else ""
+    print(f"spaceserve serve: {args.model} ({client.mode}{budget}, SLO {engine.config.slo}) on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     server = settings.server(app, client, host=args.host, port=args.port,
                              log_level=args.log_level)
