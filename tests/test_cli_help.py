@@ -49,6 +49,9 @@ def test_every_flag_has_help_and_a_default_shown() -> None:
         assert issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter), name
         text = parser.format_help()
         assert "(default: None)" not in text, (name, text)
+        # a switch shows its default in its own sense ("prefix caching on"), never the stored
+        # bool, which reads as the switch's state ("--no-prefix-caching ... (default: True)")
+        assert "(default: True)" not in text and "(default: False)" not in text, (name, text)
         for action in parser._actions:
             if action.option_strings and not isinstance(action, argparse._HelpAction):
                 assert action.help, f"spaceserve {name} {action.option_strings[-1]}: no help"

@@ -61,9 +61,11 @@ def random_config(name: str, llm_layers: int | None = None) -> Any:
 
 
 def default_backend(mode: str, device: torch.device) -> str:
-    """Triton kernels on CUDA, except ``shared`` (stock torch kernels, as under MPS); torch ops
-    on CPU (the Triton interpreter is far too slow to serve)."""
-    return "triton" if device.type == "cuda" and mode != "shared" else "torch"
+    """The engine's default attention backend of `mode` on `device` (one rule for every engine:
+    `runtime.engine.config.default_attention_backend`)."""
+    from spaceserve.runtime.engine.config import default_attention_backend
+
+    return default_attention_backend(mode, device.type)
 
 
 def _device(device: str | torch.device | None) -> torch.device:
@@ -106,32 +108,29 @@ class RandomModels:
                ) -> tuple[Any, TokenPrompts, str | None]:
         """(engine, prompt maker, mode note) for `mode`; a mode this engine build lacks runs
         as temporal and the note says so. `config`: EngineConfig fields."""
+        from spaceserve.runtime.engine.assemble import assemble_engine
         from spaceserve.runtime.engine.engine import Engine, EngineConfig
         from spaceserve.runtime.worker.qwen2_vl import Qwen2VLRunner
         from spaceserve.server.engine_client import resolve_mode
 
         run_mode, note = resolve_mode(mode)
-        backend = attention_backend or default_backend(run_mode, self.device)
-        if backend not in self.backends:
-            raise ValueError(f"attention_backend={backend!r}: this model was built for "
-                             f"{', '.join(self.backends)}")
         cfg = EngineConfig(mode=run_mode, **config)
         if cfg.tensor_parallel_size != self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size}: these models "
                              f"were set up for {self.tensor_parallel_size}")
-        if cfg.tensor_parallel_size > 1:
-            from spaceserve.runtime.tp import TensorParallelRunner
 
-            runner: Any = TensorParallelRunner.for_engine(
-                cfg, model_config=self.config.to_dict(), seed=self.seed,
-                attention_backend=backend, dtype=self.dtype, device=self.device)
-        else:
-            runner = Qwen2VLRunner(self.models[backend], eos_token_ids=())
-        try:
-            engine = Engine(runner, cfg)
-        except BaseException:
-            close = getattr(runner, "close", None)
-            if close is not None:
-                close()
-            raise
-        return engine, TokenPrompts(runner.info, self.config, seed=self.seed), note
+        def make_runner(backend: str, device: torch.device) -> Any:
+            if backend not in self.backends:
+                raise ValueError(f"attention_backend={backend!r}: this model was built for "
+                                 f"{', '.join(self.backends)}")
+            if cfg.tensor_parallel_size > 1:
+                from spaceserve.runtime.tp import TensorParallelRunner
+
+                return TensorParallelRunner.for_engine(
+                    cfg, model_config=self.config.to_dict(), seed=self.seed,
+                    attention_backend=backend, dtype=self.dtype, device=device)
+            return Qwen2VLRunner(self.models[backend], eos_token_ids=())
+
+        engine = assemble_engine(Engine, cfg, make_runner, attention_backend=attention_backend,
+                                 device=self.device)
+        return engine, TokenPrompts(engine.runner.info, self.config, seed=self.seed), note

@@ -66,9 +66,19 @@ from spaceserve.bench.report.tables import (
 from spaceserve.bench.schedule import CUT, run_one
 from spaceserve.bench.workload import ServeWorkload, parse_mix
 from spaceserve.cli_args import HelpFormatter
+from spaceserve.runtime.engine.args import (
+    SM_BUDGET_FIELDS,
+    add_engine_args,
+    add_load_args,
+    add_sm_budget_args,
+    engine_kwargs,
+)
 from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT, Slo
 
 __all__ = ["CUT", "bench_engine", "main", "run_one", "write_outputs"]
+
+# the engine flags of the in-process backend (declared beside EngineConfig's fields)
+BENCH_FIELDS = ("tensor_parallel_size", "max_num_seqs", "num_kv_blocks", "encoder_window_s")
 
 async def bench_engine(engine: Any, workloads: list[ServeWorkload], slo: Slo | None, *,
                        mode: str, model: str, note: str | None = None, preprocessor: Any = None,
@@ -132,9 +142,7 @@ async def _run_inprocess(args: argparse.Namespace, workloads: list[ServeWorkload
         randoms = RandomModels(args.model, llm_layers=args.llm_layers, backends=backends,
                                device=device, seed=args.seed,
                                tensor_parallel_size=args.tensor_parallel_size)
-    cfg = dict(max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-               tensor_parallel_size=args.tensor_parallel_size, slo=slo,
-               encoder_window_s=args.encoder_window_ms / 1e3)
+    cfg = dict(engine_kwargs(args, BENCH_FIELDS + SM_BUDGET_FIELDS), seed=args.seed, slo=slo)
     runs = []
     for mode in args.modes:
         pre = prompts = None
@@ -216,28 +224,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="goodput SLO in ms: any of ttft, tpot, itl (p99 per request), e2el "
                         f"(default {DEFAULT_SLO_TEXT})")
     p.add_argument("--seed", type=int, default=0, help="workload random seed")
-    p.add_argument("--device", help="in-process: cuda or cpu (default: cuda when present)")
-    p.add_argument("--attention-backend", help="in-process: triton or torch (default: triton "
-                   "on CUDA except in shared mode, torch on CPU)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="in-process: ranks the decoder is split over (a process and GPU each)")
-    p.add_argument("--max-num-seqs", type=int, default=128,
-                   help="in-process: requests in the running batch at most")
-    p.add_argument("--num-kv-blocks", type=int,
-                   help="in-process: KV cache blocks (default: sized from free memory)")
+    add_load_args(p, ("device", "attention_backend"), prefix="in-process: ")
+    add_engine_args(p, BENCH_FIELDS[:3], prefix="in-process: ")
     p.add_argument("--out", type=Path, default=Path("runs/bench-serve"),
                    help="output directory")
     p.add_argument("--show", type=int, default=3, help="outputs to print per mode")
     p.add_argument("--no-plot", action="store_true", help="skip the figures")
-    p.add_argument("--encoder-window-ms", type=float, default=20.0,
-                   help="in-process: temporal-chunked's encoder chunk between decode steps, "
-                        "TWSRFT's grant in the spatial modes")
+    add_engine_args(p, BENCH_FIELDS[3:], prefix="in-process: ")
     p.add_argument("--drain", type=float, default=30.0,
                    help="seconds a run waits after its last arrival; then unfinished = missed")
     p.add_argument("--target-gpu", default="H200",
                    help="on a CPU: the GPU preset (H200, H100, A100) of the modelled goodput")
     p.add_argument("--no-poll", action="store_true",
                    help="http: do not scrape /metrics for the SM split timeline")
+    add_sm_budget_args(p, prefix="in-process: ")
     return p
 
 
@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                      for r in rates]
         if not workloads:
             raise ValueError("--rates: no rate given")
+        if args.backend == "inprocess":  # a bad engine flag (a --curves file) fails here
+            engine_kwargs(args, BENCH_FIELDS + SM_BUDGET_FIELDS)
         where = _where(args)
     except ValueError as exc:
         print(f"spaceserve bench serve: {exc}", file=sys.stderr)

@@ -45,7 +45,7 @@ from starlette.responses import Response, StreamingResponse
 from spaceserve.runtime.inputs import ChatPreprocessor, RemoteFetcher, text_byte_limit
 
 from . import protocol as P
-from .flags import build_parser
+from .flags import build_parser, engine_args
 from .guard import AdmissionMiddleware, GuardLimits, release_body
 from .handles import Cancelled, QueueFull
 from .logprobs import TokenText
@@ -71,7 +71,8 @@ if TYPE_CHECKING:
 
     from .engine_client import AsyncEngine
 
-__all__ = ["ServerLimits", "build_parser", "create_app", "main"]  # and ServerThread, lazily
+# and ServerThread, lazily
+__all__ = ["ServerLimits", "build_parser", "build_server", "create_app", "main"]
 
 
 def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, model_name: str,
@@ -211,41 +212,41 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``spaceserve serve`` with one engine in this process (serve.py picks this or
-    replicas)."""
-    args = build_parser().parse_args(argv)
-    from spaceserve.runtime.tp.group import TensorParallelError
-
+def build_server(args: Any) -> tuple[Any, AsyncEngine, FastAPI, Any]:
+    """(engine, client, app, settings) of ``spaceserve serve``'s parsed flags (one engine in
+    this process), ready to serve; ValueError names a bad flag, a malformed --curves file
+    among them."""
     from .engine_client import AsyncEngine, load_engine
     from .settings import ServeSettings
 
-    try:
-        settings = ServeSettings.from_args(args)
-        engine, pre, note = load_engine(
-            args.model, mode=args.mode, device=args.device, dtype=args.dtype,
-            attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-            max_model_len=args.max_model_len, seed=args.seed,
-            max_images_per_prompt=args.max_images_per_request,
-            tensor_parallel_size=args.tensor_parallel_size,
-            mm_encoder_tp_mode=args.mm_encoder_tp_mode, slo=args.slo,
-            encoder_window_s=args.encoder_window_ms / 1e3,
-            encoder_cache_bytes=args.encoder_cache_bytes,
-            enable_prefix_caching=args.prefix_caching)
-    except ValueError as exc:
-        print(f"spaceserve serve: {exc}", file=sys.stderr)
-        return 2
-    except TensorParallelError as exc:  # a worker failed to start
-        print(f"spaceserve serve: {exc}", file=sys.stderr)
-        return 1
+    settings = ServeSettings.from_args(args)
+    engine, pre, note = load_engine(args.model, **engine_args(args))
     if note:
         print(f"spaceserve serve: {note}", file=sys.stderr)
     client = AsyncEngine(engine, max_pending=settings.max_pending, pool=settings.pool(),
                          pixels=settings.pixels(), mode_note=note)
     app = create_app(client, pre, model_name=args.served_model_name or args.model,
                      limits=settings.limits, root=args.model, guard=settings.guard)
-    print(f"spaceserve serve: {args.model} ({client.mode}, SLO {engine.config.slo}) on "
+    return engine, client, app, settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``spaceserve serve`` with one engine in this process (serve.py picks this or
+    replicas)."""
+    args = build_parser().parse_args(argv)
+    from spaceserve.runtime.tp.group import TensorParallelError
+
+    try:
+        engine, client, app, settings = build_server(args)
+    except ValueError as exc:
+        print(f"spaceserve serve: {exc}", file=sys.stderr)
+        return 2
+    except TensorParallelError as exc:  # a worker failed to start
+        print(f"spaceserve serve: {exc}", file=sys.stderr)
+        return 1
+    enc, dec = client.sm_split()  # the static split; spatial's changes per step
+    budget = f", encoder {enc} / decoder {dec} SMs" if client.mode == "spatial-static" else ""
+    print(f"spaceserve serve: {args.model} ({client.mode}{budget}, SLO {engine.config.slo}) on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     server = settings.server(app, client, host=args.host, port=args.port,
                              log_level=args.log_level)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
+from spaceserve.runtime.modes import MODES
 from spaceserve.runtime.policy.slo import DEFAULT_SLO
 
 from .errors import APIError
@@ -53,7 +54,7 @@ ENGINE_COUNTERS = (
      "Tokens computed in prefill (every computed token but a decode's newest)."),
 )
 
-KNOWN_MODES = ("temporal", "temporal-chunked", "spatial", "spatial-static", "shared")
+KNOWN_MODES = MODES  # every mode SpaceServe names (runtime/modes.py)
 
 
 @dataclass(frozen=True)
@@ -187,12 +188,9 @@ class AsyncEngine(Admission):
             try:
                 enc, dec = fn()
                 return int(enc), int(dec)
-            except Exception:  # a half-started spatial stage: fall back to the runner's view
+            except Exception:  # a half-started spatial stage: the whole device
                 pass
-        runner = self.engine.runner
-        enc = getattr(runner, "encoder_num_sms", None)
-        dec = getattr(runner, "decoder_num_sms", None)
-        return int(enc or self._device_sms), int(dec or self._device_sms)
+        return self._device_sms, self._device_sms
 
     def queue_depths(self) -> dict[str, int]:
         eng = self.engine
@@ -296,12 +294,10 @@ def resolve_mode(mode: str) -> tuple[str, str | None]:
 def load_engine(model: str, *, mode: str = "temporal", device: str | None = None,
                 dtype: str | None = None, attention_backend: str | None = None,
                 **config: Any) -> tuple[Engine, Any, str | None]:
-    """(engine, chat preprocessor, mode note) for a checkpoint directory or ``tiny``.
-
-    Defaults: CUDA when present, the checkpoint's dtype, the triton attention backend on CUDA
-    and the torch one on CPU (the Triton interpreter is far too slow to serve)."""
-    import torch
-
+    """(engine, chat preprocessor, mode note) for a checkpoint directory or ``tiny``, built by
+    the one assembly path (`runtime.engine.assemble`): CUDA when present, the checkpoint's
+    dtype, the default attention backend of the mode and device unless given."""
+    from spaceserve.runtime.engine.assemble import assemble_engine
     from spaceserve.runtime.engine.engine import Engine, EngineConfig
     from spaceserve.runtime.engine.load_runner import load_runner
     from spaceserve.runtime.inputs import ChatPreprocessor
@@ -311,21 +307,20 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
     run_mode, note = resolve_mode(mode)
     cfg = EngineConfig(mode=run_mode, **config)
     path = resolve_model(model)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if attention_backend is None:
-        attention_backend = "triton" if str(device).startswith("cuda") else "torch"
-    runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
-                         device=device)
-    try:
+    pres: list[Any] = []
+
+    def processors(runner: Any) -> tuple[Any, Any]:
         pre = ChatPreprocessor.from_pretrained(path, image_token_id=runner.info.image_token_id,
                                                video_token_id=runner.info.video_token_id)
-        engine = Engine(runner, cfg, tokenizer=pre.tokenizer, processor=pre)
-    except BaseException:
-        close = getattr(runner, "close", None)  # a tensor-parallel runner's workers
-        if close is not None:
-            close()
-        raise
+        pres.append(pre)
+        return pre.tokenizer, pre
+
+    def make_runner(backend: str, dev: Any) -> Any:
+        return load_runner(path, cfg, attention_backend=backend, dtype=dtype, device=dev)
+
+    engine = assemble_engine(Engine, cfg, make_runner, attention_backend=attention_backend,
+                             device=device, processors=processors)
+    pre = pres[0]
     cap_video_tokens(pre, engine.max_model_len)
     return engine, pre, note
 

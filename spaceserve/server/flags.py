@@ -8,10 +8,19 @@ replicas on Ray Serve behind the same endpoint: the same API, errors, bounds, /h
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from spaceserve.cli_args import HelpFormatter
+from spaceserve.runtime.engine.args import (
+    SERVE_FIELDS,
+    SM_BUDGET_FIELDS,
+    add_engine_args,
+    add_load_args,
+    add_sm_budget_args,
+    engine_kwargs,
+    load_kwargs,
+)
 from spaceserve.runtime.inputs import ImageLimits
-from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT
 
 from .guard import GuardLimits
 from .media_args import add_media_args
@@ -27,33 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="name clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--mode", default="temporal",
-                   help="engine mode: temporal, temporal-chunked, spatial, spatial-static, "
-                        "shared")
-    p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", help="float32, float16, bfloat16 (default: the checkpoint's)")
-    p.add_argument("--attention-backend",
-                   help="triton or torch (default: triton on CUDA, torch on CPU)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks the decoder is split over (one process and GPU each)")
-    p.add_argument("--mm-encoder-tp-mode", default="data", choices=("data", "replicate"),
-                   help="with -tp > 1: each rank encodes a share of the images (data) or every "
-                        "rank encodes every image (replicate)")
-    p.add_argument("--max-num-seqs", type=int, default=128,
-                   help="requests in the running batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens per engine step at most (chunked prefill)")
-    p.add_argument("--num-kv-blocks", type=int,
-                   help="KV cache blocks (default: sized from free device memory)")
-    p.add_argument("--max-model-len", type=int,
-                   help="context length (default: the model's, capped by the KV cache)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="engine seed for requests that bring none")
-    p.add_argument("--encoder-cache-bytes", type=int,
-                   help="encoder output cache budget in bytes; 0 turns it off (default: 5%% "
-                        "of free GPU memory, at most 8 GiB; 512 MiB on CPU)")
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="turn automatic prefix caching of KV blocks off")
+    add_load_args(p, ("device", "dtype", "attention_backend"))
+    add_engine_args(p, SERVE_FIELDS[:-2])  # the engine's flags, declared beside its config
     p.add_argument("--max-pending", type=int, default=ServeSettings.max_pending,
                    help="requests in flight before answering 503 (per replica with replicas)")
     p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes,
@@ -69,13 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "allowed)")
     add_media_args(p)
     p.add_argument("--log-level", default="info", help="uvicorn log level")
-    p.add_argument("--slo", default=DEFAULT_SLO_TEXT,
-                   help="latency SLO finished requests are judged by (/metrics "
-                        "request_slo_total), ms: any of ttft, tpot, itl (p99 per request), "
-                        f"e2el (default {DEFAULT_SLO_TEXT})")
-    p.add_argument("--encoder-window-ms", type=float, default=20.0,
-                   help="encoder time window: temporal-chunked's chunk between decode steps, "
-                        "TWSRFT's grant in the spatial modes")
+    add_engine_args(p, SERVE_FIELDS[-2:])
+    add_sm_budget_args(p)
     h = p.add_argument_group("hardening (bounds on what clients can make the server hold; "
                              "see README, Serving under attack)")
     h.add_argument("--max-request-pixels", type=int, default=ImageLimits.max_request_pixels,
@@ -113,4 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-__all__ = ["build_parser"]
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The keywords of `engine_client.load_engine` from ``spaceserve serve``'s flags: the
+    loader's, the engine's (`runtime.engine.args`), and --max-images-per-request as the
+    prompt's image bound. One engine (app.py) and every replica (replicas/deploy.py) get these;
+    ValueError names a bad flag (a malformed --curves file among them)."""
+    return {**load_kwargs(args), **engine_kwargs(args, SERVE_FIELDS + SM_BUDGET_FIELDS),
+            "max_images_per_prompt": args.max_images_per_request}
+
+
+__all__ = ["build_parser", "engine_args"]

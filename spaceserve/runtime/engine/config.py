@@ -1,7 +1,10 @@
 """Engine settings: `EngineConfig`, the engine modes and the attention backends.
 
-Every field is validated when the config is built (ValueError names the field), so a bad flag
-fails before any model is loaded. The co-located modes' fields are checked by `epd.check_config`.
+Every field is declared once, with its default, its documentation and (where a command line
+sets it) its flag (`setting.setting`; `args.py` builds the flags and reads them back). Every
+field is validated when the config is built (ValueError names the field), so a bad flag fails
+before any model is loaded; `check_config` checks the co-located modes' fields. A leaf: nothing
+here imports torch or runs a model.
 """
 
 from __future__ import annotations
@@ -10,92 +13,135 @@ from dataclasses import dataclass
 from typing import Any
 
 from spaceserve.runtime.core.memory import GRAPH_RESERVE_BYTES
+from spaceserve.runtime.engine.setting import Flag, ms_to_s, parse_ints, s_to_ms, setting
 from spaceserve.runtime.modes import DRIVERS, MODES, OBJECTIVES, PLACEMENTS
-from spaceserve.runtime.policy.slo import DEFAULT_SLO, Slo
+from spaceserve.runtime.policy.slo import DEFAULT_SLO, DEFAULT_SLO_TEXT, Slo
 
 ATTENTION_BACKENDS = ("triton", "torch")
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# --green-contexts auto|on|off -> the field's value (True and False keep their meaning)
+GREEN_CONTEXTS = {"auto": True, "on": "on", "off": False}
+
+
+def default_attention_backend(mode: str, device_type: str) -> str:
+    """The attention backend an engine gets when none is asked for: the Triton kernels on CUDA,
+    except in ``shared`` mode (stock torch kernels, co-located without partitions as under
+    MPS); torch ops on CPU (the Triton interpreter is far too slow to serve)."""
+    return "triton" if device_type == "cuda" and mode != "shared" else "torch"
+
+
+def _green_text(value: Any) -> str:
+    return {True: "auto", False: "off"}.get(value, value) if isinstance(value, bool) \
+        else str(value)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings; every field is validated (ValueError names it).
+    """Engine settings; each field's documentation is its `setting` text below (also the
+    help of its ``spaceserve serve`` flag). ValueError names a bad field."""
 
-    `num_kv_blocks` None sizes the cache from free device memory (CPU: a default count).
-    `max_model_len` None takes the model's context. `graph_batch_sizes` None: the default
-    buckets up to `max_num_seqs` (a runner without graphs ignores them). Decode graphs are
-    captured per batch size and per block-table width: `graph_context_lens` (tokens) names the
-    widths, None a doubling ladder from 256 tokens to `max_model_len`; a decode step replays
-    the narrowest graph that covers its longest sequence (longer ones run eagerly). All decode
-    graphs share one memory pool, bounded by `graph_reserve_bytes` (the memory the KV cache
-    leaves them), checked as each graph is captured.
-
-    Co-located modes (``shared``, ``spatial-static``, ``spatial``; see `epd.py`):
-    `encoder_sms` is the static split (None: about half the device, a multiple of 8);
-    `encoder_splits` the splits partitions are made for in ``spatial`` (None: chosen at start-up
-    from the curves and `slo`, the same on every tensor-parallel rank; `split_set.py`); `curves`
-    a resource-utility curves JSON for SIS and TWSRFT (None: the analytic model, of one rank at
-    tensor_parallel_size > 1); `prefill_on` "auto" (SIS in ``spatial``, else the compute
-    partition), "compute" or "decode"; `encoder_driver` "cooperative" or "thread" (the
-    cooperative one launches encoder layers for `encoder_launch_budget_s` of host time per step,
-    while the decode step runs, at least one layer per step; `encoder_window_s` is TWSRFT's
-    grant window, and ``temporal-chunked``'s encoder chunk between decode steps, see
-    `encoder_chunked.py`); `green_contexts` False forces kernel budgets alone; `programs_per_sm`
-    applies inside green partitions only.
-    `slo`: the latency SLO requests are judged by and ``spatial``'s SIS aims at (`slo.py`; an
-    `Slo` or its text such as ``"ttft:2000,tpot:50"``, the default); `sis_objective` "goodput"
-    or "tpot" (`sis.py`); `sis_load` the decode (batch, mean context) the split set is chosen
-    for when `encoder_splits` is None (`policy.py`, the simulator's background batch).
-
-    `async_scheduling` pipelines the temporal modes' steps: step n+1 is scheduled and launched
-    before step n's tokens are read back (see `engine.py`); False runs every step to completion.
-    `tensor_parallel_size` N > 1 splits the decoder over N ranks (one process each, rank 0 in
-    the engine's; see `runtime/tp`); the runner must be a tensor-parallel one of that size
-    (`Engine.from_pretrained` builds it). `mm_encoder_tp_mode` says how its ranks share the
-    vision encoder, with vLLM's name: "data" (each rank encodes a share of the images, which
-    are then broadcast) or "replicate" (every rank encodes every image); vLLM's "weights" (the
-    ViT's layers split over the ranks) is not implemented and refused (the README's simulator
-    comparison says where it would pay).
-    `collective_sms` bounds a collective's thread blocks (NCCL_MAX_CTAS; None: 16, or the
-    smallest partition when smaller).
-
-    `encoder_cache_bytes` is the encoder output cache's budget (None: sized from free device
-    memory, a fixed default on CPU; see `encoder_cache.default_capacity`; 0 turns it off);
-    `enable_prefix_caching` shares computed KV blocks between requests with a common prefix.
-    """
-
-    mode: str = "temporal"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    max_images_per_prompt: int = 8
-    max_encoder_tokens_per_step: int = 16384
-    max_held_embeddings: int = 64
-    gpu_memory_utilization: float = 0.9
-    graph_reserve_bytes: int = GRAPH_RESERVE_BYTES
-    graph_batch_sizes: tuple[int, ...] | None = None
-    graph_context_lens: tuple[int, ...] | None = None
-    seed: int = 0
-    encoder_sms: int | None = None
-    encoder_splits: tuple[int, ...] | None = None
-    curves: str | None = None
-    prefill_on: str = "auto"
-    encoder_driver: str = "cooperative"
-    encoder_window_s: float = 0.02
-    encoder_launch_budget_s: float = 0.003
-    green_contexts: bool = True
-    programs_per_sm: int = 1
-    async_scheduling: bool = True
-    tensor_parallel_size: int = 1
-    mm_encoder_tp_mode: str = "data"
-    collective_sms: int | None = None
-    encoder_cache_bytes: int | None = None
-    enable_prefix_caching: bool = True
-    slo: Slo | str = DEFAULT_SLO
-    sis_objective: str = "goodput"
-    sis_load: tuple[int, int] = (32, 1152)
+    mode: str = setting(
+        "temporal", "engine mode: temporal, temporal-chunked (the encoder in chunks between "
+        "decode steps), spatial (SM partitions chosen per step by SIS), spatial-static (one "
+        "fixed split, --encoder-sms), shared (both stages on the whole device)",
+        Flag(("--mode",)))
+    block_size: int = setting(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = setting(
+        None, "KV cache blocks (default: sized from free device memory; on CPU a default "
+        "count)", Flag(("--num-kv-blocks",), type=int))
+    max_num_seqs: int = setting(128, "requests in the running batch at most",
+                                Flag(("--max-num-seqs",), type=int))
+    max_num_batched_tokens: int = setting(
+        2048, "tokens per engine step at most (chunked prefill)",
+        Flag(("--max-num-batched-tokens",), type=int))
+    max_model_len: int | None = setting(
+        None, "context length (default: the model's, capped by the KV cache)",
+        Flag(("--max-model-len",), type=int))
+    max_images_per_prompt: int = setting(8, "images (and videos) one prompt may carry")
+    max_encoder_tokens_per_step: int = setting(
+        16384, "vision tokens the encoder stage takes on per step at most")
+    max_held_embeddings: int = setting(
+        64, "encoded images held for prefill at most (the encoder waits beyond)")
+    gpu_memory_utilization: float = setting(
+        0.9, "fraction of device memory the engine may use (weights, KV cache, graphs)")
+    graph_reserve_bytes: int = setting(
+        GRAPH_RESERVE_BYTES, "memory the KV cache leaves the decode graphs' shared pool, "
+        "checked as each graph is captured")
+    graph_batch_sizes: tuple[int, ...] | None = setting(
+        None, "batch sizes decode graphs are captured for (default: the buckets up to "
+        "max_num_seqs; a runner without graphs ignores them)")
+    graph_context_lens: tuple[int, ...] | None = setting(
+        None, "block-table widths (tokens) decode graphs are captured for, one graph per batch "
+        "size and width; a decode step replays the narrowest graph covering its longest "
+        "sequence, longer ones run eagerly (default: doubling from 256 tokens to "
+        "max_model_len)")
+    seed: int = setting(0, "engine seed for requests that bring none",
+                        Flag(("--seed",), type=int))
+    encoder_sms: int | None = setting(
+        None, "spatial-static: the encoder's SMs, the static split; the decoder gets the rest "
+        "(default: about half the device, a multiple of 8)",
+        Flag(("--encoder-sms",), type=int, metavar="SMS"))
+    encoder_splits: tuple[int, ...] | None = setting(
+        None, "spatial: the candidate encoder splits (SMs) partitions are made for, e.g. "
+        "32,64,96 (default: chosen at start-up from the curves and the SLO, the same on every "
+        "tensor-parallel rank)",
+        Flag(("--encoder-splits",), type=parse_ints, metavar="SMS,SMS,..."))
+    curves: str | None = setting(
+        None, "a resource-utility curves JSON (written by `spaceserve profile`) for SIS and "
+        "TWSRFT; a malformed file is refused at start (default: the analytic model of the "
+        "checkpoint, of one rank at tensor-parallel size > 1)",
+        Flag(("--curves",), metavar="FILE"))
+    prefill_on: str = setting(
+        "auto", "co-located modes: the partition prefill runs on: auto (SIS decides in "
+        "spatial, else the compute partition), compute or decode")
+    encoder_driver: str = setting(
+        "cooperative", "co-located modes: cooperative (encoder layers launched for "
+        "encoder_launch_budget_s of host time per step while the decode step runs, at least "
+        "one layer per step) or thread")
+    encoder_window_s: float = setting(
+        0.02, "encoder time window (ms on the command line): temporal-chunked's encoder chunk "
+        "between decode steps, TWSRFT's grant in the co-located modes",
+        Flag(("--encoder-window-ms",), type=float, to_field=ms_to_s, from_field=s_to_ms))
+    encoder_launch_budget_s: float = setting(
+        0.003, "the cooperative driver's host time for encoder launches per step")
+    green_contexts: bool | str = setting(
+        True, "SM partitions as CUDA green contexts: auto (True) uses them where the driver "
+        "has them, else kernel budgets alone; on requires them (refused at start without); "
+        "off (False) uses kernel budgets alone",
+        Flag(("--green-contexts",), choices=tuple(GREEN_CONTEXTS), from_field=_green_text))
+    programs_per_sm: int = setting(
+        1, "thread blocks per SM of the kernels' grids, inside green partitions only")
+    async_scheduling: bool = setting(
+        True, "pipeline the temporal modes' steps: step n+1 is scheduled and launched before "
+        "step n's tokens are read back; False runs every step to completion")
+    tensor_parallel_size: int = setting(
+        1, "ranks the decoder is split over (one process and GPU each; rank 0 in the engine's)",
+        Flag(("--tensor-parallel-size", "-tp"), type=int))
+    mm_encoder_tp_mode: str = setting(
+        "data", "with tensor-parallel size > 1: each rank encodes a share of the images, then "
+        "broadcast (data), or every rank encodes every image (replicate); vLLM's 'weights' is "
+        "not implemented and refused",
+        Flag(("--mm-encoder-tp-mode",), choices=("data", "replicate")))
+    collective_sms: int | None = setting(
+        None, "thread blocks of a collective at most, NCCL_MAX_CTAS (default: 16, or the "
+        "smallest partition when smaller)")
+    encoder_cache_bytes: int | None = setting(
+        None, "encoder output cache budget in bytes; 0 turns it off (default: 5% of free GPU "
+        "memory, at most 8 GiB; 512 MiB on CPU)", Flag(("--encoder-cache-bytes",), type=int))
+    enable_prefix_caching: bool = setting(
+        True, "share computed KV blocks between requests with a common prefix (automatic "
+        "prefix caching)", Flag(("--no-prefix-caching",), negate=True,
+                                help="turn automatic prefix caching of KV blocks off"))
+    slo: Slo | str = setting(
+        DEFAULT_SLO, "latency SLO in ms requests are judged by (goodput; the server's "
+        "request_slo_total) and spatial's SIS aims at: any of ttft, tpot, itl (p99 per "
+        f"request), e2el (default {DEFAULT_SLO_TEXT})", Flag(("--slo",), from_field=str))
+    sis_objective: str = setting(
+        "goodput", "SIS maximises predicted goodput, or protects TPOT at any TTFT cost (tpot: "
+        "the paper-like baseline)", Flag(("--sis-objective",), choices=OBJECTIVES))
+    sis_load: tuple[int, int] = setting(
+        (32, 1152), "the decode (batch, mean context) the split set is chosen for when "
+        "encoder_splits is None (the simulator's background batch)")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -104,6 +150,12 @@ class EngineConfig:
             object.__setattr__(self, "slo", Slo.of(self.slo))
         except ValueError as exc:
             raise ValueError(f"slo={self.slo!r}: {exc}") from None
+        green = self.green_contexts
+        if isinstance(green, str) and green in GREEN_CONTEXTS:
+            object.__setattr__(self, "green_contexts", GREEN_CONTEXTS[green])
+        elif not isinstance(green, bool):
+            raise ValueError(f"green_contexts={green!r} is not one of auto, on, off (or True, "
+                             "False)")
         check_config(self)  # the co-located modes' settings
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_images_per_prompt", "max_encoder_tokens_per_step",
@@ -150,6 +202,11 @@ class EngineConfig:
             raise ValueError(f"graph_reserve_bytes={self.graph_reserve_bytes!r} must be an "
                              "int >= 0")
 
+
+    @property
+    def green_contexts_mode(self) -> str:
+        """`green_contexts` as the flag names it: auto, on or off."""
+        return _green_text(self.green_contexts)
 
 def check_config(cfg: Any) -> None:
     """Validate an `EngineConfig`'s co-located-mode settings; ValueError names the field."""

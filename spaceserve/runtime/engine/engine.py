@@ -2,23 +2,20 @@
 
 One `step()` drains newly added and aborted requests, lets the encoder stage make progress,
 schedules a continuous batch (decodes plus chunked prefills under a token budget), runs the
-model once and samples every row on the device, starting the copy of the sampled ids (and any
-requested logprobs) to the host: the step's only device-to-host transfer. Host work per step
-grows with the batch, never with the number of layers.
+model once and samples every row on the device, starting the copy of the sampled ids (and
+logprobs) to the host: the step's only device-to-host transfer.
 
 Steps are pipelined (``EngineConfig.async_scheduling``, as vLLM's asynchronous scheduling): a
-step schedules and launches step n+1 before it reads back step n, so on a GPU the host's work
-for the next step (scheduling, planning, the sampler's bookkeeping) and for the previous one
-(appending tokens, stop checks, detokenisation, streaming) runs while the device computes.
+step schedules and launches step n+1 before it reads back step n, so the host's work for both
+steps (planning; appending tokens, stop checks, streaming) runs while the device computes.
 Step n+1 is scheduled as if every request of step n drew a token (a placeholder); the decode
 inputs that are still placeholders are taken on the device from the sampler's last-token table,
 so nothing waits for the host. A request that step n finishes has drawn one token too many in
 step n+1, which is dropped. The co-located modes run unpipelined (their decode step already
 overlaps the encoder's launches).
 
-Requests may be added and aborted from any thread; steps are serialised by a lock. The pieces
-around the step live beside it: settings in config.py, prompt processing in inputs/, output
-emission in outputs.py, and the front ends (`generate`, `stream`) in frontends.py.
+Requests may be added and aborted from any thread; steps are serialised by a lock. Settings
+are in config.py, outputs in outputs.py, the front ends (`generate`, `stream`) in frontends.py.
 """
 
 from __future__ import annotations
@@ -99,7 +96,7 @@ class Engine(EngineFrontends):
             sizes = tuple(s for s in DEFAULT_GRAPH_SIZES if s <= config.max_num_seqs)
         self.block_manager = BlockManager(self.memory.num_blocks, bs,
                                           enable_caching=config.enable_prefix_caching)
-        self.spatial: Any = None  # the co-located modes' step runtime (epd.py)
+        self.spatial: Any = None  # the co-located modes' step runtime (spatial/step.py)
         self.encoder: Any
         if config.mode in TEMPORAL_MODES:
             self.graph_batch_sizes = runner.capture_decode_graphs(sizes)
@@ -211,6 +208,12 @@ class Engine(EngineFrontends):
         from spaceserve.kernels.budget import device_num_sms
 
         return int(device_num_sms(self.runner.device))
+
+    def sm_split(self) -> tuple[int, int]:
+        """(encoder SMs, decoder SMs) the next step runs under; the whole device for both in
+        the time-multiplexed modes."""
+        return self.spatial.sm_split() if self.spatial is not None else \
+            (self.device_sms, self.device_sms)
 
     # The loop.
 

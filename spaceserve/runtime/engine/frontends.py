@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from spaceserve.runtime.core.request import RequestOutput, SamplingParams
-from spaceserve.runtime.engine.config import ATTENTION_BACKENDS, EngineConfig
+from spaceserve.runtime.engine.config import EngineConfig
 from spaceserve.runtime.inputs.processor import load_processor
 
 if TYPE_CHECKING:
@@ -35,27 +35,19 @@ class EngineFrontends:
                         attention_backend: str | None = None, dtype: Any = None,
                         device: Any = None, **config: Any) -> Self:
         """Load a Qwen2-VL checkpoint (a local directory) with its tokenizer and processor.
-        `attention_backend` None: "torch" (stock kernels) in ``shared`` mode, else "triton".
-        ``tensor_parallel_size=N`` (an `EngineConfig` field) starts N - 1 worker processes,
-        each loading only its slices of the checkpoint; `close` stops them."""
-        cfg = EngineConfig(mode=mode, **config)
-        if attention_backend is None:
-            attention_backend = "torch" if mode == "shared" else "triton"
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={attention_backend!r} is not one of "
-                             f"{', '.join(ATTENTION_BACKENDS)}")
-        tokenizer, processor = load_processor(path)
+        `attention_backend` None: `config.default_attention_backend` (triton on CUDA except in
+        ``shared`` mode, torch on CPU). ``tensor_parallel_size=N`` (an `EngineConfig` field)
+        starts N - 1 worker processes, each loading only its slices of the checkpoint; `close`
+        stops them."""
+        from spaceserve.runtime.engine.assemble import assemble_engine
         from spaceserve.runtime.engine.load_runner import load_runner
 
-        runner = load_runner(path, cfg, attention_backend=attention_backend, dtype=dtype,
-                             device=device)
-        try:
-            return cls(runner, cfg, tokenizer=tokenizer, processor=processor)
-        except BaseException:
-            close = getattr(runner, "close", None)
-            if close is not None:
-                close()
-            raise
+        cfg = EngineConfig(mode=mode, **config)
+        return assemble_engine(
+            cls, cfg, lambda backend, dev: load_runner(path, cfg, attention_backend=backend,
+                                                  dtype=dtype, device=dev),
+            attention_backend=attention_backend, device=device,
+            processors=lambda runner: load_processor(path))
 
     # Front ends.
 

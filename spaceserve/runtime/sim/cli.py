@@ -22,12 +22,12 @@ from pathlib import Path
 
 from spaceserve.cli_args import HelpFormatter
 from spaceserve.models.presets import PRESETS as MODELS
-from spaceserve.runtime.modes import OBJECTIVES
+from spaceserve.runtime.engine.args import add_engine_args
 from spaceserve.runtime.policy.analytic import PRESETS, analytic_curves
 from spaceserve.runtime.policy.contention import Contention
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler
-from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT, Slo
+from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim import multiturn_cli
 from spaceserve.runtime.sim.cluster import ROUTERS
 from spaceserve.runtime.sim.engine import MODES, PLACEMENTS, SimConfig, sim_policy
@@ -57,13 +57,6 @@ def _mix(text: str) -> dict[str, float]:
             raise argparse.ArgumentTypeError(f"--mix: bad entry {part!r} (want RES=WEIGHT)"
                                              ) from None
     return out
-
-
-def _slo(text: str) -> Slo:
-    try:
-        return Slo.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _seeds(text: str) -> list[int]:
@@ -114,9 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-factor", type=float, default=1.15,
                    help="--sis-objective tpot: the decode step it protects, x the decode step "
                         "on the whole device")
-    p.add_argument("--sis-objective", default="goodput", choices=OBJECTIVES,
-                   help="SIS maximises predicted goodput (default) or protects TPOT at any "
-                        "TTFT cost (tpot: the paper-like baseline)")
     p.add_argument("--prefill-on", default="auto", choices=PLACEMENTS,
                    help="partition prefill runs on (auto: SIS decides in spatial mode)")
     p.add_argument("--encoder-policy", choices=("twsrft", "fifo"),
@@ -128,15 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request router across GPUs")
     p.add_argument("--factor", type=float, default=3.0,
                    help="headline: the rate where temporal TPOT is this x unloaded")
-    p.add_argument("--slo", type=_slo, default=Slo.parse(DEFAULT_SLO_TEXT),
-                   help="goodput SLO in ms: any of ttft, tpot, itl (p99 per request), e2el "
-                        f"(default {DEFAULT_SLO_TEXT})")
     p.add_argument("--contention", type=float,
                    help="co-running slowdown of both stages, e.g. 0.2 = 20%% slower, replacing "
                         "the curves' contention table (default: the curves' own)")
-    p.add_argument("--encoder-window-ms", type=float, default=20.0,
-                   help="encoder time window: temporal-chunked's chunk between decode steps, "
-                        "TWSRFT's grant elsewhere (temporal runs whole jobs)")
+    # the knobs the engine shares, declared beside its config: --sis-objective, --slo,
+    # --encoder-window-ms
+    add_engine_args(p, ("sis_objective", "slo", "encoder_window_s"))
     p.add_argument("--drain", type=float, default=10.0,
                    help="seconds a run goes on after arrivals stop; unfinished requests miss")
     p.add_argument("--seeds", type=_seeds,
@@ -150,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
+    try:
+        args.slo = Slo.of(args.slo)
+    except ValueError as exc:
+        raise SystemExit(f"--slo {args.slo}: {exc}") from None
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:

@@ -314,6 +314,7 @@ class DataParallelServer:
 def main(args: argparse.Namespace) -> int:
     """``spaceserve serve`` with replicas: start them, serve HTTP until SIGINT/SIGTERM, drain
     as the single server does (``--graceful-shutdown-timeout``), stop."""
+    from ..flags import engine_args
     from ..settings import ServeSettings
 
     serving = False
@@ -334,18 +335,7 @@ def main(args: argparse.Namespace) -> int:
             replica_num_cpus=args.replica_num_cpus, replica_num_gpus=args.replica_num_gpus,
             guard=settings.guard, max_preprocess_pixels=settings.max_preprocess_pixels,
             preprocess_queue=settings.preprocess_queue,
-            mode=args.mode, device=args.device, dtype=args.dtype,
-            attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, seed=args.seed,
-            max_images_per_prompt=args.max_images_per_request, slo=args.slo,
-            encoder_window_s=args.encoder_window_ms / 1e3,
-            encoder_cache_bytes=args.encoder_cache_bytes,
-            enable_prefix_caching=args.prefix_caching,
-            **({"tensor_parallel_size": args.tensor_parallel_size}
-               if getattr(args, "tensor_parallel_size", None) else {}),
-            **({"mm_encoder_tp_mode": args.mm_encoder_tp_mode}
-               if getattr(args, "mm_encoder_tp_mode", None) else {}))
+            **engine_args(args))
     except ValueError as exc:
         print(f"spaceserve serve: {exc}", file=sys.stderr)
         return 2
