@@ -12,8 +12,9 @@
   ``__main__`` not counted), except the folders listed in `FOLDERS_ALLOWED`, which may not grow.
 - Inside ``spaceserve.runtime`` the longest import chain is at most 10 edges long.
 - Settings are leaves: ``runtime/modes.py``, ``runtime/engine/setting.py`` (how a field
-  declares its flag) and ``spaceserve/checks.py`` import nothing of the package; ``EngineConfig``'s module imports only leaves (`CONFIG_IMPORTS`) and no torch; the
-  lists of names settings take (MODES, TEMPORAL_MODES, PLACEMENTS, ...) are assigned only in
+  declares its flag) and ``spaceserve/checks.py`` import nothing of the package;
+  ``EngineConfig``'s module imports only leaves (`CONFIG_IMPORTS`) and no torch; the lists of
+  names settings take (MODES, TEMPORAL_MODES, PLACEMENTS, ...) are assigned only in
   ``runtime/modes.py``.
 """
 
