@@ -186,7 +186,8 @@ def _tiny_qwen2_vl() -> Any:
     special = 250  # image, video, vision start / end ids, inside the 256-token vocabulary
     return Qwen2VLConfig(
         text_config=dict(vocab_size=256, bos_token_id=1, eos_token_id=2, hidden_size=64,
-                         intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2,
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                           "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2),
