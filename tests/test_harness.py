@@ -284,7 +284,7 @@ def test_engine_step_timeline_idle_fraction() -> None:
 
     from bench.gpu.engine_step import StepTimeline
 
-    runner = SimpleNamespace(device="cpu", prepare_step=lambda *a, **k: None)
+    runner = SimpleNamespace(device="cpu", prepare_step=None, run_step=None)
     engine = SimpleNamespace(runner=runner, _launch=None, _complete=None)
     timeline = StepTimeline(engine)
     timeline.marks = [(0.0, 1.0), (1.5, 2.5), (2.5, 4.0)]

@@ -7,9 +7,10 @@ and 64 requests (512-token prompts), greedy and random sampling (`bench_engine_s
 each with its CUDA graphs replayed and then with them switched off (the same engine, requests
 and KV cache; `eager`). Per configuration, over `Plan.steps` decode-only steps:
 
-- ``device_ms``: median device time of a step's launched work (CUDA events on the engine's
-  stream just before sampling is prepared and just after the draw is launched). From a graph
-  it is the kernels' time; eagerly it also holds the gaps where the device waited for launches.
+- ``device_ms``: median device time of a step (CUDA events on the engine's stream: one as the
+  model's forward is launched, after the host has planned the step, one after the draw is
+  launched). From a graph the forward is the kernels' time; eagerly, and in the sampler's
+  launches after it, the span also holds the gaps where the device waited for launches.
 - ``host_ms``: median host wall time of ``engine.step()`` less its wait for the previous step's
   tokens (the read-back): scheduling, planning, launching, sampling bookkeeping, accounting.
 - ``idle_fraction``: of the event timeline from the first step's start to the last step's end,
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from bench.common import format_table, section_rows, write_json
+from bench.common import BENCH_GRAPH_RESERVE_BYTES, format_table, section_rows, write_json
 
 SECTION = "engine-step"
 BATCHES = (1, 16, 64)
@@ -76,16 +77,23 @@ class StepTimeline:
         self.wait_s = 0.0
         self.decode_only = self.graph_steps = 0
         launch, complete = engine._launch, engine._complete
-        prepare = engine.runner.prepare_step
+        prepare, run_step = engine.runner.prepare_step, engine.runner.run_step
+        self._start: Any = None
 
         def timed_launch(batch: Any, *a: Any, **k: Any) -> Any:
             if not self.active:
                 return launch(batch, *a, **k)
-            start = self._mark()
+            self._start = None
             out = launch(batch, *a, **k)
-            self.marks.append((start, self._mark()))
+            end = self._mark()
+            self.marks.append((self._start if self._start is not None else end, end))
             self.decode_only += batch.num_decodes == batch.num_seqs
             return out
+
+        def timed_run_step(*a: Any, **k: Any) -> Any:
+            if self.active and self._start is None:  # the forward's first launch comes next
+                self._start = self._mark()
+            return run_step(*a, **k)
 
         def timed_complete(launched: Any, *a: Any, **k: Any) -> Any:
             if self.active and launched.sampled is not None:
@@ -100,7 +108,7 @@ class StepTimeline:
             return step
 
         engine._launch, engine._complete = timed_launch, timed_complete
-        engine.runner.prepare_step = counted_prepare
+        engine.runner.prepare_step, engine.runner.run_step = counted_prepare, timed_run_step
 
     def _mark(self) -> Any:
         if not self.cuda:
@@ -231,7 +239,7 @@ def run_plan(plan: Plan, results_dir: str | Path, time_budget_s: float,
         max_num_batched_tokens=plan.max_num_batched_tokens, max_model_len=plan.max_model_len,
         max_encoder_tokens_per_step=1024, graph_batch_sizes=tuple(plan.batches),
         graph_context_lens=(plan.max_model_len,), enable_prefix_caching=False,
-        encoder_cache_bytes=0)
+        encoder_cache_bytes=0, graph_reserve_bytes=BENCH_GRAPH_RESERVE_BYTES)
     timeline = StepTimeline(engine)
     base = {"section": SECTION, "model": plan.model, "llm_layers": models.llm_layers,
             "dtype": str(models.dtype).removeprefix("torch."),
