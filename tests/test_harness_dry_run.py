@@ -106,6 +106,15 @@ def test_warm_cases_launch_at_tiny_shapes(monkeypatch: pytest.MonkeyPatch) -> No
     wc.models_suite(cpu, timer, images=("448x448",), batches=(2,), context=24)
     wc.qwen25_vision(cpu, timer, images=("1024x1024",))
     assert len(calls) >= before + 3
+    from bench.gpu import engine_step as es
+
+    # The engine-step case runs the section's own plan at one LLM layer (`run_plan` itself is
+    # tested in tests/test_harness.py; at 7B widths it is too slow for the CPU).
+    plans: list = []
+    monkeypatch.setattr(es, "run_plan", lambda plan, out, budget: plans.append(plan))
+    wc.engine_step(cpu, timer)
+    assert [(p.model, p.llm_layers, p.batches, p.sampling) for p in plans] == [
+        ("qwen2-vl-7b-random", 1, es.BATCHES, es.SAMPLING)]
 
 
 def test_dry_run_runs_every_section_within_90_s(whole_run) -> None:
