@@ -184,7 +184,8 @@ def headline(mode_rows: list[dict[str, Any]]) -> str:
     first = mode_rows[0]
     window = (f" (window {first['encoder_window_ms']:.1f} ms)"
               if "encoder_window_ms" in first else "")
-    timed = "graph-timed decode" if first.get("graph_timed") else "eager decode"
+    timed = (f"decode steps {first.get('graph_step_fraction', 0.0):.0%} graph-replayed"
+             if first.get("graph_timed") else "eager decode")
     return (f"{first['mode']}{window} @ {rates} img/s: " + ", ".join(parts) +
             f" ms; probe p99 ITL {probe} ms; {timed}")
 
@@ -246,7 +247,7 @@ def run_plan(plan: Plan, results_dir: str | Path, time_budget_s: float) -> list[
             window = {"encoder_window_ms": plan.encoder_window_s * 1e3, "window_from": "plan"}
         else:
             load = plan.engine.get("sis_load", EngineConfig.sis_load)
-            window = slo_window(model_curves(None, models.config), slos,
+            window = slo_window(model_curves(plan.engine.get("curves"), models.config), slos,
                                 models.config.vision_config, plan.image_mix, load)
         print(f"temporal-chunked: encoder window {window['encoder_window_ms']:.1f} ms "
               f"({window['window_from']})", flush=True)

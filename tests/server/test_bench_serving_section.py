@@ -217,6 +217,28 @@ def test_slo_window_fits_the_decode_bound_with_a_margin() -> None:
     assert bench_serving.Plan().modes[:2] == ("spatial", "temporal-chunked")
 
 
+def test_graph_steps_say_which_figures_are_graph_timed() -> None:
+    """Decode figures are graph-timed once decode-only steps replay graphs; the fraction of
+    them that did is beside; mixed steps and the encoder stage's are not counted."""
+    from types import SimpleNamespace
+
+    answers = iter([8, None, None, 8, 8])
+
+    def prepare_step(batch, stage="decoder"):
+        return SimpleNamespace(stage=stage, graph=next(answers))
+
+    runner = SimpleNamespace(prepare_step=prepare_step)
+    counted = bench_serving.GraphSteps(runner)
+    assert counted.fields() == {"graph_timed": [], "graph_step_fraction": 0.0}
+    decode, mixed = SimpleNamespace(num_decodes=4, num_seqs=4), SimpleNamespace(num_decodes=3,
+                                                                              num_seqs=4)
+    for batch, stage in ((decode, "decoder"), (decode, "decoder"), (mixed, "decoder"),
+                         (decode, "encoder"), (decode, "decoder")):
+        runner.prepare_step(batch, stage=stage)
+    assert counted.fields() == {"graph_timed": list(bench_serving.DECODE_FIGURES),
+                                "graph_step_fraction": 2 / 3}
+
+
 def test_section_plan_on_a_tiny_random_model(tiny_random, tmp_path) -> None:
     plan = bench_serving.Plan(
         model=tiny_random, llm_layers=2, modes=("spatial", "temporal-chunked"),
