@@ -26,16 +26,17 @@ from bench.rows import Rows, bind_section_rows, section_rows, write_json
 from spaceserve.bench.measure import bench_ms, format_table, sync
 from spaceserve.plotting import pyplot
 
-__all__ = ["BENCH_GRAPH_RESERVE_BYTES", "GRAPH_MAX_M", "Rows", "bench_ms", "bind_section_rows",
-           "copy_bandwidth_gbs", "format_table", "gbps", "graph_timed", "launch_count",
-           "matmul_tflops", "model_len_for", "plot_lines", "pyplot", "section_rows", "sync",
-           "tflops", "time_call", "write_json"]
+__all__ = ["BENCH_GRAPH_RESERVE_BYTES", "DRY_MODEL", "GRAPH_MAX_M", "Rows", "bench_ms",
+           "bind_section_rows", "copy_bandwidth_gbs", "format_table", "gbps", "graph_memory",
+           "graph_timed", "launch_count", "matmul_tflops", "model_len_for", "plot_lines", "pyplot",
+           "register_dry_model", "section_rows", "sync", "tflops", "time_call", "write_json"]
 
 GRAPH_MAX_M = 64  # rows (tokens, sequences) up to which a call is a decode shape: graph-timed
 # Decode-graph memory bound of the benchmark engines (EngineConfig.graph_reserve_bytes): the torch
 # backend's graphs (the shared baseline) gather and upcast their block tables' pages, ~1.2 GiB
 # at batch 48 x 4096 tokens; 4 GiB of an H200's 141 leaves room for every split's graphs.
 BENCH_GRAPH_RESERVE_BYTES = 4 << 30
+DRY_MODEL = "qwen2-vl-tiny-random"  # the dry runs' random-weight model (`register_dry_model`)
 
 
 def gbps(nbytes: float, ms: float) -> float:
@@ -163,3 +164,41 @@ def plot_lines(path: str | Path, series: dict[str, tuple[Sequence[float], Sequen
     return path
 
 
+def graph_memory(engine: Any) -> dict[str, Any]:
+    """What a co-located engine's decode graphs cost: the device memory each capture took
+    (`engine.spatial.graph_bytes`: the rise of reserved memory over one partition's captures,
+    keyed by its requested encoder SMs, 0 = the whole device), the total for the split set in
+    use, and the KV blocks those bytes would hold (bytes / the engine's KV block bytes, rounded
+    up). Empty where nothing was captured (a temporal mode, or no CUDA: a dry run)."""
+    spatial = getattr(engine, "spatial", None)
+    per = {int(k): int(v) for k, v in sorted((spatial.graph_bytes if spatial else {}).items())}
+    block = int(engine.memory.block_bytes)
+    total = sum(per.values())
+    return {"graph_bytes": per, "graph_bytes_total": total, "graph_captures": len(per),
+            "graph_batch_sizes": list(engine.graph_batch_sizes), "kv_block_bytes": block,
+            "graph_kv_blocks": {k: -(-v // block) for k, v in per.items()},
+            "graph_kv_blocks_total": -(-total // block)}
+
+
+def _tiny_qwen2_vl() -> Any:
+    from transformers import Qwen2VLConfig
+
+    special = 250  # image, video, vision start / end ids, inside the 256-token vocabulary
+    return Qwen2VLConfig(
+        text_config=dict(vocab_size=256, bos_token_id=1, eos_token_id=2, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2),
+        image_token_id=special, video_token_id=special + 1, vision_start_token_id=special + 2,
+        vision_end_token_id=special + 3)
+
+
+def register_dry_model() -> str:
+    """Make `DRY_MODEL` (a Qwen2-VL of a few thousand weights) one of the random-weight models
+    in this process, for the sections' dry runs on CPU; returns its name."""
+    from spaceserve.bench.random_model import RANDOM_MODELS
+
+    RANDOM_MODELS.setdefault(DRY_MODEL, _tiny_qwen2_vl)
+    return DRY_MODEL

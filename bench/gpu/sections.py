@@ -90,6 +90,13 @@ def pytest_section(budget_s: float, *args: str, timeout_s: int = GPU_TEST_TIMEOU
                    help=help, ok_codes=(0, 5), dry_budget_s=dry_budget_s)
 
 
+# Budgets add up to DEFAULT_TOTAL_S. engine-step (40 s) and serving's fourth mode (+15 s) took
+# 55 s from sections whose questions others also answer, each of which stops at its soft
+# budget and keeps what it measured: kernel-suite -10 (its graph-timed kernels overlap kernels
+# and paged-attention), models -10 (its decode step is engine-step's, in the engine),
+# vit-attention -10 (also in the kernel suite and models' vision pass), gpu-tests, paged-attention,
+# kernels, qwen25-vision and autotune -5 each. The end-to-end sections (engine-step, colocation,
+# serving) run right after the kernels they stand on, before the per-component ones.
 SECTIONS: dict[str, Section] = {
     "warmup": Section(70, "bench.gpu.warmup:run", dry="bench.gpu.warmup:dry_run",
                       dry_budget_s=15, help="compile every launcher's shapes into the run's "
@@ -97,25 +104,31 @@ SECTIONS: dict[str, Section] = {
     "facts": Section(30, "bench.gpu.facts:run", dry="bench.gpu.facts:dry_run", dry_budget_s=12,
                      help="SMs, copy GB/s, matmul TFLOP/s, green contexts, HBM GB/s vs "
                      "programs, launch overhead"),
-    "gpu-tests": pytest_section(70, "-m", "gpu", "{gpu_tests}", dry_budget_s=45,
+    "gpu-tests": pytest_section(65, "-m", "gpu", "{gpu_tests}", dry_budget_s=45,
                                 help="the bf16/CUDA tests (pytest -m gpu), a row per test"),
-    "paged-attention": Section(35, "bench.kernels.paged_attention:run",
+    "paged-attention": Section(30, "bench.kernels.paged_attention:run",
                                help="paged decode / prefill attention"),
-    "kernels": Section(30, "bench.gpu.bench_kernels:run", dry="bench.gpu.bench_kernels:dry_run",
+    "kernels": Section(25, "bench.gpu.bench_kernels:run", dry="bench.gpu.bench_kernels:dry_run",
                        dry_budget_s=12, help="linear, gated_mlp, norms vs torch (decode shapes "
                        "and multi-launch ops graph-timed, host us per call); SM sweeps"),
+    "engine-step": Section(40, "bench.gpu.engine_step:run", dry="bench.gpu.engine_step:dry_run",
+                           dry_budget_s=12, help="the pipelined engine step on Qwen2-VL-7B "
+                           "(bf16, 28 layers), batch 1/16/64, greedy and random, graphs and "
+                           "eager: device ms (CUDA events), host ms, idle fraction"),
     "colocation": Section(75, "bench.serving.colocation:run",
-                          dry="bench.serving.colocation:dry_run",
-                          dry_budget_s=15, help="decode beside an image stream, per engine "
-                          "mode, vs the simulator"),
-    "models": Section(45, "bench.kernels.models:run",
+                          dry="bench.serving.colocation:dry_run", dry_budget_s=15,
+                          help="decode beside an image stream, per engine mode, vs the "
+                          "simulator; decode-graph bytes per split"),
+    "serving": Section(50, "bench.serving.serving:run", dry="bench.serving.serving:dry_run",
+                       dry_budget_s=15, help="TPOT, ITL, TTFT vs rate per mode (spatial and "
+                       "temporal-chunked with its SLO window first); vs sim; graph memory"),
+    "models": Section(35, "bench.kernels.models:run",
                       help="Qwen2-VL-7B vision pass and decode step vs transformers"),
-    "vit-attention": Section(30, "bench.kernels.vit_attention:run", help="ViT varlen attention"),
-    "qwen25-vision": Section(25, "bench.kernels.qwen25_vision:run", help="Qwen2.5-VL-7B ViT vs HF"),
-    "kernel-suite": Section(50, "bench.kernel_suite.section:run",
+    "vit-attention": Section(20, "bench.kernels.vit_attention:run", help="ViT varlen attention"),
+    "qwen25-vision": Section(20, "bench.kernels.qwen25_vision:run", help="Qwen2.5-VL-7B ViT vs HF"),
+    "kernel-suite": Section(40, "bench.kernel_suite.section:run",
                             dry="bench.kernel_suite.section:dry_run", dry_budget_s=12,
                             help="the pytest-benchmark kernel suite's GPU profile (graph-timed, "
                             "7B shapes first); its JSON and plot go into the archive"),
-    "autotune": Section(35, "bench.kernels.autotune:run", help="measured curves, tuned configs"),
-    "serving": Section(35, "bench.serving.serving:run", help="TPOT, ITL, TTFT vs rate; vs sim"),
+    "autotune": Section(30, "bench.kernels.autotune:run", help="measured curves, tuned configs"),
 }

@@ -2,8 +2,8 @@
 into cases that workers run in parallel. Kernel cases launch each shape once (their time is the
 first launch's); model cases run the sections' own code paths on Qwen2-VL-7B / Qwen2.5-VL-7B
 widths with one layer per stack (a kernel specialisation depends on the widths and the token
-counts, not on the depth), and the engine cases drive the colocation and serving engines
-briefly. The autotune section's candidate configs are the tuner's own business: not warmed.
+counts, not on the depth), and the engine cases drive the colocation, serving and engine-step
+engines briefly. The autotune section's candidate configs are the tuner's own business: not warmed.
 
 A case function takes ``(device, timer, **kwargs)``; ``timer(fn)`` runs `fn` once, synchronised,
 and returns milliseconds (the signature of the benchmarks' timers).
@@ -151,6 +151,16 @@ def colocation_engine(dev: torch.device, timer: Timer, mode: str) -> None:
     engine.close()
 
 
+def engine_step(dev: torch.device, timer: Timer) -> None:
+    """The engine-step section's engine (graphs for its batch sizes, greedy and random
+    sampling, eager steps) at one LLM layer, two steps per configuration."""
+    from bench.gpu import engine_step as es
+
+    plan = es.Plan(llm_layers=1, steps=2, warm=1, device=str(dev), reserve_s=0.0)
+    with tempfile.TemporaryDirectory() as out:
+        timer(lambda: es.run_plan(plan, out, 1e9))
+
+
 def serving_engine(dev: torch.device, timer: Timer, mode: str) -> None:
     """The serving section's plan for one mode and rate, briefly, at one LLM layer."""
     from bench.serving import serving as bs
@@ -173,6 +183,7 @@ def cases() -> list[tuple[str, str, str, dict[str, Any], float]]:
         out.append((f"colocation engine {mode}", "engine", "colocation_engine",
                     {"mode": mode}, 8.0))
     out.append(("serving engine spatial", "engine", "serving_engine", {"mode": "spatial"}, 8.0))
+    out.append(("engine step", "engine", "engine_step", {}, 6.0))
     for image in bm.IMAGES:
         out.append((f"models vision {image}", "model:vision", "models_suite",
                     {"images": (image,), "batches": ()}, 5.0))

@@ -7,10 +7,11 @@ spatial-static, spatial): 32 background requests decode alone (TPOT), then 1024x
 under load, probe p99 ITL, image and probe TTFT. The discrete-event simulator
 (`spaceserve.runtime.sim`) runs the same arrivals on the curves the engine uses and its
 prediction and error are in the rows. Under green contexts the SM probe shows whether the
-encoder's and the decoder's programs shared an SM. Table + plot (colocation.png). The load
-itself is `bench.serving.colocation_load.drive`; each mode gets an equal share of the time left
-when it starts and its drive loop stops at the end of that share, keeping what it measured.
-`dry_run` runs the same control flow on CPU with the null model.
+encoder's and the decoder's programs shared an SM. A co-located mode's row carries its decode
+graphs' memory per capture and in total, and the KV blocks it costs (`graph_memory`). Table +
+plot (colocation.png). The load itself is `bench.serving.colocation_load.drive`; each mode gets
+an equal share of the time left when it starts and its drive loop stops at the end of that
+share, keeping what it measured. `dry_run` runs the same control flow on CPU with the null model.
 
 Which encoder driver keeps decode launches on time (host side, CPU) is
 bench/serving/colocation_driver.py.
@@ -31,6 +32,7 @@ import torch
 from bench.common import (
     BENCH_GRAPH_RESERVE_BYTES,
     format_table,
+    graph_memory,
     model_len_for,
     section_rows,
     write_json,
@@ -159,6 +161,7 @@ def run_modes(make_engine: Any, prompts_for: Any, workload: Any, curves: Any, *,
                 part = pset.current
                 row |= {"encoder_sms": part.encoder_sms, "decoder_sms": part.decoder_sms,
                         "green": part.green, "partitions": pset.describe()["splits"]}
+                row |= graph_memory(engine)  # what the split set's decode graphs cost
                 if mode == "spatial":
                     row["splits"] = sorted(p.encoder_sms for p in pset.splits.values())
                     row["splits_requested"] = sorted(pset.splits)

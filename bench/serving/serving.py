@@ -2,16 +2,24 @@
 measured by the serving benchmark in-process beside the simulator's prediction.
 
 On the GPU (`run`): random-weight Qwen2-VL-7B shapes in bf16 (`--model qwen2-vl-7b-random` of
-`spaceserve bench serve`), the LLM cut to `LLM_LAYERS` layers so three engines fit the budget
-(recorded in every row), the vision tower whole. Per mode (spatial, temporal, shared; the
-spatial-temporal comparison first), image requests (448x448, 1024x1024, 1920x1080) arrive as a
-Poisson stream at each of `RATES`, beside small text "probe" requests that show head-of-line
-blocking directly; the simulator replays the same requests on the engine's splits. Each mode
-gets an equal share of the time left when it starts; a rate that cannot start in its share is
-left out and a run still going at its end is cut (its unfinished requests count as failed), so
-the section ends in time and keeps what it measured. Rows, results JSON (every request) and the
-figures (latency against rate with the simulator dotted; SM split timeline) go to the results
-directory, rewritten after each mode.
+`spaceserve bench serve`), the LLM cut to `LLM_LAYERS` layers so four engines fit the budget
+(recorded in every row), the vision tower whole. Per mode (spatial, temporal-chunked, temporal,
+shared: spatial against the strongest time-multiplexed baseline first), image requests (448x448,
+1024x1024, 1920x1080) arrive as a Poisson stream at each of `RATES`, beside small text "probe"
+requests that show head-of-line blocking directly; the simulator replays the same requests on
+the engine's splits. ``temporal-chunked`` runs with the encoder window the SLO allows
+(`slo_window`: no helper in the runtime sizes it, so it is computed here from the curves).
+Each mode gets an equal share of the time left when it starts; a rate that cannot start in its
+share is left out and a run still going at its end is cut (its unfinished requests count as
+failed), so the section ends in time and keeps what it measured. Rows, results JSON (every
+request) and the figures (latency against rate with the simulator dotted; SM split timeline) go
+to the results directory, rewritten after each mode.
+
+Every row says which of its figures are graph-timed (``graph_timed``: the decode figures when
+the mode's decode-only steps replayed CUDA graphs, ``graph_step_fraction`` of them did; TTFT,
+prefill and the simulator's figures never are). A co-located engine adds a "graph-memory" row:
+its decode graphs' bytes per capture and in total for the split set in use, and the KV blocks
+they cost (`bench.common.graph_memory`). `dry_run` runs all of it on CPU with a tiny model.
 """
 
 from __future__ import annotations
@@ -25,9 +33,18 @@ from typing import Any
 
 import torch
 
-from bench.common import BENCH_GRAPH_RESERVE_BYTES, format_table, section_rows, write_json
+from bench.common import (
+    BENCH_GRAPH_RESERVE_BYTES,
+    format_table,
+    graph_memory,
+    section_rows,
+    write_json,
+)
 
 SECTION = "serving"
+MODES = ("spatial", "temporal-chunked", "temporal", "shared")  # the deciding pair first
+DECODE_MARGIN = 0.8  # of the decode bound, as SIS's default decode_margin
+DECODE_FIGURES = ("mean_tpot_ms", "p99_itl_ms", "probe_p99_itl_ms")  # decode-step figures
 LLM_LAYERS = 8  # of Qwen2-VL-7B's 28, as the colocation section: the numbers compare
 RATES = (2.0, 6.0)  # image requests per second
 IMAGE_MIX = {"448x448": 0.3, "1024x1024": 0.4, "1920x1080": 0.3}
@@ -44,7 +61,7 @@ class Plan:
 
     model: str = "qwen2-vl-7b-random"
     llm_layers: int | None = LLM_LAYERS
-    modes: tuple[str, ...] = ("spatial", "temporal", "shared")
+    modes: tuple[str, ...] = MODES
     rates: tuple[float, ...] = RATES
     duration_s: float = 1.5
     image_mix: dict[str, float] = field(default_factory=lambda: dict(IMAGE_MIX))
@@ -58,6 +75,61 @@ class Plan:
     min_mode_s: float = 4.0  # a mode is not started with less time than this left
     reserve_s: float = 1.5  # kept for the figures at the end
     seed: int = 0
+    encoder_window_s: float | None = None  # temporal-chunked's window; None: `slo_window`
+    plots: bool = True
+
+
+def slo_window(curves: Any, slo: Any, vision: Any, image_mix: dict[str, float],
+               load: tuple[int, int], margin: float = DECODE_MARGIN) -> dict[str, Any]:
+    """``temporal-chunked``'s encoder window from the SLO: the largest window whose step - the
+    window of encoder layers, the one layer it may overshoot by (the largest image of the mix)
+    and the decode step at `load` (batch, mean context; the engine's ``sis_load``, the load
+    ``spatial``'s split set is chosen for), all on the whole device by the curves - stays
+    within `margin` x the decode bound (the tighter of ``tpot`` and ``itl``), as SIS keeps
+    ``spatial``'s decode step. At least 1 ms (the stage runs one layer per step regardless).
+    ValueError when the SLO bounds neither."""
+    from spaceserve.bench.prompts import image_grid
+    from spaceserve.runtime.policy.scheduling import decode_bound_s
+
+    bound = decode_bound_s(slo)
+    if bound is None:
+        raise ValueError(f"slo={slo}: temporal-chunked's window needs a tpot or itl bound")
+    sms = curves.num_sms
+    patches = max((math.prod(image_grid(r, vision)) for r in image_mix if r != "text"),
+                  default=0)
+    layer = curves.encoder(patches, 1, sms)
+    step = curves.decode(load[0], load[1], sms)
+    window = max(1e-3, margin * bound - step - layer)
+    return {"encoder_window_ms": window * 1e3, "window_bound_ms": bound * 1e3,
+            "window_margin": margin, "window_decode_ms": step * 1e3,
+            "window_layer_ms": layer * 1e3,
+            "window_from": f"SLO {slo}: {margin:g} x {bound * 1e3:g} ms - decode step at batch "
+                           f"{load[0]}, context {load[1]} - one layer of {patches} patches"}
+
+
+class GraphSteps:
+    """Counts a runner's decode-only steps and those that replayed a CUDA graph
+    (`prepare_step`'s answer), to say which figures are graph-timed."""
+
+    def __init__(self, runner: Any) -> None:
+        self.decode_only = self.replayed = 0
+        prepare = getattr(runner, "prepare_step", None)
+        if prepare is None:  # a runner without the split step: nothing is graph-timed
+            return
+
+        def counted(batch: Any, *a: Any, **k: Any) -> Any:
+            step = prepare(batch, *a, **k)
+            if step.stage == "decoder" and batch.num_decodes == batch.num_seqs:
+                self.decode_only += 1
+                self.replayed += step.graph is not None
+            return step
+
+        runner.prepare_step = counted
+
+    def fields(self) -> dict[str, Any]:
+        frac = self.replayed / self.decode_only if self.decode_only else 0.0
+        return {"graph_timed": list(DECODE_FIGURES) if self.replayed else [],
+                "graph_step_fraction": frac}
 
 
 def _metric_cells(prefix: str, m: dict[str, Any]) -> dict[str, Any]:
@@ -109,12 +181,26 @@ def headline(mode_rows: list[dict[str, Any]]) -> str:
              for name, key in (("TPOT", "mean_tpot_ms"), ("p99 ITL", "p99_itl_ms"),
                                ("TTFT", "mean_ttft_ms"))]
     probe = _series(mode_rows, "probe_p99_itl_ms")
-    return (f"{mode_rows[0]['mode']} @ {rates} img/s: " + ", ".join(parts) +
-            f" ms; probe p99 ITL {probe} ms")
+    first = mode_rows[0]
+    window = (f" (window {first['encoder_window_ms']:.1f} ms)"
+              if "encoder_window_ms" in first else "")
+    timed = (f"decode steps {first.get('graph_step_fraction', 0.0):.0%} graph-replayed"
+             if first.get("graph_timed") else "eager decode")
+    return (f"{first['mode']}{window} @ {rates} img/s: " + ", ".join(parts) +
+            f" ms; probe p99 ITL {probe} ms; {timed}")
+
+
+def graph_headline(row: dict[str, Any]) -> str:
+    """A co-located engine's decode graphs: bytes per capture, total, KV blocks."""
+    per = ", ".join(f"{k}: {v / 2 ** 20:.0f}" for k, v in row["graph_bytes"].items())
+    return (f"{row['mode']} decode graphs: {row['graph_bytes_total'] / 2 ** 20:.0f} MiB over "
+            f"{row['graph_captures']} captures ({per or 'none: no CUDA'}; MiB per encoder "
+            f"split, 0 = whole device) = {row['graph_kv_blocks_total']} KV blocks")
 
 
 def _skipped(mode: str, rates: Any, why: str) -> list[dict[str, Any]]:
-    return [{"section": SECTION, "mode": mode, "rate": r, "skipped": why} for r in rates]
+    return [{"section": SECTION, "mode": mode, "rate": r, "skipped": why, "graph_timed": []}
+            for r in rates]
 
 
 def _save(out: Path, rows: list[dict[str, Any]], runs: list[dict[str, Any]],
@@ -125,11 +211,20 @@ def _save(out: Path, rows: list[dict[str, Any]], runs: list[dict[str, Any]],
     write_outputs(runs, out, config, plots=plots and bool(runs), prefix=f"{SECTION}_")
 
 
+def _engine_config(plan: Plan, mode: str, window: dict[str, Any] | None) -> dict[str, Any]:
+    cfg = dict(plan.engine)
+    if mode == "temporal-chunked" and window is not None:
+        cfg["encoder_window_s"] = window["encoder_window_ms"] / 1e3
+    return cfg
+
+
 def run_plan(plan: Plan, results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
     """Measure `plan` within `time_budget_s` seconds; rows (headline on each mode's last)."""
     from spaceserve.bench.random_model import RandomModels, default_backend
     from spaceserve.bench.serve import _free_device, bench_engine
     from spaceserve.bench.workload import ServeWorkload
+    from spaceserve.runtime.engine.config import EngineConfig
+    from spaceserve.runtime.policy.model_curves import model_curves
     from spaceserve.runtime.policy.slo import Slo
     from spaceserve.server.engine_client import resolve_mode
 
@@ -146,8 +241,18 @@ def run_plan(plan: Plan, results_dir: str | Path, time_budget_s: float) -> list[
     backends = [default_backend(resolve_mode(m)[0], device) for m in plan.modes]
     models = RandomModels(plan.model, llm_layers=plan.llm_layers, backends=backends,
                           device=device, seed=plan.seed)
+    window = None
+    if "temporal-chunked" in plan.modes:
+        if plan.encoder_window_s is not None:
+            window = {"encoder_window_ms": plan.encoder_window_s * 1e3, "window_from": "plan"}
+        else:
+            load = plan.engine.get("sis_load", EngineConfig.sis_load)
+            window = slo_window(model_curves(plan.engine.get("curves"), models.config), slos,
+                                models.config.vision_config, plan.image_mix, load)
+        print(f"temporal-chunked: encoder window {window['encoder_window_ms']:.1f} ms "
+              f"({window['window_from']})", flush=True)
     config = asdict(plan) | {"llm_layers": models.llm_layers, "device": str(device),
-                             "built_s": time.monotonic() - start}
+                             "built_s": time.monotonic() - start, "window": window}
     print(f"{plan.model}: LLM {models.llm_layers} layers, vision tower whole, "
           f"{models.dtype}; built in {config['built_s']:.1f} s", flush=True)
     rows = section_rows()  # saved after every row
@@ -158,8 +263,16 @@ def run_plan(plan: Plan, results_dir: str | Path, time_budget_s: float) -> list[
             rows += _skipped(mode, plan.rates, "time budget spent")
             continue
         share = now + (deadline - now) / (len(plan.modes) - i)
+        counted = None
+        extra = window if mode == "temporal-chunked" and window is not None else {}
         try:
-            engine, prompts, note = models.engine(mode, **plan.engine)
+            engine, prompts, note = models.engine(mode, **_engine_config(plan, mode, window))
+            counted = GraphSteps(engine.runner)
+            if engine.spatial is not None:
+                mem = {"section": SECTION, "mode": mode, "row": "graph-memory",
+                       "splits": sorted(engine.spatial.partitions.splits),
+                       "graph_timed": []} | graph_memory(engine)
+                rows.append(mem | {"headline": graph_headline(mem)})
             mode_runs = asyncio.run(bench_engine(
                 engine, workloads, slos, mode=mode, model=plan.model, note=note,
                 prompts=prompts, sim=True, deadline=share,
@@ -167,10 +280,11 @@ def run_plan(plan: Plan, results_dir: str | Path, time_budget_s: float) -> list[
             del engine
         except Exception as exc:  # one mode failing must not lose the others
             mode_runs = []
-            rows.append({"section": SECTION, "mode": mode,
+            rows.append({"section": SECTION, "mode": mode, "graph_timed": [],
                          "error": f"{type(exc).__name__}: {exc}"[:400]})
         _free_device()
-        mine = [run_row(r) for r in mode_runs]
+        mine = [run_row(r) | extra | (counted.fields() if counted else {"graph_timed": []})
+                for r in mode_runs]
         if mine:
             mine[-1]["headline"] = headline(mine)
         done = {r["rate"] for r in mine}
@@ -178,7 +292,7 @@ def run_plan(plan: Plan, results_dir: str | Path, time_budget_s: float) -> list[
                                 "time budget spent")
         runs += mode_runs
         _save(out, rows, runs, config, plots=False)  # kept should the process be killed
-    _save(out, rows, runs, config, plots=True)
+    _save(out, rows, runs, config, plots=plan.plots)
     print(format_table([r for r in rows if "mean_tpot_ms" in r],
                        ["mode", "rate", "completed", "failed", "mean_tpot_ms", "sim_mean_tpot_ms",
                         "p99_itl_ms", "sim_p99_itl_ms", "mean_ttft_ms", "sim_mean_ttft_ms",
@@ -191,3 +305,21 @@ def run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
     if not torch.cuda.is_available():
         return [{"section": SECTION, "skipped": "needs a CUDA device"}]
     return run_plan(Plan(), results_dir, time_budget_s)
+
+
+def dry_plan() -> Plan:
+    """The section on CPU in seconds: a tiny random model, every mode, one short rate."""
+    from bench.common import register_dry_model
+
+    return Plan(model=register_dry_model(), llm_layers=None, rates=(8.0,), duration_s=0.25,
+                image_mix={"112x112": 0.6, "224x224": 0.4}, probe_rate=5.0, output_len=4,
+                probe_output_len=3, engine=dict(num_kv_blocks=256, max_num_seqs=16,
+                                                max_model_len=1024),
+                device="cpu", min_mode_s=0.3, reserve_s=0.3, plots=False)
+
+
+def dry_run(results_dir: str | Path, time_budget_s: float) -> list[dict[str, Any]]:
+    """The section's control flow on CPU (`dry_plan`): the window from the SLO, the
+    graph-memory row (nothing captured without CUDA), every mode's rows."""
+    torch.set_num_threads(1)
+    return run_plan(dry_plan(), results_dir, time_budget_s)

@@ -278,8 +278,10 @@ def test_colocation_rows_and_simulator_take_the_granted_budgets(monkeypatch):
         pset = Granting("cpu", [30, 60])
         if mode == "spatial-static":
             pset.switch(pset.get(60))
-        return SimpleNamespace(spatial=SimpleNamespace(partitions=pset, sis=None),
-                               close=pset.close)
+        return SimpleNamespace(spatial=SimpleNamespace(partitions=pset, sis=None,
+                                                       graph_bytes={30: 2048, 0: 1000}),
+                               close=pset.close, memory=SimpleNamespace(block_bytes=1024),
+                               graph_batch_sizes=(32,))
 
     monkeypatch.setattr(bc, "drive", lambda *a, **k: {})
     monkeypatch.setattr(bc, "probe_partitions", lambda engine: {"probe": "faked"})
@@ -293,4 +295,5 @@ def test_colocation_rows_and_simulator_take_the_granted_budgets(monkeypatch):
     assert (static["encoder_sms"], static["decoder_sms"], static["green"]) == (64, 68, True)
     assert static["partitions"][60]["encoder_sms"] == 64
     assert spatial["splits"] == [32, 64] and spatial["splits_requested"] == [30, 60]
+    assert spatial["graph_bytes"] == {0: 1000, 30: 2048} and spatial["graph_kv_blocks_total"] == 3
     assert sims == [("spatial-static", 64, None), ("spatial", None, [32, 64])]

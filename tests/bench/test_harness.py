@@ -126,9 +126,11 @@ def test_only_and_list(dummy_sections, tmp_path: Path, capsys) -> None:
 def test_registered_sections() -> None:
     """Warm-up first, then in order of value; the budgets fit one 9-minute call."""
     assert list(harness.SECTIONS) == [
-        "warmup", "facts", "gpu-tests", "paged-attention", "kernels", "colocation", "models",
-        "vit-attention", "qwen25-vision", "kernel-suite", "autotune", "serving"]
+        "warmup", "facts", "gpu-tests", "paged-attention", "kernels", "engine-step", "colocation",
+        "serving", "models", "vit-attention", "qwen25-vision", "kernel-suite", "autotune"]
     assert sum(s.budget_s for s in harness.SECTIONS.values()) <= harness.DEFAULT_TOTAL_S <= 530
+    for name in ("engine-step", "colocation", "serving"):  # their new rows show in a dry run
+        assert harness.SECTIONS[name].dry is not None, name
     import importlib
 
     for name, s in harness.SECTIONS.items():
@@ -255,3 +257,62 @@ def test_cli_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.COMMANDS["demo"][0] == "spaceserve.bench.kernels.demo"  # the CLI needs no bench/
 
 
+def test_graph_memory_counts_kv_blocks_per_capture() -> None:
+    """A co-located engine's decode-graph bytes per capture and in total, in KV blocks (rounded
+    up); nothing for an engine without a spatial runtime."""
+    from types import SimpleNamespace
+
+    from bench.common import graph_memory
+
+    spatial = SimpleNamespace(graph_bytes={64: 3000, 0: 1000, 32: 0})
+    engine = SimpleNamespace(spatial=spatial, memory=SimpleNamespace(block_bytes=1024),
+                             graph_batch_sizes=(8, 32))
+    got = graph_memory(engine)
+    assert got["graph_bytes"] == {0: 1000, 32: 0, 64: 3000} and got["graph_bytes_total"] == 4000
+    assert got["graph_kv_blocks"] == {0: 1, 32: 0, 64: 3} and got["graph_kv_blocks_total"] == 4
+    assert got["graph_captures"] == 3 and got["kv_block_bytes"] == 1024
+    assert got["graph_batch_sizes"] == [8, 32]
+    engine.spatial = None
+    none = graph_memory(engine)
+    assert none["graph_bytes"] == {} and none["graph_kv_blocks_total"] == 0
+
+
+def test_engine_step_timeline_idle_fraction() -> None:
+    """Device time is a step's span, idle the gaps between one step's end and the next one's
+    start, over the timeline from the first start to the last end (CPU marks in seconds)."""
+    from types import SimpleNamespace
+
+    from bench.gpu.engine_step import StepTimeline
+
+    runner = SimpleNamespace(device="cpu", prepare_step=None, run_step=None)
+    engine = SimpleNamespace(runner=runner, _launch=None, _complete=None)
+    timeline = StepTimeline(engine)
+    timeline.marks = [(0.0, 1.0), (1.5, 2.5), (2.5, 4.0)]
+    got = timeline.figures()
+    assert got["device_ms"] == pytest.approx(1000.0) and got["device_ms_max"] == 1500.0
+    assert got["idle_fraction"] == pytest.approx(0.5 / 4.0)
+    assert got["period_ms"] == pytest.approx(4000.0 / 3)
+
+
+def test_engine_step_section_on_a_tiny_model(tmp_path: Path) -> None:
+    """The engine-step section's rows on CPU: a row per batch, sampling and graphs setting with
+    device, host and idle figures, nothing graph-timed without CUDA; configurations past the
+    budget are skipped, and said so."""
+    from dataclasses import replace
+
+    from bench.gpu import engine_step as es
+
+    plan = replace(es.dry_plan(), batches=(1, 3), steps=4, warm=1)
+    rows = es.run_plan(plan, tmp_path, 120.0)
+    assert [(r["batch"], r["sampling"], r["graphs"]) for r in rows] == [
+        (b, s, g) for b in (1, 3) for s in ("greedy", "random") for g in (True, False)]
+    for r in rows:
+        assert r["section"] == "engine-step" and r["timing"] == "wall (CPU)", r
+        assert r["device_ms"] > 0 and r["host_ms"] > 0 and 0 <= r["idle_fraction"] < 1, r
+        assert r["graph_timed"] is False and r["graph_steps"] == 0, r
+        assert r["decode_steps"] == r["steps"] == 4 and "note" not in r, r
+        assert r["context"] >= plan.prompt and r["dtype"] == "float32"
+    assert [r["batch"] for r in rows if "headline" in r] == [1, 1, 3, 3]
+    assert json.loads((tmp_path / "engine-step_rows.json").read_text())["rows"][0]["batch"] == 1
+    late = es.run_plan(plan, tmp_path / "late", 0.0)
+    assert len(late) == 8 and all(r["skipped"] == "time budget spent" for r in late)

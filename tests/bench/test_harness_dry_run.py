@@ -107,6 +107,15 @@ def test_warm_cases_launch_at_tiny_shapes(monkeypatch: pytest.MonkeyPatch) -> No
     wc.models_suite(cpu, timer, images=("448x448",), batches=(2,), context=24)
     wc.qwen25_vision(cpu, timer, images=("1024x1024",))
     assert len(calls) >= before + 3
+    from bench.gpu import engine_step as es
+
+    # The engine-step case runs the section's own plan at one LLM layer (`run_plan` itself is
+    # tested in tests/test_harness.py; at 7B widths it is too slow for the CPU).
+    plans: list = []
+    monkeypatch.setattr(es, "run_plan", lambda plan, out, budget: plans.append(plan))
+    wc.engine_step(cpu, timer)
+    assert [(p.model, p.llm_layers, p.batches, p.sampling) for p in plans] == [
+        ("qwen2-vl-7b-random", 1, es.BATCHES, es.SAMPLING)]
 
 
 def test_dry_run_runs_every_section_within_90_s(whole_run) -> None:
@@ -144,6 +153,26 @@ def test_dry_run_runs_every_section_within_90_s(whole_run) -> None:
         assert {"graph", "timing", "launches", "host_us"} <= set(kernels["columns"])
     if sections["colocation"]["status"] == "ok":
         assert len(sections["colocation"]["headlines"]) == 4
+        colocated = [r for r in sections["colocation"]["rows"] if r["mode"] != "temporal"]
+        assert all("graph_bytes" in r and "graph_kv_blocks_total" in r for r in colocated)
+    step = sections["engine-step"]
+    if step["status"] == "ok":  # a row per batch, sampling and graphs setting (tiny, CPU)
+        rows = [r for r in step["rows"] if "device_ms" in r]
+        assert {(r["batch"], r["sampling"], r["graphs"]) for r in rows} == {
+            (b, s, g) for b in (1, 4, 8) for s in ("greedy", "random") for g in (True, False)}
+        assert all(r["host_ms"] > 0 and 0 <= r["idle_fraction"] < 1 and
+                   r["graph_timed"] is False for r in rows)
+        assert {"device_ms", "host_ms", "idle_fraction", "graph_timed"} <= set(step["columns"])
+    serving = sections["serving"]
+    if serving["status"] == "ok":  # the SLO-windowed baseline, graph memory, graph_timed
+        modes = [r["mode"] for r in serving["rows"] if "mean_tpot_ms" in r or "skipped" in r]
+        assert modes[:2] == ["spatial", "temporal-chunked"]
+        chunked = [r for r in serving["rows"] if r["mode"] == "temporal-chunked"]
+        assert chunked and ("encoder_window_ms" in chunked[0] or "skipped" in chunked[0])
+        [mem] = [r for r in serving["rows"] if r.get("row") == "graph-memory"
+                 and r["mode"] == "spatial"]
+        assert mem["graph_bytes"] == {} and mem["kv_block_bytes"] > 0
+        assert all(isinstance(r["graph_timed"], list) for r in serving["rows"])
     assert "SpaceServe GPU harness summary" in (out / "harness.log").read_text()
     assert archived(out, "summary.json")["sections"][0]["name"] == "warmup"
     assert archived(out, "facts.json")["status"] == "done"

@@ -188,29 +188,92 @@ def test_sim_beside_measured_runs_on_the_tiny_checkpoint(tiny_path, tmp_path, ca
 def test_section_skips_without_cuda(tmp_path) -> None:
     assert bench_serving.run(tmp_path, 30) == [{"section": "serving",
                                                 "skipped": "needs a CUDA device"}]
-    assert list(harness.SECTIONS)[-1] == "serving"
     assert harness.SECTIONS["serving"].target == "bench.serving.serving:run"
+    assert harness.SECTIONS["serving"].dry == "bench.serving.serving:dry_run"
+
+
+def test_slo_window_fits_the_decode_bound_with_a_margin() -> None:
+    """temporal-chunked's window: margin x the tighter of tpot / itl, less the decode step at
+    the split-set load and one encoder layer of the largest image; 1 ms at the least; an SLO
+    without a decode bound is refused."""
+    from spaceserve.runtime.policy.model_curves import model_curves
+    from spaceserve.runtime.policy.slo import Slo
+
+    config = random_model.random_config("qwen2-vl-7b-random", bench_serving.LLM_LAYERS)
+    curves, vision = model_curves(None, config), config.vision_config
+    mix, load = bench_serving.IMAGE_MIX, (32, 1152)
+    w = bench_serving.slo_window(curves, Slo.parse("ttft:2000,tpot:50"), vision, mix, load)
+    layer = curves.encoder(78 * 138, 1, curves.num_sms) * 1e3  # 1920x1080: 78x138 patches
+    assert w["window_layer_ms"] == pytest.approx(layer)
+    assert w["window_decode_ms"] == pytest.approx(curves.decode(32, 1152, curves.num_sms) * 1e3)
+    assert w["encoder_window_ms"] == pytest.approx(0.8 * 50 - layer - w["window_decode_ms"])
+    assert 20 < w["encoder_window_ms"] < 40 and "0.8 x 50 ms" in w["window_from"]
+    tight = bench_serving.slo_window(curves, Slo.parse("tpot:50,itl:30"), vision, mix, load)
+    assert tight["encoder_window_ms"] == pytest.approx(w["encoder_window_ms"] - 0.8 * 20)
+    assert bench_serving.slo_window(curves, Slo.parse("tpot:2"), vision, mix, load)[
+        "encoder_window_ms"] == 1.0
+    with pytest.raises(ValueError, match="needs a tpot or itl bound"):
+        bench_serving.slo_window(curves, Slo.parse("ttft:2000"), vision, mix, load)
+    assert bench_serving.Plan().modes[:2] == ("spatial", "temporal-chunked")
+
+
+def test_graph_steps_say_which_figures_are_graph_timed() -> None:
+    """Decode figures are graph-timed once decode-only steps replay graphs; the fraction of
+    them that did is beside; mixed steps and the encoder stage's are not counted."""
+    from types import SimpleNamespace
+
+    answers = iter([8, None, None, 8, 8])
+
+    def prepare_step(batch, stage="decoder"):
+        return SimpleNamespace(stage=stage, graph=next(answers))
+
+    runner = SimpleNamespace(prepare_step=prepare_step)
+    counted = bench_serving.GraphSteps(runner)
+    assert counted.fields() == {"graph_timed": [], "graph_step_fraction": 0.0}
+    decode, mixed = SimpleNamespace(num_decodes=4, num_seqs=4), SimpleNamespace(num_decodes=3,
+                                                                              num_seqs=4)
+    for batch, stage in ((decode, "decoder"), (decode, "decoder"), (mixed, "decoder"),
+                         (decode, "encoder"), (decode, "decoder")):
+        runner.prepare_step(batch, stage=stage)
+    assert counted.fields() == {"graph_timed": list(bench_serving.DECODE_FIGURES),
+                                "graph_step_fraction": 2 / 3}
 
 
 def test_section_plan_on_a_tiny_random_model(tiny_random, tmp_path) -> None:
     plan = bench_serving.Plan(
-        model=tiny_random, llm_layers=2, modes=("spatial", "temporal"), rates=(5.0, 10.0),
-        duration_s=0.4, image_mix={"112x112": 0.6, "224x224": 0.4}, probe_rate=5.0,
-        output_len=4, probe_output_len=3, engine=dict(num_kv_blocks=256, max_num_seqs=16),
-        device="cpu", min_mode_s=0.5, reserve_s=0.2)
+        model=tiny_random, llm_layers=2, modes=("spatial", "temporal-chunked"),
+        rates=(5.0, 10.0), duration_s=0.4, image_mix={"112x112": 0.6, "224x224": 0.4},
+        probe_rate=5.0, output_len=4, probe_output_len=3,
+        engine=dict(num_kv_blocks=256, max_num_seqs=16), device="cpu", min_mode_s=0.5,
+        reserve_s=0.2)
     rows = bench_serving.run_plan(plan, tmp_path, 60.0)
     measured = [r for r in rows if "mean_tpot_ms" in r]
     assert [(r["mode"], r["rate"]) for r in measured] == [
-        ("spatial", 5.0), ("spatial", 10.0), ("temporal", 5.0), ("temporal", 10.0)]
+        ("spatial", 5.0), ("spatial", 10.0), ("temporal-chunked", 5.0),
+        ("temporal-chunked", 10.0)]
     for r in measured:
         assert r["llm_layers"] == 2 and r["failed"] == 0 and r["completed"] == r["requests"]
         for key in ("mean_ttft_ms", "p99_itl_ms", "sim_mean_tpot_ms", "sim_mean_ttft_ms"):
             assert math.isfinite(r[key]) and r[key] > 0, key
         assert "sim_err_tpot" in r and "cut" not in r
-    heads = [r["headline"] for r in rows if "headline" in r]
+        assert r["graph_timed"] == [] and r["graph_step_fraction"] == 0.0  # no graphs on CPU
+    assert all(isinstance(r["graph_timed"], list) for r in rows)  # every row says
+    chunked = [r for r in measured if r["mode"] == "temporal-chunked"]
+    assert chunked[0]["ran_as"] == "temporal-chunked" and chunked[0]["window_bound_ms"] == 50.0
+    assert 0 < chunked[0]["encoder_window_ms"] < 40 and "window_from" in chunked[0]
+    [mem] = [r for r in rows if r.get("row") == "graph-memory"]
+    assert mem["mode"] == "spatial" and len(mem["splits"]) > 1
+    assert mem["graph_bytes"] == {} and mem["graph_kv_blocks_total"] == 0  # captured on CUDA
+    assert mem["kv_block_bytes"] > 0 and mem["headline"].startswith("spatial decode graphs: ")
+    heads = [r["headline"] for r in rows if "headline" in r and "row" not in r]
     assert len(heads) == 2 and heads[0].startswith("spatial @ 5/10 img/s: TPOT ")
+    assert heads[1].startswith("temporal-chunked (window ") and "eager decode" in heads[1]
     doc = json.loads((tmp_path / "serving_results.json").read_text())
     assert doc["config"]["llm_layers"] == 2 and len(doc["runs"]) == 4
+    assert doc["config"]["window"]["encoder_window_ms"] == chunked[0]["encoder_window_ms"]
+    sim = doc["runs"][2]["sim"]["config"]  # the engine ran (and the simulator replayed) it
+    assert sim["mode"] == "temporal-chunked"
+    assert sim["window_s"] * 1e3 == pytest.approx(chunked[0]["encoder_window_ms"])
     assert json.loads((tmp_path / "serving_rows.json").read_text()) == json.loads(
         json.dumps(rows, default=str))
     # no time left: every mode is skipped, and said so
