@@ -27,7 +27,7 @@ from typing import Any
 from spaceserve.runtime.core.request import SamplingParams
 from spaceserve.server.app import ServerThread, create_app
 from spaceserve.server.engine_client import AsyncEngine, load_engine
-from spaceserve.server.protocol import chat_messages, parse_request
+from spaceserve.server.openai.protocol import chat_messages, parse_request
 
 GOAL_MS = 2.0
 

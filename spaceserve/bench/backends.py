@@ -19,7 +19,7 @@ from spaceserve.bench.metrics import Result
 from spaceserve.bench.prompts import prompt_shape
 from spaceserve.bench.workload import BenchRequest, image_png
 from spaceserve.runtime.inputs import ImageLimits, to_data_url
-from spaceserve.server.errors import APIError
+from spaceserve.server.transport.errors import APIError
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
@@ -92,7 +92,7 @@ class InProcessBackend:
 
             return {"prompt_token_ids": encode_plain(self.pre.tokenizer, body["prompt"])}
         # pydantic: chat bodies only
-        from spaceserve.server.protocol import ChatCompletionRequest, prepare_chat
+        from spaceserve.server.openai.protocol import ChatCompletionRequest, prepare_chat
 
         chat = ChatCompletionRequest.model_validate(body | {"stream": False,
                                                             "stream_options": None})

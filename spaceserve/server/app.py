@@ -43,17 +43,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from spaceserve.runtime.inputs import ChatPreprocessor, RemoteFetcher, text_byte_limit
-
-from . import protocol as P
-from .flags import build_parser, engine_args
-from .guard import AdmissionMiddleware, GuardLimits, release_body
-from .handles import Cancelled, QueueFull
-from .logprobs import TokenText
-from .preprocess import prepare_chat_request
-from .protocol import APIError
-from .sampling import check_n, max_choices, to_sampling_params
-from .settings import ServerLimits
-from .streams import (
+from spaceserve.server.flags import build_parser, engine_args
+from spaceserve.server.handles import Cancelled, QueueFull
+from spaceserve.server.openai import protocol as P
+from spaceserve.server.openai.logprobs import TokenText
+from spaceserve.server.openai.preprocess import prepare_chat_request
+from spaceserve.server.openai.protocol import APIError
+from spaceserve.server.openai.sampling import check_n, max_choices, to_sampling_params
+from spaceserve.server.openai.streams import (
     chat_body,
     chat_stream,
     error_response,
@@ -65,11 +62,13 @@ from .streams import (
     shutdown_error,
     until_disconnect,
 )
+from spaceserve.server.settings import ServerLimits
+from spaceserve.server.transport.guard import AdmissionMiddleware, GuardLimits, release_body
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from .engine_client import AsyncEngine
+    from spaceserve.server.engine_client import AsyncEngine
 
 # and ServerThread, lazily
 __all__ = ["ServerLimits", "build_parser", "build_server", "create_app", "main"]
@@ -85,7 +84,7 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
     `limits.remote` (``app.state.fetcher``; close it when done)."""
     from fastapi import FastAPI
 
-    from .completions import add_completions_route
+    from spaceserve.server.openai.completions import add_completions_route
 
     limits = limits or ServerLimits()
     guard = guard or GuardLimits(max_body_bytes=limits.max_body_bytes,
@@ -206,7 +205,7 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
 
 def __getattr__(name: str) -> Any:
     if name == "ServerThread":  # uvicorn is imported only when a server runs
-        from .thread import ServerThread
+        from spaceserve.server.transport.thread import ServerThread
 
         return ServerThread
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -216,8 +215,8 @@ def build_server(args: Any) -> tuple[Any, AsyncEngine, FastAPI, Any]:
     """(engine, client, app, settings) of ``spaceserve serve``'s parsed flags (one engine in
     this process), ready to serve; ValueError names a bad flag, a malformed --curves file
     among them."""
-    from .engine_client import AsyncEngine, load_engine
-    from .settings import ServeSettings
+    from spaceserve.server.engine_client import AsyncEngine, load_engine
+    from spaceserve.server.settings import ServeSettings
 
     settings = ServeSettings.from_args(args)
     engine, pre, note = load_engine(args.model, **engine_args(args))

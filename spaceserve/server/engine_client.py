@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING, Any
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
 from spaceserve.runtime.modes import MODES
 from spaceserve.runtime.policy.slo import DEFAULT_SLO
-
-from .errors import APIError
-from .handles import Admission, Cancelled, Handle, QueueFull
-from .metrics import ServerMetrics
+from spaceserve.server.handles import Admission, Cancelled, Handle, QueueFull
+from spaceserve.server.metrics import ServerMetrics
+from spaceserve.server.transport.errors import APIError
 
 __all__ = ["AsyncEngine", "Cancelled", "QueueFull", "RequestHandle", "SplitSample",
            "cap_video_tokens", "load_engine", "resolve_mode"]
@@ -95,7 +94,9 @@ class RequestHandle(Handle):
                 self.client.engine.add_request(prompt, sp, request_id=self.request_id,
                                                sink=self._sink, stream=stream)
             except ValueError as exc:  # a caller mistake the engine refused (n > max_num_seqs)
-                from .sampling import param_of  # pydantic: not on engine-only installs
+                from spaceserve.server.openai.sampling import (
+                    param_of,  # pydantic: not on engine-only installs
+                )
 
                 raise APIError(400, str(exc), param=param_of(str(exc))) from None
             self.added = True

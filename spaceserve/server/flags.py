@@ -2,7 +2,7 @@
 
 One engine in this process, or with --data-parallel-size N (or --ray-address) N engine
 replicas on Ray Serve behind the same endpoint: the same API, errors, bounds, /health,
-/metrics and graceful shutdown either way (README: Serving, Serving under attack, Replicas).
+/metrics and graceful shutdown either way (docs/serving.md, docs/hardening.md, docs/replicas.md).
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from spaceserve.runtime.engine.args import (
     load_kwargs,
 )
 from spaceserve.runtime.inputs import ImageLimits
-
-from .guard import GuardLimits
-from .media_args import add_media_args
-from .replicas.args import add_data_parallel_args
-from .settings import ServerLimits, ServeSettings
+from spaceserve.server.media_args import add_media_args
+from spaceserve.server.replicas.args import add_data_parallel_args
+from spaceserve.server.settings import ServerLimits, ServeSettings
+from spaceserve.server.transport.guard import GuardLimits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, SERVE_FIELDS[-2:])
     add_sm_budget_args(p)
     h = p.add_argument_group("hardening (bounds on what clients can make the server hold; "
-                             "see README, Serving under attack)")
+                             "see docs/hardening.md)")
     h.add_argument("--max-request-pixels", type=int, default=ImageLimits.max_request_pixels,
                    help="decoded pixels of all images and sampled video frames of one request "
                         "at most (from headers, before decoding); more is 413")

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from .flags import build_parser
-from .replicas.args import wants_replicas
+from spaceserve.server.flags import build_parser
+from spaceserve.server.replicas.args import wants_replicas
 
 __all__ = ["build_parser", "main"]
 
@@ -12,9 +12,9 @@ __all__ = ["build_parser", "main"]
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if wants_replicas(args):
-        from .replicas.deploy import main as serve_replicas
+        from spaceserve.server.replicas.deploy import main as serve_replicas
 
         return serve_replicas(args)
-    from .app import main as serve_one
+    from spaceserve.server.app import main as serve_one
 
     return serve_one(argv)

@@ -46,9 +46,9 @@ class ServeSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeSettings:
         """Settings from parsed flags; ValueError names a bad value."""
-        from .connections import ConnectionLimits
-        from .guard import GuardLimits
-        from .media_args import media_limits
+        from spaceserve.server.media_args import media_limits
+        from spaceserve.server.transport.connections import ConnectionLimits
+        from spaceserve.server.transport.guard import GuardLimits
 
         videos, remote = media_limits(args)
         limits = ServerLimits(args.max_body_bytes, ImageLimits(
@@ -84,7 +84,7 @@ class ServeSettings:
     def server(self, app: Any, client: Any, *, host: str, port: int, log_level: str) -> Any:
         """uvicorn serving `app` with the connection limits, draining `client` within the
         graceful-shutdown bound on SIGTERM / SIGINT (a second signal exits at once)."""
-        from .shutdown import DrainingServer, uvicorn_config
+        from spaceserve.server.transport.shutdown import DrainingServer, uvicorn_config
 
         return DrainingServer(uvicorn_config(app, host=host, port=port, log_level=log_level,
                                              limits=self.connections,

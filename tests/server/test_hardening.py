@@ -19,11 +19,11 @@ import httpx
 import pytest
 
 from spaceserve.runtime.inputs import ImageLimits, PixelBudget, PreprocessPool
-from spaceserve.server import protocol as P
 from spaceserve.server.app import ServerLimits, ServerThread, create_app
-from spaceserve.server.connections import ConnectionLimits
 from spaceserve.server.engine_client import AsyncEngine
-from spaceserve.server.guard import GuardLimits
+from spaceserve.server.openai import protocol as P
+from spaceserve.server.transport.connections import ConnectionLimits
+from spaceserve.server.transport.guard import GuardLimits
 
 from .conftest import MODEL, null_engine, wait_until
 
@@ -354,7 +354,7 @@ def test_pixel_lease_split_moves_part_without_a_capacity_check() -> None:
 def test_long_text_is_tokenised_in_the_heavy_lane(preprocessor, monkeypatch) -> None:
     import threading
 
-    from spaceserve.server import preprocess
+    from spaceserve.server.openai import preprocess
 
     monkeypatch.setattr(preprocess, "LIGHT_TEXT_BYTES", 1000)
     engine, client, app = build(preprocessor)

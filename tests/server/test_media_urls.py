@@ -27,7 +27,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 
 from spaceserve.server.app import ServerLimits, ServerThread  # noqa: E402
-from spaceserve.server.protocol import chat_messages, parse_request  # noqa: E402
+from spaceserve.server.openai.protocol import chat_messages, parse_request  # noqa: E402
 
 # 12 frames of 60x90 at 4 fps = 3 s: 6 frames sampled at 2 fps, resized to 56x84 (4x6 patches):
 # 3 temporal patches x (2x3 merged) = 18 video tokens
@@ -164,7 +164,7 @@ def test_media_are_read_however_the_fetches_race_the_check(preprocessor, monkeyp
     answered 500)."""
     from concurrent.futures import Future
 
-    from spaceserve.server import protocol as P
+    from spaceserve.server.openai import protocol as P
 
     done: Future = Future()
     done.set_result(None)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from spaceserve import SamplingParams
-from spaceserve.server.protocol import chat_messages, parse_request
+from spaceserve.server.openai.protocol import chat_messages, parse_request
 
 from .conftest import MODEL, png
 

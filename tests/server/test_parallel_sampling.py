@@ -20,8 +20,8 @@ openai = pytest.importorskip("openai", reason="the serve extra is not installed"
 from spaceserve.runtime.core.request import SamplingParams  # noqa: E402
 from spaceserve.server.app import ServerThread  # noqa: E402
 from spaceserve.server.engine_client import load_engine  # noqa: E402
-from spaceserve.server.errors import APIError  # noqa: E402
 from spaceserve.server.metrics import parse_gauges  # noqa: E402
+from spaceserve.server.transport.errors import APIError  # noqa: E402
 
 from .conftest import MODEL, make_app, png, wait_until  # noqa: E402
 

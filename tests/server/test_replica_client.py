@@ -203,7 +203,7 @@ def test_parallel_sampling_goes_through_the_replicas(fake, preprocessor) -> None
     served = len(reps.served)
     client.engine = type(client.engine)(256, 2)  # the replicas run 2 sequences at most
     from spaceserve.server.app import create_app
-    from spaceserve.server.thread import ServerThread
+    from spaceserve.server.transport.thread import ServerThread
 
     with ServerThread(create_app(client, preprocessor, model_name=MODEL)) as server:
         with pytest.raises(openai.BadRequestError) as err:

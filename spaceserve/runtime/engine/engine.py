@@ -366,7 +366,7 @@ class Engine(EngineFrontends):
     def counters(self) -> dict[str, int]:
         """Monotonic counters: media items looked up in the encoder cache and those needing no
         encoder pass, encoder jobs, prompt tokens looked up in / held by the prefix cache, and
-        tokens prefilled (every computed token but a decode's newest) - see the README."""
+        tokens prefilled (every computed token but a decode's newest) - see docs/engine.md."""
         cache, sched = self.encoder_cache, self.scheduler
         return {"encoder_cache_queries": cache.queries, "encoder_cache_hits": cache.hits,
                 "encoder_jobs": self.encoder.media.num_jobs,

@@ -18,7 +18,7 @@ __all__ = ["DataParallelServer"]
 
 def __getattr__(name: str) -> Any:
     if name == "DataParallelServer":
-        from .deploy import DataParallelServer
+        from spaceserve.server.replicas.deploy import DataParallelServer
 
         return DataParallelServer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

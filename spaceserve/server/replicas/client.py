@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
 from spaceserve.runtime.routing.keys import route_request
-
-from ..handles import Admission, Handle
-from .metrics import ReplicaSetMetrics
+from spaceserve.server.handles import Admission, Handle
+from spaceserve.server.replicas.metrics import ReplicaSetMetrics
 
 if TYPE_CHECKING:
     from spaceserve.runtime.core.request import RequestOutput, SamplingParams

@@ -33,14 +33,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spaceserve.runtime.routing.router import POLICIES, RouterConfig, WorkModel
-
-from . import state
+from spaceserve.server.replicas import state
 
 if TYPE_CHECKING:
     import argparse
 
-    from ..guard import GuardLimits
-    from ..settings import ServerLimits
+    from spaceserve.server.settings import ServerLimits
+    from spaceserve.server.transport.guard import GuardLimits
 
 ROUTER_CLASS = "spaceserve.server.replicas.router.SpaceServeRequestRouter"
 DEPLOYMENT = "SpaceServeReplica"
@@ -152,12 +151,12 @@ class DataParallelServer:
         from concurrent.futures import ThreadPoolExecutor
 
         from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
+        from spaceserve.server.app import create_app
+        from spaceserve.server.engine_client import cap_video_tokens
+        from spaceserve.server.handles import DEFAULT_PIXELS
+        from spaceserve.server.replicas.client import ReplicaClient
 
         from ...models.tiny import resolve_model
-        from ..app import create_app
-        from ..engine_client import cap_video_tokens
-        from ..handles import DEFAULT_PIXELS
-        from .client import ReplicaClient
 
         ray = _import_ray()
         self._check_engine_kwargs()
@@ -192,11 +191,11 @@ class DataParallelServer:
         (`settings`: a `settings.ServeSettings` for the connection limits and the graceful
         shutdown bound; the defaults otherwise). Call from the main thread of a started
         server."""
-        from ..settings import ServeSettings
+        from spaceserve.server.settings import ServeSettings
 
         if settings is None:
-            from ..connections import ConnectionLimits
-            from ..guard import GuardLimits
+            from spaceserve.server.transport.connections import ConnectionLimits
+            from spaceserve.server.transport.guard import GuardLimits
 
             settings = ServeSettings(self.limits, self.guard or GuardLimits(),
                                      ConnectionLimits())
@@ -206,8 +205,7 @@ class DataParallelServer:
     def _check_engine_kwargs(self) -> None:
         """Bad engine settings fail here, at once, not in every replica Ray keeps restarting."""
         from spaceserve.runtime.engine.config import EngineConfig
-
-        from ..engine_client import resolve_mode
+        from spaceserve.server.engine_client import resolve_mode
 
         kw = {k: v for k, v in self.engine_kwargs.items()
               if k not in ("mode", "device", "dtype", "attention_backend")}
@@ -243,7 +241,7 @@ class DataParallelServer:
         from ray import serve
         from ray.serve.config import RequestRouterConfig
 
-        from .replica import EngineReplica
+        from spaceserve.server.replicas.replica import EngineReplica
 
         self.started_serve = not self._serve_running()
         serve.start(proxy_location="Disabled", logging_config={"enable_access_log": False,
@@ -314,8 +312,8 @@ class DataParallelServer:
 def main(args: argparse.Namespace) -> int:
     """``spaceserve serve`` with replicas: start them, serve HTTP until SIGINT/SIGTERM, drain
     as the single server does (``--graceful-shutdown-timeout``), stop."""
-    from ..flags import engine_args
-    from ..settings import ServeSettings
+    from spaceserve.server.flags import engine_args
+    from spaceserve.server.settings import ServeSettings
 
     serving = False
 

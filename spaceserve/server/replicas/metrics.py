@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from ..metrics import ServerMetrics
+from spaceserve.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from spaceserve.runtime.core.request import RequestOutput

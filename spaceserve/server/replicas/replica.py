@@ -18,9 +18,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from spaceserve.runtime.inputs import QueueFull as PoolFull
-
-from ..engine_client import AsyncEngine, QueueFull, load_engine
-from ..errors import APIError
+from spaceserve.server.engine_client import AsyncEngine, QueueFull, load_engine
+from spaceserve.server.transport.errors import APIError
 
 
 def _rank() -> int:

@@ -124,7 +124,7 @@ def test_chat_messages_to_prompt_and_errors() -> None:
 
 
 def test_server_maps_input_errors_to_openai_errors() -> None:
-    from spaceserve.server.protocol import INPUT_ERROR_STATUS, input_error
+    from spaceserve.server.openai.protocol import INPUT_ERROR_STATUS, input_error
 
     assert set(INPUT_ERROR_STATUS) == set(KINDS)
     api = input_error(InputError("m[0]: image larger than 5 bytes", kind="too_large",

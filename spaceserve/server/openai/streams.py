@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from . import protocol as P
-from .errors import APIError
-from .handles import Cancelled, Handle
-from .logprobs import TokenText, chat_logprobs
+from spaceserve.server.handles import Cancelled, Handle
+from spaceserve.server.openai import protocol as P
+from spaceserve.server.openai.logprobs import TokenText, chat_logprobs
+from spaceserve.server.transport.errors import APIError
 
 if TYPE_CHECKING:
     from spaceserve.runtime.core.request import RequestOutput
-
-    from .metrics import ServerMetrics
+    from spaceserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("spaceserve.server")
 

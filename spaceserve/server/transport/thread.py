@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from .connections import ConnectionLimits
-from .shutdown import DrainingServer, uvicorn_config
+from spaceserve.server.transport.connections import ConnectionLimits
+from spaceserve.server.transport.shutdown import DrainingServer, uvicorn_config
 
 if TYPE_CHECKING:
-    from .engine_client import AsyncEngine
+    from spaceserve.server.engine_client import AsyncEngine
 
 
 class ServerThread:

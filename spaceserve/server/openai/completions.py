@@ -27,12 +27,10 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from . import protocol as P
-from .errors import APIError
-from .guard import release_body
-from .handles import Cancelled, QueueFull
-from .logprobs import TokenText, completion_logprobs
-from .sampling import (
+from spaceserve.server.handles import Cancelled, QueueFull
+from spaceserve.server.openai import protocol as P
+from spaceserve.server.openai.logprobs import TokenText, completion_logprobs
+from spaceserve.server.openai.sampling import (
     MAX_LOGPROBS,
     REFUSED,
     SamplingFields,
@@ -40,7 +38,7 @@ from .sampling import (
     max_choices,
     to_sampling_params,
 )
-from .streams import (
+from spaceserve.server.openai.streams import (
     error_of,
     failure_of,
     json_response,
@@ -48,14 +46,15 @@ from .streams import (
     shutdown_error,
     until_disconnect,
 )
+from spaceserve.server.transport.errors import APIError
+from spaceserve.server.transport.guard import release_body
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from spaceserve.runtime.core.request import RequestOutput
-
-    from .engine_client import AsyncEngine
-    from .handles import Handle
+    from spaceserve.server.engine_client import AsyncEngine
+    from spaceserve.server.handles import Handle
 
 MAX_PROMPTS = 64  # prompts in one request at most (each is an engine request)
 

@@ -4,9 +4,9 @@
 server honours (OpenAI's, and vLLM's extensions with vLLM's names), validated in strict mode.
 `to_sampling_params` turns a validated request into the engine's `SamplingParams` once the
 prompt's length is known (the default `max_tokens` fills the context). `REFUSED` lists what is
-still answered with a 400, and why; the README repeats it. `n` (parallel sampling) is bounded by
-the engine's `max_num_seqs` (`check_n`), since the engine runs a request's n sequences in one
-batch.
+still answered with a 400, and why; docs/serving.md repeats it. `n` (parallel sampling) is
+bounded by the engine's `max_num_seqs` (`check_n`), since the engine runs a request's n
+sequences in one batch.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from spaceserve.runtime.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-
-from .errors import APIError
+from spaceserve.server.transport.errors import APIError
 
 MAX_LOGPROBS = 20  # = spaceserve.runtime.core.request.MAX_LOGPROBS (no torch import here)
 

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from .connections import ConnectionLimits, limited_protocol
+from spaceserve.server.transport.connections import ConnectionLimits, limited_protocol
 
 if TYPE_CHECKING:
-    from .engine_client import AsyncEngine
+    from spaceserve.server.engine_client import AsyncEngine
 
 log = logging.getLogger("spaceserve.server")
 SHUTDOWN_MESSAGE = "the server is shutting down; retry the request"

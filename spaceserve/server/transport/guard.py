@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .protocol import APIError
+from spaceserve.server.openai.protocol import APIError
 
 log = logging.getLogger("spaceserve.server")
 _RID = re.compile(r"[A-Za-z0-9._:-]{1,64}")

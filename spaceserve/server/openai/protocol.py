@@ -28,9 +28,14 @@ from spaceserve.runtime.inputs import (
     InputError,
     VideoLimits,
 )
-
-from .errors import APIError
-from .sampling import MAX_LOGPROBS, REFUSED, SamplingFields, StreamOptions, Strict
+from spaceserve.server.openai.sampling import (
+    MAX_LOGPROBS,
+    REFUSED,
+    SamplingFields,
+    StreamOptions,
+    Strict,
+)
+from spaceserve.server.transport.errors import APIError
 
 __all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "StreamOptions"]
 _Model = Strict

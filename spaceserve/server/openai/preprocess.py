@@ -17,10 +17,9 @@ from typing import Any
 
 from spaceserve.runtime.inputs import DeadlineExceeded, ImageLimits, InputError, VideoLimits
 from spaceserve.runtime.inputs import QueueFull as PoolFull
-
-from . import protocol as P
-from .handles import Admission, Handle
-from .protocol import APIError
+from spaceserve.server.handles import Admission, Handle
+from spaceserve.server.openai import protocol as P
+from spaceserve.server.openai.protocol import APIError
 
 LIGHT_TEXT_BYTES = 64 * 1024  # longer text-only prompts are tokenised in the heavy lane
 # Heavy-lane cost of a byte of text, in pixels: tokenising a byte takes about as long as
