@@ -110,6 +110,7 @@ class SpaceInferenceScheduler:
         self._since = -math.inf
         self._sat_cache: dict[tuple, int] = {}
         self._cap_cache: dict[tuple, tuple[int, bool]] = {}
+        self._tpot_cache: dict[tuple, float] = {}
 
     # -- predictions -------------------------------------------------------------------------
     def tpot_target(self, batch: int, context: float) -> float:
@@ -117,7 +118,10 @@ class SpaceInferenceScheduler:
         calm (comfort) target."""
         if self.tpot_target_s is not None:
             return self.tpot_target_s
-        unloaded = self.curves.decode(batch, context, self.total)
+        key = (batch, context, 0)
+        unloaded = self._tpot_cache.get(key)
+        if unloaded is None:
+            unloaded = self._tpot_cache[key] = self.curves.decode(batch, context, self.total)
         if self.objective == "tpot":
             return self.tpot_factor * unloaded
         return min(self.comfort_factor * unloaded, self.slo_target())
@@ -129,35 +133,22 @@ class SpaceInferenceScheduler:
 
     def predict_tpot(self, state: SisState, encoder_sms: int) -> float:
         """Decode step time with `encoder_sms` given to a busy encoder (0: whole device)."""
-        corun = encoder_sms > 0
-        return self.curves.decode(state.decode_batch, state.decode_context,
-                                  self.total - encoder_sms, corun)
+        key = (state.decode_batch, state.decode_context, encoder_sms)
+        t = self._tpot_cache.get(key)
+        if t is None:
+            if len(self._tpot_cache) > 100_000:
+                self._tpot_cache.clear()
+            t = self._tpot_cache[key] = self.curves.decode(
+                state.decode_batch, state.decode_context, self.total - encoder_sms,
+                encoder_sms > 0)
+        return t
 
     def predict_ttft(self, state: SisState, encoder_sms: int, prefill_on: str = "compute") -> float:
         """Mean predicted TTFT of waiting requests: jobs drain shortest first, then prefill."""
-        c, e = self.curves, encoder_sms
-        if e <= 0:
+        if encoder_sms <= 0:
             return math.inf if (state.encode or state.prefill) else 0.0
-        d = self.total - e
-        finish: list[float] = []
-        jobs = sorted(c.encoder(j.patches, j.layers_left, e, True) for j in state.encode)
-        now = 0.0
-        for t in jobs:
-            now += t
-            finish.append(now)
-        prompts = list(state.prefill) + [j.prefill_tokens for j in state.encode
-                                         if j.prefill_tokens > 0]
-        done_at = finish[-1] if finish else 0.0
-        for tokens in prompts:
-            if prefill_on == "compute":
-                done_at += c.prefill(tokens, 0, e, True)
-            else:
-                steps = math.ceil(tokens / self.chunk_tokens)
-                step = c.mixed_step(state.decode_batch, state.decode_context,
-                                    min(tokens, self.chunk_tokens), 0, d, True)
-                done_at += steps * step
-            finish.append(done_at)
-        return sum(finish) / len(finish) if finish else 0.0
+        return self.predictor.view(state).ttft(encoder_sms, prefill_on, self.chunk_tokens,
+                                               self.total)
 
     def _saturation(self, kind: str, work: float, cap: int, cands: list[int]) -> int:
         """Fewest candidate SMs at which `work` runs within tolerance of its time at `cap`.
@@ -193,11 +184,11 @@ class SpaceInferenceScheduler:
         cap, feasible = self._cap(state, target)
         cands = [e for e in self.allowed if e <= cap]
         enc = cands[0]
-        for j in state.encode:
-            enc = max(enc, self._saturation("encoder", j.patches, cap, cands))
-        for tokens in [*state.prefill, *(j.prefill_tokens for j in state.encode)]:
-            if tokens > 0:
-                enc = max(enc, self._saturation("prefill", tokens, cap, cands))
+        view = self.predictor.view(state)  # saturation never falls as work grows: the largest
+        if view.keys:                      # job and prompt decide
+            enc = max(enc, self._saturation("encoder", view.max_patches, cap, cands))
+        if view.max_prompt > 0:
+            enc = max(enc, self._saturation("prefill", view.max_prompt, cap, cands))
         if self.objective == "goodput":
             enc, target, feasible = self._pressure(state, enc, target, feasible)
         return self._place(state, enc, target, feasible)
@@ -231,11 +222,11 @@ class SpaceInferenceScheduler:
         tpot = self.predict_tpot(state, enc)
         ttft = self.predict_ttft(state, enc, "compute")
         placement = "compute"
-        prompts = [*state.prefill, *(j.prefill_tokens for j in state.encode)]
-        if prompts and any(p > 0 for p in prompts):
-            chunk = min(self.chunk_tokens, max(prompts))
-            mixed = self.curves.mixed_step(state.decode_batch, state.decode_context, chunk, 0,
-                                           self.total - enc, True)
+        top = self.predictor.view(state).max_prompt
+        if top > 0:
+            chunk = min(self.chunk_tokens, top)
+            mixed = self.predictor.table.mixed(state.decode_batch, state.decode_context, chunk,
+                                               self.total - enc)
             alt = self.predict_ttft(state, enc, "decode")
             if mixed <= target and alt < ttft:
                 placement, ttft, tpot = "decode", alt, mixed
