@@ -93,9 +93,11 @@ class GoodputPredictor:
         """Fewest predicted misses, then load within `max_load` (else the lowest), then the
         most encoder SMs: under pressure the backlog drains as fast as the decoder's SLO
         allows, so the next arrivals find a short queue."""
-        fcs = [self.forecast(state, e) for e in cands]
-        return min(fcs, key=lambda f: (f.misses, max(0.0, f.load - self.max_load),
-                                       -f.encoder_sms))
+        return min((self.forecast(state, e) for e in cands), key=self.rank)
+
+    def rank(self, fc: Forecast) -> tuple[int, float, int]:
+        """Fewer misses, then less load beyond `max_load`, then more encoder SMs first."""
+        return fc.misses, max(0.0, fc.load - self.max_load), -fc.encoder_sms
 
     def calm(self, fc: Forecast) -> bool:
         """Nothing predicted late and the arrivals leave headroom: no need to grow."""

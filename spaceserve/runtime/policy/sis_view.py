@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from itertools import accumulate, compress, repeat
-from operator import add, attrgetter, itemgetter
+from operator import add, attrgetter, itemgetter, mul
 
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.sis_state import SisState
@@ -31,18 +31,24 @@ _key = attrgetter("patches", "layers_left")
 _fields = attrgetter("patches", "layers_left", "prefill_tokens", "age_s", "requests")
 
 
+def _scaled(xs: list[float], scale: float) -> list[float]:
+    return xs if scale == 1.0 else list(map(mul, xs, repeat(scale)))
+
+
 class WorkTable:
     """Curve latencies memoised per encoder SM count (co-running with the decoder)."""
 
-    def __init__(self, curves: CurveSet) -> None:
+    def __init__(self, curves: CurveSet, total_sms: int | None = None) -> None:
         self.curves = curves
+        self.total = curves.num_sms if total_sms is None else total_sms
         self._enc: dict[int, dict[tuple[int, int], float]] = {}
         self._pre: dict[int, dict[int, float]] = {}
         self._mixed: dict[tuple, float] = {}
         self._chunked: dict[tuple, dict[int, float]] = {}
 
     def runs(self, e: int, keys: list[tuple[int, int]]) -> list[float]:
-        """Encoder seconds of each (patches, layers left) at `e` SMs."""
+        """Encoder seconds of each (patches, layers left) at `e` SMs co-running with the decoder
+        (`e` 0: alone on the whole device, as in a whole-GPU window)."""
         table = self._enc.get(e)
         if table is None:
             table = self._enc[e] = {}
@@ -51,14 +57,15 @@ class WorkTable:
         except KeyError:
             if len(table) > CACHE_LIMIT:
                 table.clear()
-            enc = self.curves.encoder
+            enc, n, corun = self.curves.encoder, e or self.total, e > 0
             for k in keys:
                 if k not in table:
-                    table[k] = enc(k[0], k[1], e, True)
+                    table[k] = enc(k[0], k[1], n, corun)
             return list(map(table.__getitem__, keys))
 
     def prefills(self, e: int, tokens: list[int]) -> list[float]:
-        """Prefill seconds of each prompt (whole, no cached context) at `e` SMs; 0 for none."""
+        """Prefill seconds of each prompt (whole, no cached context) at `e` SMs co-running (0:
+        alone on the whole device); 0 for none."""
         table = self._pre.get(e)
         if table is None:
             table = self._pre[e] = {}
@@ -67,10 +74,10 @@ class WorkTable:
         except KeyError:
             if len(table) > CACHE_LIMIT:
                 table.clear()
-            pre = self.curves.prefill
+            pre, n, corun = self.curves.prefill, e or self.total, e > 0
             for t in tokens:
                 if t not in table:
-                    table[t] = pre(t, 0, e, True) if t > 0 else 0.0
+                    table[t] = pre(t, 0, n, corun) if t > 0 else 0.0
             return list(map(table.__getitem__, tokens))
 
     def mixed(self, batch: int, context: float, chunk: int, decoder_sms: int) -> float:
@@ -127,9 +134,9 @@ class StateView:
         self.max_prompt = max(self.prompts) if self.prompts else 0
         self._runs: dict[int, list[float]] = {}
         self._open_cache: dict[float, tuple[list, list, list, list, int]] = {}
-        self._finish: dict[int, list[float]] = {}
-        self._misses: dict[tuple[int, float, int], int] = {}
-        self._ttft: dict[tuple[int, str, int], float] = {}
+        self._finish: dict[tuple[int, float], list[float]] = {}
+        self._misses: dict[tuple[int, float, int, float], int] = {}
+        self._ttft: dict[tuple[int, str, int, float], float] = {}
 
     def runs(self, e: int) -> list[float]:
         """Each encoder job's predicted run at `e` SMs, in the state's order."""
@@ -150,18 +157,19 @@ class StateView:
                 list(compress(self.ages, keep)), requests, sum(requests))
         return hit
 
-    def misses(self, e: int, limit: float, horizon: int) -> int:
+    def misses(self, e: int, limit: float, horizon: int, scale: float = 1.0) -> int:
         """Requests predicted to finish past `limit` with `e` encoder SMs: ready prompts first,
         then jobs in TWSRFT's order (live ones shortest first, up to `horizon`; a job late on
-        its own is a miss without draining)."""
-        key = (e, limit, horizon)
+        its own is a miss without draining). `scale` stretches every latency (a whole-GPU
+        window: the encoder has the device a share of the time)."""
+        key = (e, limit, horizon, scale)
         hit = self._misses.get(key)
         if hit is not None:
             return hit
         t, missed = 0.0, 0
         if self.ready:
-            for age, pre in zip(self.ready_ages, self.table.prefills(e, self.ready),
-                                strict=True):
+            for age, pre in zip(self.ready_ages, _scaled(self.table.prefills(e, self.ready),
+                                                         scale), strict=True):
                 t += pre
                 if age + t > limit:
                     missed += 1
@@ -169,7 +177,8 @@ class StateView:
         # not already past `limit` by their age alone (those miss at every split)
         keys, tokens, ages, requests, total = self._open(limit)
         missed += self.total_requests - total
-        runs, pres = self.table.runs(e, keys), self.table.prefills(e, tokens)
+        runs = _scaled(self.table.runs(e, keys), scale)
+        pres = _scaled(self.table.prefills(e, tokens), scale)
         start = ages if t == 0.0 else list(map(add, ages, repeat(t)))
         ontime = list(map(limit.__ge__, map(add, map(add, start, runs), pres)))
         live = list(zip(compress(map(add, runs, pres), ontime), compress(ages, ontime),
@@ -184,21 +193,24 @@ class StateView:
         self._misses[key] = missed
         return missed
 
-    def ttft(self, e: int, placement: str, chunk_tokens: int, total_sms: int) -> float:
+    def ttft(self, e: int, placement: str, chunk_tokens: int, total_sms: int,
+             scale: float = 1.0) -> float:
         """Mean predicted TTFT of the waiting requests with `e` encoder SMs: jobs drain
-        shortest first, then every prompt prefills on `placement`."""
-        key = (e, placement, chunk_tokens)
+        shortest first, then every prompt prefills on `placement` (`scale` as in `misses`;
+        a window's prompts prefill in it, on the whole device)."""
+        key = (e, placement, chunk_tokens, scale)
         hit = self._ttft.get(key)
         if hit is not None:
             return hit
-        jobs = self._finish.get(e)
+        jobs = self._finish.get((e, scale))
         if jobs is None:  # the encoder part is the same for both placements
-            jobs = self._finish[e] = list(accumulate(sorted(self.runs(e))))
+            jobs = self._finish[(e, scale)] = list(accumulate(sorted(_scaled(self.runs(e),
+                                                                            scale))))
         finish = list(jobs)
         done_at = finish[-1] if finish else 0.0
         if self.prompts:
-            if placement == "compute":
-                steps = self.table.prefills(e, self.prompts)
+            if placement == "compute" or scale != 1.0:
+                steps = _scaled(self.table.prefills(e, self.prompts), scale)
             else:
                 s = self.state
                 steps = self.table.chunked(s.decode_batch, s.decode_context, chunk_tokens,

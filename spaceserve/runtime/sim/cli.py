@@ -31,7 +31,12 @@ from spaceserve.runtime.policy.analytic import (
 )
 from spaceserve.runtime.policy.contention import Contention
 from spaceserve.runtime.policy.curves import CurveSet
-from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler
+from spaceserve.runtime.policy.sis import (
+    SIS_ACTIONS,
+    PendingEncode,
+    SisState,
+    SpaceInferenceScheduler,
+)
 from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT, Slo
 from spaceserve.runtime.sim import multiturn_cli
 from spaceserve.runtime.sim.cluster import ROUTERS
@@ -125,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sis-objective", default="goodput", choices=OBJECTIVES,
                    help="SIS maximises predicted goodput (default) or protects TPOT at any "
                         "TTFT cost (tpot: the paper-like baseline)")
+    p.add_argument("--sis-actions", default="superset", choices=SIS_ACTIONS,
+                   help="SIS's actions: pure sharing, or sharing plus whole-GPU encoder windows "
+                        "(superset: what temporal-chunked does, when it predicts more goodput)")
     p.add_argument("--prefill-on", default="auto", choices=PLACEMENTS,
                    help="partition prefill runs on (auto: SIS decides in spatial mode)")
     p.add_argument("--encoder-policy", choices=("twsrft", "fifo"),
@@ -199,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                         text_rate=args.text_rate, text_tokens=args.text_tokens,
                         output_tokens=args.output_tokens, seed=seeds[0])
     base = SimConfig(static_encoder_sms=args.static_encoder_sms, tpot_factor=args.tpot_factor,
-                     sis_objective=args.sis_objective, slo=args.slo,
+                     sis_objective=args.sis_objective, sis_actions=args.sis_actions,
+                     slo=args.slo,
                      prefill_on=args.prefill_on, encoder_policy=args.encoder_policy,
                      background=args.batch, background_context=args.context,
                      shared_decode_share=args.shared_decode_share,

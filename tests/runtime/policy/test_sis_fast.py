@@ -33,7 +33,7 @@ def _pair(slo: str, objective: str) -> tuple[SpaceInferenceScheduler, ReferenceS
                   ttft_margin=policy.ttft_margin, comfort_factor=policy.comfort_factor,
                   clock=clock)
         if cls is SpaceInferenceScheduler:
-            pass  # ACTIONS
+            kw["actions"] = "share"  # the reference had no windows
         out.append(cls(CURVES, policy.splits, **kw))
     return out[0], out[1]
 
