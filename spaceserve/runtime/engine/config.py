@@ -95,6 +95,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     slo: Slo | str = DEFAULT_SLO
     sis_objective: str = "goodput"
+    sis_actions: str = "superset"  # SIS: "share", or "superset" (+ whole-GPU encoder windows)
     sis_load: tuple[int, int] = (32, 1152)
 
     def __post_init__(self) -> None:

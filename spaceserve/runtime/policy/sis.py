@@ -40,10 +40,11 @@ That is the ``tpot`` objective (the paper's: TPOT first, at any TTFT cost). The 
 Actions (``actions``): "share" is the rule above, pure sharing. "superset" (the default) adds
 what the time-multiplexed baseline does: under pressure SIS may give the encoder the whole GPU for
 a bounded window (``encoder_sms`` = every SM, ``decoder_sms`` 0: the decoder pauses for the
-window, then runs one step on the whole device; prompts prefill inside the window). The window
+window, then runs one step on the whole device, carrying prompts' prefill chunks). The window
 is the largest, up to ``window_s``, whose decode interval (window + a whole-device step) keeps
 the decode SLO's margin; its predictions stretch every whole-device latency by
-(window + step) / window, the share of time the encoder holds the device. SIS takes it when
+(window + step) / window, the share of time the encoder holds the device (prefill is modelled
+as whole-device work stretched the same way). SIS takes it when
 that predicts fewer TTFT misses (then less arrival overload) than the best sharing split, so
 sharing is never predicted worse than the best time-multiplexed schedule. `action_counts`
 counts what was chosen (splits, windows, prefill placements).
@@ -292,9 +293,9 @@ class SpaceInferenceScheduler:
         return hit
 
     def _place(self, state: SisState, enc: int, target: float, feasible: bool) -> Split:
-        if enc >= self.total:  # a whole-GPU window: prompts prefill in it
+        if enc >= self.total:  # a whole-GPU window; prompts prefill in the decode steps
             tpot = self.predict_tpot(state, enc)
-            return Split(enc, 0, "compute", self.predict_ttft(state, enc), tpot, target,
+            return Split(enc, 0, "decode", self.predict_ttft(state, enc), tpot, target,
                          tpot <= self.slo_target())
         tpot = self.predict_tpot(state, enc)
         ttft = self.predict_ttft(state, enc, "compute")

@@ -1,9 +1,10 @@
 """The simulator's execution of SIS's whole-GPU window (``sis_actions`` superset, spatial mode).
 
-Once the running decode step ends, ready prompts prefill and encoder layers (TWSRFT's grants,
-cut to what is left of the window) run alone on every SM until the window SIS sized for the
-current state (`SpaceInferenceScheduler.window`) is spent; then one decode step runs on the whole
-device, and SIS decides again. This is what ``temporal-chunked`` does between its decode steps,
+Once the running decode step ends, encoder layers (TWSRFT's grants, cut to what is left of the
+window) run alone on every SM until the window SIS sized for the current state
+(`SpaceInferenceScheduler.window`) is spent; then one decode step runs on the whole device,
+carrying a prompt's prefill chunk (the window's placement is "decode", as in the engine), and
+SIS decides again. This is what ``temporal-chunked`` does between its decode steps,
 chosen per round by SIS's goodput prediction instead of always.
 """
 
@@ -35,24 +36,19 @@ def _next_op(sim: Any) -> None:
         sim._sis_window_at = sim.now  # when the window began
     left = window - (sim.now - sim._sis_window_at)
     c, n = sim.curves, sim.total
-    if left > 0 and sim.prefill_q:
-        req = sim.prefill_q.popleft()
-        tokens, ctx = req.prompt_tokens - req.prefilled, req.prefilled
-        sim.ops["compute"] = Op("compute", "prefill", n,
-                                lambda k, o: c.prefill(tokens, ctx, k, o), req)
-    elif left > 0 and sim._encoder_waiting():
+    if left > 0 and sim._encoder_waiting():
         g = sim.sched.next_grant()
         per_layer = c.encoder(g.patches, 1, n)
         layers = max(1, min(g.layers, math.ceil(left / per_layer - 1e-9)))
         g = dataclasses.replace(g, layers=layers)
         sim.ops["compute"] = Op("compute", "encode", n,
                                 lambda k, o: c.encoder(g.patches, g.layers, k, o), g)
-    elif sim.decoding:
+    elif sim.decoding or sim.prefill_q:
         sim._sis_window_at = None
         sim._start_decode(n)
-    else:  # nothing decodes: a spent window is followed at once by the next
+    else:  # nothing decodes or prefills: a spent window is followed at once by the next
         sim._sis_window_at = None
-        if window > 0 and left <= 0 and (sim.prefill_q or sim._encoder_waiting()):
+        if window > 0 and left <= 0 and sim._encoder_waiting():
             _next_op(sim)
         return
     sim._last_kind = "compute" if "compute" in sim.ops else "decode"
