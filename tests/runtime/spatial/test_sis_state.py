@@ -24,6 +24,8 @@ def test_sis_sees_ages_and_the_arrival_rate() -> None:
         return decide(state)
 
     eng.spatial.sis.decide = spy
+    launch = eng.spatial.stage.launch  # nothing is encoded before the requests have waited
+    eng.spatial.stage.launch = lambda *a, **kw: launch(*a, **kw) if clock.t > 0 else 0
     try:
         gen = torch.Generator().manual_seed(0)
         params = SamplingParams(max_tokens=2, temperature=0.0)
