@@ -79,8 +79,8 @@ class Simulator:
         clock: Callable[[], float] = lambda: self.now
         cost = curve_cost(self.curves, self._encoder_target, corun=not temporal)
         deadline = self.policy.deadline_s if policy == "twsrft" else None
-        kw = dict(policy=policy, window_s=window, max_wait_s=c.max_wait_s,
-                  token_budget=c.token_budget, deadline_s=deadline, clock=clock)
+        kw = dict(policy=policy, window_s=window, max_wait_s=c.max_wait_s, clock=clock,
+                  token_budget=c.token_budget, deadline_s=deadline, overdue_s=self.policy.overdue_s)
         ranks = int(self.curves.model.get("encoder_ranks", 1))  # a data-parallel encoder
         self.sched = TwsrftScheduler(self.curves.encoder_depth, cost, **kw) if ranks == 1 \
             else RoundTwsrft(ranks, self.curves.encoder_depth, cost, **kw)
