@@ -206,11 +206,22 @@ class SpaceInferenceScheduler:
             return view.total_requests + len(view.ready)
         return view.misses(0, p.limit, p.horizon, stretch)
 
-    def _window_forecast(self, state: SisState) -> Forecast | None:
+    def _window_forecast(self, state: SisState, best: int) -> Forecast | None:
+        """The window's forecast, or None where no window fits or where it is slower than
+        `best` encoder SMs for the largest and the smallest job and the longest prompt alike
+        (then every latency is longer in the window: it cannot drain the queue faster)."""
         stretch = self._stretch(state)
         if not stretch:
             return None
         p, load = self.predictor, 0.0
+        view, table = p.view(state), p.table
+        keys = [(view.max_patches, self.curves.encoder_depth),
+                (min(k[0] for k in view.keys), self.curves.encoder_depth)] if view.keys else []
+        prompts = [view.max_prompt] if view.max_prompt > 0 else []
+        if all(w * stretch >= b for w, b in zip(table.runs(0, keys) + table.prefills(0, prompts),
+                                                table.runs(best, keys)
+                                                + table.prefills(best, prompts), strict=True)):
+            return None
         if state.arrival_rate > 0:
             patches = max(1, int(round(state.arrival_patches)))
             tokens = int(round(state.arrival_prompt))
@@ -274,7 +285,7 @@ class SpaceInferenceScheduler:
         cands = [e for e in self.allowed if calm <= e <= cap] or [calm]
         best = p.best(state, cands)
         if self.actions == "superset":
-            win = self._window_forecast(state)
+            win = self._window_forecast(state, best.encoder_sms)
             if win is not None and p.rank(win)[:2] < p.rank(best)[:2]:
                 return self.total, max(slo, target), True
         return best.encoder_sms, max(slo, target), ok
