@@ -181,15 +181,21 @@ class StateView:
         pres = _scaled(self.table.prefills(e, tokens), scale)
         start = ages if t == 0.0 else list(map(add, ages, repeat(t)))
         ontime = list(map(limit.__ge__, map(add, map(add, start, runs), pres)))
-        live = list(zip(compress(map(add, runs, pres), ontime), compress(ages, ontime),
-                        compress(requests, ontime), strict=True))
-        missed += total - sum(map(_third, live))
+        works = compress(map(add, runs, pres), ontime)
+        if total == len(requests):  # one request per job (the usual case): lighter tuples
+            live = list(zip(works, compress(ages, ontime), strict=True))
+            missed += total - len(live)
+        else:
+            live = list(zip(works, compress(ages, ontime), compress(requests, ontime),
+                            strict=True))
+            missed += total - sum(map(_third, live))
         if live:
             live.sort()
-            works, ages, reqs = zip(*live[:horizon], strict=True)
-            done = accumulate(works, initial=t)
+            cols = list(zip(*live[:horizon], strict=True))
+            done = accumulate(cols[0], initial=t)
             next(done)
-            missed += sum(compress(reqs, map(limit.__lt__, map(add, ages, done))))
+            late = map(limit.__lt__, map(add, cols[1], done))
+            missed += sum(late) if len(cols) == 2 else sum(compress(cols[2], late))
         self._misses[key] = missed
         return missed
 

@@ -49,6 +49,9 @@ def test_fast_decide_matches_the_reference(slo: str, objective: str) -> None:
         state = random_state(rng, pending)
         if rng.random() < 0.3:  # light load: few jobs, young, no arrivals
             state = random_state(rng, min(pending, 2))
+        if rng.random() < 0.3:  # batched jobs carrying several requests
+            state = dataclasses.replace(state, encode=tuple(
+                dataclasses.replace(j, requests=rng.randint(1, 3)) for j in state.encode))
         a, b = fast.decide(state), ref.decide(state)
         assert dataclasses.astuple(a) == dataclasses.astuple(b), f"round {i}: {a} != {b}"
         seen.add((a.encoder_sms, a.prefill_on))
