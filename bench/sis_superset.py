@@ -1,5 +1,5 @@
 """Spatial sharing ("share"), spatial as a superset ("superset": + whole-GPU encoder windows)
-and temporal-chunked with a 5 ms window and 2048-token prefill chunks, simulated (modelled
+and temporal-chunked with a 5 ms window and 2048-token prefill chunks (or 512), simulated (modelled
 Qwen2-VL-7B on the H200 preset) under SLO A and SLO B of bench/goodput_sweep.py.
 
 Per point: goodput (image requests/s meeting the SLO), attainment, the p99 TTFT of the image
@@ -35,7 +35,9 @@ VARIANTS = {
     "spatial-superset": dict(mode="spatial", sis_actions="superset"),
     "temporal-chunked-5ms-2048": dict(mode="temporal-chunked", window_s=0.005,
                                       chunk_tokens=2048),
+    "temporal-chunked-5ms-512": dict(mode="temporal-chunked", window_s=0.005, chunk_tokens=512),
 }
+DEFAULT_VARIANTS = "spatial-share,spatial-superset,temporal-chunked-5ms-2048"
 
 
 def p99(xs: list[float]) -> float:
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="12,16,20,24")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--slos", default="A,B")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--drain", type=float, default=10.0)
     ap.add_argument("--overdue", type=float, default=None, metavar="S",

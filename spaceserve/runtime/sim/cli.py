@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             "mm_encoder_tp_mode": curves.model.get("mm_encoder_tp_mode"),
             "capacity_rate": cap, "sis_encoder_sms": sis_sms, "sis_capacity_rate": sis_cap,
             "splits": list(policy.splits), "sis_objective": policy.objective,
+            "sis_actions": base.sis_actions,
             "workload": dataclasses.asdict(workload),
             "config": dataclasses.asdict(base), "gpus": args.gpus, "router": args.router,
             "slo": args.slo.to_dict(), "seeds": seeds, "drain_s": args.drain,
