@@ -1,4 +1,4 @@
-"""Point-by-point error of modelled curves (e.g. `spaceserve.runtime.policy.analytic`) against
+"""Point-by-point error of modelled curves (e.g. `spaceserve.runtime.policy.analytic.model`) against
 measured ones: how far SIS would be off if it planned with the model instead."""
 
 from __future__ import annotations

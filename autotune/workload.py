@@ -136,7 +136,7 @@ class Qwen2VLWorkload:
         self._bg_runs: dict[str, StageRun] = {}
 
     def model_meta(self) -> dict[str, Any]:
-        from spaceserve.runtime.policy.analytic import ModelShape
+        from spaceserve.runtime.policy.analytic.model import ModelShape
 
         return {"name": self.name, **asdict(ModelShape.from_config(self.model.config, self.name))}
 
@@ -250,7 +250,7 @@ def load_model(spec: str, device: torch.device | str | None = None,
     (the interpreter would take hours); on CUDA the Triton kernels, bf16 unless `dtype` says
     otherwise."""
     from spaceserve.models import from_config, from_pretrained
-    from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.policy.analytic.model import qwen2_vl_7b_config
 
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")

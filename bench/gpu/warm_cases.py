@@ -121,7 +121,7 @@ def models_suite(dev: torch.device, timer: Timer, images: tuple[str, ...],
                  batches: tuple[int, ...], context: int | None = None) -> None:
     """The models section's own code (vision pass, eager and graph decode) at one layer."""
     from bench.kernels import models as bm
-    from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.policy.analytic.model import qwen2_vl_7b_config
 
     bm.run_suite(_one_layer(qwen2_vl_7b_config()), dev, DTYPE,
                  images={i: bm.IMAGES[i] for i in images}, batches=batches,
@@ -132,7 +132,7 @@ def models_suite(dev: torch.device, timer: Timer, images: tuple[str, ...],
 def qwen25_vision(dev: torch.device, timer: Timer, images: tuple[str, ...]) -> None:
     """The qwen25-vision section's tower at two blocks: one windowed, one full."""
     from bench.kernels import qwen25_vision as bq
-    from spaceserve.runtime.policy.analytic import qwen2_5_vl_7b_config
+    from spaceserve.runtime.policy.analytic.model import qwen2_5_vl_7b_config
 
     config = qwen2_5_vl_7b_config()
     config.vision_config.depth = 2

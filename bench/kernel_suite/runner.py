@@ -11,7 +11,7 @@ wall-clock call: a smoke test of the plumbing, not a measurement.
 
 `extra_info` of every benchmark carries the budget, the grid of each launch (from
 `spaceserve.kernels.record_launches`), bytes and FLOPs, and the derived GB/s, TFLOP/s and
-fraction of the device's peak (the H200/H100/A100 presets of `spaceserve.runtime.policy.analytic`).
+fraction of the device's peak (the H200/H100/A100 presets of `policy.analytic.model`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def device_peaks(device: torch.device, dtype: str) -> tuple[float | None, float 
     """(GB/s, TFLOP/s, source) of the device's peak; TFLOP/s only for bf16/fp16 (tensor cores)."""
     if device.type != "cuda":
         return None, None, "none (not a GPU)"
-    from spaceserve.runtime.policy.analytic import PRESETS
+    from spaceserve.runtime.policy.analytic.model import PRESETS
 
     name = torch.cuda.get_device_name(device)
     for key, preset in PRESETS.items():

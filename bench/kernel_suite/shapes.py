@@ -70,7 +70,7 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, config: Any, name: str) -> ModelDims:
-        from spaceserve.runtime.policy.analytic import ModelShape
+        from spaceserve.runtime.policy.analytic.model import ModelShape
 
         s = ModelShape.from_config(config, name)
         rope = getattr(config.text_config, "rope_parameters", None) or {}

@@ -3,7 +3,7 @@
 1. A quick profile (`autotune.profile.Grid.quick`) of Qwen2-VL-7B (random weights, bf16) on the
    current GPU: encoder pass, prefill chunk and decode step against SMs, alone and co-running,
    written as ``autotune/curves.json`` + ``curves.png`` (resumable checkpoint beside them).
-2. The analytic roofline curves (`spaceserve.runtime.policy.analytic`) against every measured point:
+2. The analytic roofline curves (`policy.analytic.model`) against every measured point:
    ``autotune/analytic_error.json`` and a summary row per stage and mode.
 3. Kernel configs tuned for linear, gated_mlp, paged_decode and vit_attention at budgets 32,
    66 and 132 (``autotune/kernel_configs.json``), each timed against the launcher's default.
@@ -29,7 +29,7 @@ KERNELS = ("paged_decode", "linear", "gated_mlp", "vit_attention")
 
 def preset_for(device: torch.device) -> str:
     """The analytic device preset closest to `device` (H200 unless the name says otherwise)."""
-    from spaceserve.runtime.policy.analytic import PRESETS
+    from spaceserve.runtime.policy.analytic.model import PRESETS
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return next((p for p in PRESETS if p in name.upper()), "H200")
@@ -76,7 +76,7 @@ def _errors(config: Any, name: str, device: torch.device, dtype: torch.dtype, ou
             profiler: Any, result: Any) -> list[dict]:
     from autotune.compare import point_errors, summarize_errors
     from bench.common import write_json
-    from spaceserve.runtime.policy.analytic import analytic_curves
+    from spaceserve.runtime.policy.analytic.model import analytic_curves
 
     preset = preset_for(device)
     model = analytic_curves(config, preset, name=name, dtype=str(dtype).removeprefix("torch."))
@@ -151,7 +151,7 @@ def run(results_dir: str | Path, time_budget_s: float) -> list[dict]:
     """GPU harness entry point: Qwen2-VL-7B shapes, bf16, on the current CUDA device."""
     if not torch.cuda.is_available():
         return [{"section": SECTION, "skipped": "needs a CUDA device"}]
-    from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.policy.analytic.model import qwen2_vl_7b_config
 
     return run_suite(qwen2_vl_7b_config(), "Qwen2-VL-7B", torch.device("cuda"), torch.bfloat16,
                      Path(results_dir) / SECTION, time_budget_s * 0.95)

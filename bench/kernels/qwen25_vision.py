@@ -134,7 +134,7 @@ def run(results_dir: str | Path, time_budget_s: float) -> list[dict]:
     """GPU harness entry point: Qwen2.5-VL-7B's vision tower, bf16, on the current CUDA device."""
     if not torch.cuda.is_available():
         return [dict(section=SECTION, skipped="needs a CUDA device")]
-    from spaceserve.runtime.policy.analytic import qwen2_5_vl_7b_config
+    from spaceserve.runtime.policy.analytic.model import qwen2_5_vl_7b_config
 
     return run_suite(qwen2_5_vl_7b_config(), torch.device("cuda"), torch.bfloat16,
                      time_budget_s=time_budget_s * 0.95)

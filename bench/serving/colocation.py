@@ -207,7 +207,7 @@ def setup(llm_layers: int = LLM_LAYERS, vision_depth: int | None = None) -> Setu
     from bench.kernels.models import image_grid
     from spaceserve import Engine, EngineConfig
     from spaceserve.models import from_state_dict, random_state_dict
-    from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.policy.analytic.model import qwen2_vl_7b_config
     from spaceserve.runtime.policy.model_curves import load_curves
     from spaceserve.runtime.sim import Workload
     from spaceserve.runtime.worker.qwen2_vl import Qwen2VLRunner

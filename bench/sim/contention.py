@@ -31,7 +31,7 @@ MODES = ("temporal", "temporal-chunked", "spatial")
 def sweep(level: float, rates: list[float], seeds: list[int], duration: float,
           drain: float) -> dict[str, dict[float, dict[str, float]]]:
     """{mode: {rate: {slo name: goodput per s, "<name>_att": attainment}}} at one level."""
-    from spaceserve.runtime.policy.analytic import analytic_curves
+    from spaceserve.runtime.policy.analytic.model import analytic_curves
     from spaceserve.runtime.policy.contention import Contention
     from spaceserve.runtime.sim import SimConfig, Workload, simulate
     from spaceserve.runtime.sim.sweep import pooled_goodput

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spaceserve.runtime.policy.analytic import analytic_curves
+from spaceserve.runtime.policy.analytic.model import analytic_curves
 from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler
 from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim import ROUTERS, SimConfig, Workload, simulate, summarize

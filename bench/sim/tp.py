@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spaceserve.runtime.policy.analytic_tp import tensor_parallel_curves
+from spaceserve.runtime.policy.analytic.tp import tensor_parallel_curves
 from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT, Slo
 from spaceserve.runtime.sim import SimConfig, Workload, simulate, summarize
 from spaceserve.runtime.sim.sweep import capacity_rate, pooled_goodput

@@ -34,7 +34,7 @@ def target_config(model: str) -> tuple[Any, str]:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(path, local_files_only=True), path.name
-    from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.policy.analytic.model import qwen2_vl_7b_config
 
     return qwen2_vl_7b_config(), "Qwen2-VL-7B (what the tiny model stands in for)"
 
@@ -85,7 +85,7 @@ def predict(workloads: list[ServeWorkload], modes: list[str], model: str, slo: S
             ) -> dict[str, Any]:
     """Modelled metrics and goodput per mode and rate; {"error": why} when it cannot run."""
     try:
-        from spaceserve.runtime.policy.analytic import analytic_curves
+        from spaceserve.runtime.policy.analytic.model import analytic_curves
         from spaceserve.runtime.sim import Simulator, summarize
         from spaceserve.runtime.sim.metrics import image_goodput
 

@@ -1,7 +1,7 @@
 """Random-weight engines of real model shapes, for benchmarks with no checkpoint at hand.
 
 ``--model qwen2-vl-7b-random`` (or ``qwen2.5-vl-7b-random``) builds the model from its config
-(`spaceserve.runtime.policy.analytic`) through `spaceserve.models.from_state_dict` on one draw of
+(`policy.analytic.model`) through `spaceserve.models.from_state_dict` on one draw of
 random weights, optionally with the LLM cut to `llm_layers` layers to save time (the vision
 tower stays whole). There is no tokenizer or image processor: requests become token-id prompts
 (`TokenPrompts`). Engines per mode share the weights: one model per attention backend.
@@ -19,13 +19,13 @@ if TYPE_CHECKING:
 
 
 def _qwen2_vl_7b() -> Any:
-    from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.policy.analytic.model import qwen2_vl_7b_config
 
     return qwen2_vl_7b_config()
 
 
 def _qwen2_5_vl_7b() -> Any:
-    from spaceserve.runtime.policy.analytic import qwen2_5_vl_7b_config
+    from spaceserve.runtime.policy.analytic.model import qwen2_5_vl_7b_config
 
     return qwen2_5_vl_7b_config()
 

@@ -53,3 +53,4 @@ PLACEMENTS: tuple[str, ...] = ("auto", "compute", "decode")
 PARTITIONS: tuple[str, ...] = ("compute", "decode")  # the placements SIS chooses between
 DRIVERS: tuple[str, ...] = ("cooperative", "thread")  # how the encoder stage is launched
 OBJECTIVES: tuple[str, ...] = ("goodput", "tpot")  # what SIS maximises
+SIS_ACTIONS: tuple[str, ...] = ("share", "superset")  # pure sharing; + whole-GPU encoder windows

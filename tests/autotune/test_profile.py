@@ -12,7 +12,7 @@ from autotune.compare import point_errors, summarize_errors
 from autotune.profile import Grid, Profiler, main, sms_points
 from autotune.timers import WallTimer
 from autotune.workload import FunctionWorkload, Point, Qwen2VLWorkload, image_grid, load_model
-from spaceserve.runtime.policy.analytic import analytic_curves
+from spaceserve.runtime.policy.analytic.model import analytic_curves
 from spaceserve.runtime.policy.contention import Contention, Pair
 from spaceserve.runtime.policy.curves import CurveSet
 

@@ -93,7 +93,7 @@ def test_bench_engines_are_sized_to_their_workloads():
     from bench.serving import serving as bs
     from bench.serving.colocation_load import BG_OUTPUT, BG_PROMPT
     from spaceserve.bench.prompts import image_grid
-    from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
+    from spaceserve.runtime.policy.analytic.model import qwen2_vl_7b_config
     from spaceserve.runtime.sim import Workload
 
     vision = qwen2_vl_7b_config().vision_config

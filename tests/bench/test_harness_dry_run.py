@@ -82,7 +82,7 @@ def test_warm_cases_launch_at_tiny_shapes(monkeypatch: pytest.MonkeyPatch) -> No
     from bench.gpu import warm_cases as wc
     from bench.kernels import models as bench_models
     from bench.kernels import qwen25_vision as bench_qwen25_vision
-    from spaceserve.runtime.policy import analytic
+    from spaceserve.runtime.policy.analytic import model as analytic
 
     calls: list[float] = []
 

@@ -21,7 +21,7 @@ from spaceserve.bench.predict import errors, sim_requests, simulate_requests
 from spaceserve.bench.prompts import TokenPrompts, image_grid, prompt_shape
 from spaceserve.bench.serve import CUT, main, run_one
 from spaceserve.bench.workload import BenchRequest, ServeWorkload
-from spaceserve.runtime.policy.analytic import qwen2_vl_7b_config
+from spaceserve.runtime.policy.analytic.model import qwen2_vl_7b_config
 from spaceserve.runtime.sim import RESOLUTIONS, SimConfig
 
 SPECIAL = 250  # the tiny config's special ids: 250..253, inside its 256-token vocabulary

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from spaceserve.models.presets import PRESETS, get_preset
-from spaceserve.runtime.policy.analytic import ModelShape, analytic_curves, qwen2_vl_7b_config
+from spaceserve.runtime.policy.analytic.model import ModelShape, analytic_curves, qwen2_vl_7b_config
 
 # (hidden, layers, q heads, kv heads, intermediate, vocab, tied embeddings) as published
 TEXT = {

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from spaceserve.runtime.policy.analytic import (
+from spaceserve.runtime.policy.analytic.model import (
     PRESETS,
     ModelShape,
     Roofline,

@@ -14,7 +14,7 @@ from typing import Any
 
 from spaceserve.runtime.core.memory import GRAPH_RESERVE_BYTES
 from spaceserve.runtime.engine.setting import Flag, ms_to_s, parse_ints, s_to_ms, setting
-from spaceserve.runtime.modes import DRIVERS, MODES, OBJECTIVES, PLACEMENTS
+from spaceserve.runtime.modes import DRIVERS, MODES, OBJECTIVES, PLACEMENTS, SIS_ACTIONS
 from spaceserve.runtime.policy.slo import DEFAULT_SLO, DEFAULT_SLO_TEXT, Slo
 
 ATTENTION_BACKENDS = ("triton", "torch")
@@ -139,6 +139,10 @@ class EngineConfig:
     sis_objective: str = setting(
         "goodput", "SIS maximises predicted goodput, or protects TPOT at any TTFT cost (tpot: "
         "the paper-like baseline)", Flag(("--sis-objective",), choices=OBJECTIVES))
+    sis_actions: str = setting(
+        "superset", "SIS's actions: share (pure sharing), or superset (sharing plus whole-GPU "
+        "encoder windows, what temporal-chunked does, taken when SIS predicts more goodput)",
+        Flag(("--sis-actions",), choices=SIS_ACTIONS))
     sis_load: tuple[int, int] = setting(
         (32, 1152), "the decode (batch, mean context) the split set is chosen for when "
         "encoder_splits is None (the simulator's background batch)")
@@ -225,6 +229,8 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"encoder_splits={splits!r} must be ints >= 1")
     if cfg.curves is not None and not isinstance(cfg.curves, str):
         raise ValueError(f"curves={cfg.curves!r} must be a path (str) or None")
+    if cfg.sis_actions not in SIS_ACTIONS:
+        raise ValueError(f"sis_actions={cfg.sis_actions!r} is not one of {', '.join(SIS_ACTIONS)}")
     if cfg.sis_objective not in OBJECTIVES:
         raise ValueError(f"sis_objective={cfg.sis_objective!r} is not one of "
                          f"{', '.join(OBJECTIVES)}")

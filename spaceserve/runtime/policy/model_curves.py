@@ -23,7 +23,11 @@ def model_curves(path: str | None, model_config: Any = None, *, tp: int = 1,
             return CurveSet.load(path)
         except (OSError, ValueError) as exc:
             raise ValueError(f"curves={path!r}: {exc}") from None
-    from spaceserve.runtime.policy.analytic import ModelShape, analytic_curves, qwen2_vl_7b_config
+    from spaceserve.runtime.policy.analytic.model import (
+        ModelShape,
+        analytic_curves,
+        qwen2_vl_7b_config,
+    )
 
     config = model_config
     try:
@@ -33,7 +37,7 @@ def model_curves(path: str | None, model_config: Any = None, *, tp: int = 1,
     key = (shape, tp, mm_encoder_tp_mode if tp > 1 else None)
     if key not in _CURVES:
         if tp > 1:
-            from spaceserve.runtime.policy.analytic_tp import tensor_parallel_curves
+            from spaceserve.runtime.policy.analytic.tp import tensor_parallel_curves
 
             name = None if config is not None else "Qwen2-VL-7B"
             config = qwen2_vl_7b_config() if config is None else config

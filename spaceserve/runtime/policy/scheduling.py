@@ -46,6 +46,7 @@ class SchedulingPolicy:
     tpot_factor: float = 1.15  # tpot objective: decode step x unloaded it protects
     window_s: float = 0.02  # TWSRFT grant (and temporal-chunked window)
     max_wait_s: float = 0.5  # TWSRFT aging period
+    overdue_s: float | None = None  # TWSRFT's bounded tail (opt-in): overdue past deadline + this
     token_budget: int = 16384  # TWSRFT batching cap (merges happen only where free)
     launch_budget_s: float = 0.003  # cooperative driver: host time per decode step (floor)
     launch_fraction: float = 0.8  # ... or this share of the decode step's predicted time

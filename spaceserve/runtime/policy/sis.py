@@ -36,6 +36,18 @@ That is the ``tpot`` objective (the paper's: TPOT first, at any TTFT cost). The 
    the fewest predicted TTFT misses (queue, ages, TWSRFT order), then the arrival load within
    bounds, then the most encoder SMs (the backlog drains as fast as the decode SLO allows).
 4. Hysteresis as above; a split that saves predicted misses is adopted at once.
+
+Actions (``actions``): "share" is the rule above, pure sharing. "superset" (the default) adds
+what the time-multiplexed baseline does: under pressure SIS may give the encoder the whole GPU for
+a bounded window (``encoder_sms`` = every SM, ``decoder_sms`` 0: the decoder pauses for the
+window, then runs one step on the whole device, carrying prompts' prefill chunks). The window
+is the largest, up to ``window_s``, whose decode interval (window + a whole-device step) keeps
+the decode SLO's margin; its predictions stretch every whole-device latency by
+(window + step) / window, the share of time the encoder holds the device (prefill is modelled
+as whole-device work stretched the same way). SIS takes it when
+that predicts fewer TTFT misses (then less arrival overload) than the best sharing split, so
+sharing is never predicted worse than the best time-multiplexed schedule. `action_counts`
+counts what was chosen (splits, windows, prefill placements).
 """
 
 from __future__ import annotations
@@ -43,19 +55,23 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from spaceserve.checks import require_choice, require_int, require_number
-from spaceserve.runtime.modes import OBJECTIVES
+from spaceserve.runtime.modes import OBJECTIVES, SIS_ACTIONS
 from spaceserve.runtime.modes import PARTITIONS as PLACEMENTS
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import decode_bound_s
-from spaceserve.runtime.policy.sis_goodput import GoodputPredictor
+from spaceserve.runtime.policy.sis_goodput import Forecast, GoodputPredictor
 from spaceserve.runtime.policy.sis_state import PendingEncode, SisState
 from spaceserve.runtime.policy.slo import DEFAULT_SLO, Slo
 
-__all__ = ["PLACEMENTS", "PendingEncode", "SisState", "SpaceInferenceScheduler", "Split"]
+__all__ = ["PLACEMENTS", "SIS_ACTIONS", "PendingEncode", "SisState", "SpaceInferenceScheduler",
+           "Split"]
+
+MIN_WINDOW_S = 0.001  # a shorter window than this is not worth pausing the decoder for
 
 
 @dataclass(frozen=True)
@@ -80,8 +96,13 @@ class SpaceInferenceScheduler:
                  min_gain: float = 0.1, min_dwell_s: float = 0.05, chunk_tokens: int = 512,
                  objective: str = "goodput", slo: Slo | None = None,
                  decode_margin: float = 0.8, ttft_margin: float = 0.9,
-                 comfort_factor: float = 2.5,
+                 comfort_factor: float = 2.5, actions: str = "superset",
+                 window_s: float = 0.02,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        require_choice("sis actions", actions, SIS_ACTIONS)
+        require_number("window_s", window_s)
+        self.actions, self.window_s = actions, window_s
+        self.counts: Counter[str] = Counter()
         require_choice("objective", objective, OBJECTIVES)
         if not 0 < decode_margin <= 1 or not 0 < ttft_margin <= 1 or comfort_factor < 1:
             raise ValueError("decode_margin, ttft_margin must be in (0, 1]; comfort_factor >= 1")
@@ -101,6 +122,7 @@ class SpaceInferenceScheduler:
             raise ValueError("tie_tolerance must be in [0, 1); min_gain, min_dwell_s >= 0")
         require_int("chunk_tokens", chunk_tokens)
         self.curves, self.total, self.allowed = curves, total, allowed
+        self.predictor.table.total = total
         self.tpot_factor, self.tpot_target_s = tpot_factor, tpot_target_s
         self.tie_tolerance, self.min_gain, self.min_dwell_s = tie_tolerance, min_gain, min_dwell_s
         self.chunk_tokens, self.clock = chunk_tokens, clock
@@ -108,6 +130,7 @@ class SpaceInferenceScheduler:
         self._since = -math.inf
         self._sat_cache: dict[tuple, int] = {}
         self._cap_cache: dict[tuple, tuple[int, bool]] = {}
+        self._tpot_cache: dict[tuple, float] = {}
 
     # -- predictions -------------------------------------------------------------------------
     def tpot_target(self, batch: int, context: float) -> float:
@@ -115,7 +138,10 @@ class SpaceInferenceScheduler:
         calm (comfort) target."""
         if self.tpot_target_s is not None:
             return self.tpot_target_s
-        unloaded = self.curves.decode(batch, context, self.total)
+        key = (batch, context, 0)
+        unloaded = self._tpot_cache.get(key)
+        if unloaded is None:
+            unloaded = self._tpot_cache[key] = self.curves.decode(batch, context, self.total)
         if self.objective == "tpot":
             return self.tpot_factor * unloaded
         return min(self.comfort_factor * unloaded, self.slo_target())
@@ -126,36 +152,78 @@ class SpaceInferenceScheduler:
         return float("inf") if bound is None else self.decode_margin * bound
 
     def predict_tpot(self, state: SisState, encoder_sms: int) -> float:
-        """Decode step time with `encoder_sms` given to a busy encoder (0: whole device)."""
-        corun = encoder_sms > 0
-        return self.curves.decode(state.decode_batch, state.decode_context,
-                                  self.total - encoder_sms, corun)
+        """Decode step time with `encoder_sms` given to a busy encoder (0: whole device; every
+        SM: a whole-GPU window, the interval between two decode steps)."""
+        if encoder_sms >= self.total:
+            return self.window(state) + self.predict_tpot(state, 0)
+        key = (state.decode_batch, state.decode_context, encoder_sms)
+        t = self._tpot_cache.get(key)
+        if t is None:
+            if len(self._tpot_cache) > 100_000:
+                self._tpot_cache.clear()
+            t = self._tpot_cache[key] = self.curves.decode(
+                state.decode_batch, state.decode_context, self.total - encoder_sms,
+                encoder_sms > 0)
+        return t
 
     def predict_ttft(self, state: SisState, encoder_sms: int, prefill_on: str = "compute") -> float:
         """Mean predicted TTFT of waiting requests: jobs drain shortest first, then prefill."""
-        c, e = self.curves, encoder_sms
-        if e <= 0:
+        if encoder_sms <= 0:
             return math.inf if (state.encode or state.prefill) else 0.0
-        d = self.total - e
-        finish: list[float] = []
-        jobs = sorted(c.encoder(j.patches, j.layers_left, e, True) for j in state.encode)
-        now = 0.0
-        for t in jobs:
-            now += t
-            finish.append(now)
-        prompts = list(state.prefill) + [j.prefill_tokens for j in state.encode
-                                         if j.prefill_tokens > 0]
-        done_at = finish[-1] if finish else 0.0
-        for tokens in prompts:
-            if prefill_on == "compute":
-                done_at += c.prefill(tokens, 0, e, True)
-            else:
-                steps = math.ceil(tokens / self.chunk_tokens)
-                step = c.mixed_step(state.decode_batch, state.decode_context,
-                                    min(tokens, self.chunk_tokens), 0, d, True)
-                done_at += steps * step
-            finish.append(done_at)
-        return sum(finish) / len(finish) if finish else 0.0
+        if encoder_sms >= self.total:
+            stretch = self._stretch(state)
+            return self.predictor.view(state).ttft(0, "compute", self.chunk_tokens, self.total,
+                                                   stretch) if stretch else math.inf
+        return self.predictor.view(state).ttft(encoder_sms, prefill_on, self.chunk_tokens,
+                                               self.total)
+
+    def window(self, state: SisState) -> float:
+        """The whole-GPU window for `state`: the largest, up to ``window_s``, whose decode
+        interval (window + a whole-device step) keeps the decode SLO's margin; 0 if none of at
+        least ``MIN_WINDOW_S`` does."""
+        w = min(self.window_s, self.slo_target() - self.predict_tpot(state, 0))
+        return w if w >= MIN_WINDOW_S else 0.0
+
+    def _stretch(self, state: SisState) -> float:
+        """Wall time per second of whole-device encoder time in windows (0: no window fits)."""
+        w = self.window(state)
+        return (w + self.predict_tpot(state, 0)) / w if w else 0.0
+
+    def misses(self, state: SisState, encoder_sms: int) -> int:
+        """Waiting requests predicted to miss their TTFT with this split (every SM: a window)."""
+        p = self.predictor
+        if encoder_sms < self.total:
+            return p.misses(state, encoder_sms)
+        if p.limit is None:
+            return 0
+        stretch, view = self._stretch(state), p.view(state)
+        if not stretch:  # no window fits: nothing would be served in one
+            return view.total_requests + len(view.ready)
+        return view.misses(0, p.limit, p.horizon, stretch)
+
+    def _window_forecast(self, state: SisState, best: int) -> Forecast | None:
+        """The window's forecast, or None where no window fits or where it is slower than
+        `best` encoder SMs for the largest and the smallest job and the longest prompt alike
+        (then every latency is longer in the window: it cannot drain the queue faster)."""
+        stretch = self._stretch(state)
+        if not stretch:
+            return None
+        p, load = self.predictor, 0.0
+        view, table = p.view(state), p.table
+        keys = [(view.max_patches, self.curves.encoder_depth),
+                (min(k[0] for k in view.keys), self.curves.encoder_depth)] if view.keys else []
+        prompts = [view.max_prompt] if view.max_prompt > 0 else []
+        if all(w * stretch >= b for w, b in zip(table.runs(0, keys) + table.prefills(0, prompts),
+                                                table.runs(best, keys)
+                                                + table.prefills(best, prompts), strict=True)):
+            return None
+        if state.arrival_rate > 0:
+            patches = max(1, int(round(state.arrival_patches)))
+            tokens = int(round(state.arrival_prompt))
+            per = p.table.runs(0, [(patches, self.curves.encoder_depth)])[0] \
+                + p.table.prefills(0, [tokens])[0]
+            load = state.arrival_rate * per * stretch
+        return Forecast(self.total, self.misses(state, self.total), load)
 
     def _saturation(self, kind: str, work: float, cap: int, cands: list[int]) -> int:
         """Fewest candidate SMs at which `work` runs within tolerance of its time at `cap`.
@@ -191,11 +259,11 @@ class SpaceInferenceScheduler:
         cap, feasible = self._cap(state, target)
         cands = [e for e in self.allowed if e <= cap]
         enc = cands[0]
-        for j in state.encode:
-            enc = max(enc, self._saturation("encoder", j.patches, cap, cands))
-        for tokens in [*state.prefill, *(j.prefill_tokens for j in state.encode)]:
-            if tokens > 0:
-                enc = max(enc, self._saturation("prefill", tokens, cap, cands))
+        view = self.predictor.view(state)  # saturation never falls as work grows: the largest
+        if view.keys:                      # job and prompt decide
+            enc = max(enc, self._saturation("encoder", view.max_patches, cap, cands))
+        if view.max_prompt > 0:
+            enc = max(enc, self._saturation("prefill", view.max_prompt, cap, cands))
         if self.objective == "goodput":
             enc, target, feasible = self._pressure(state, enc, target, feasible)
         return self._place(state, enc, target, feasible)
@@ -210,7 +278,12 @@ class SpaceInferenceScheduler:
         slo = self.slo_target()
         cap, ok = self._cap(state, slo)
         cands = [e for e in self.allowed if calm <= e <= cap] or [calm]
-        return p.best(state, cands).encoder_sms, max(slo, target), ok
+        best = p.best(state, cands)
+        if self.actions == "superset":
+            win = self._window_forecast(state, best.encoder_sms)
+            if win is not None and p.rank(win)[:2] < p.rank(best)[:2]:
+                return self.total, max(slo, target), True
+        return best.encoder_sms, max(slo, target), ok
 
     def _cap(self, state: SisState, target: float) -> tuple[int, bool]:
         """The most encoder SMs whose co-running decode step meets `target` (and whether any
@@ -226,14 +299,18 @@ class SpaceInferenceScheduler:
         return hit
 
     def _place(self, state: SisState, enc: int, target: float, feasible: bool) -> Split:
+        if enc >= self.total:  # a whole-GPU window; prompts prefill in the decode steps
+            tpot = self.predict_tpot(state, enc)
+            return Split(enc, 0, "decode", self.predict_ttft(state, enc), tpot, target,
+                         tpot <= self.slo_target())
         tpot = self.predict_tpot(state, enc)
         ttft = self.predict_ttft(state, enc, "compute")
         placement = "compute"
-        prompts = [*state.prefill, *(j.prefill_tokens for j in state.encode)]
-        if prompts and any(p > 0 for p in prompts):
-            chunk = min(self.chunk_tokens, max(prompts))
-            mixed = self.curves.mixed_step(state.decode_batch, state.decode_context, chunk, 0,
-                                           self.total - enc, True)
+        top = self.predictor.view(state).max_prompt
+        if top > 0:
+            chunk = min(self.chunk_tokens, top)
+            mixed = self.predictor.table.mixed(state.decode_batch, state.decode_context, chunk,
+                                               self.total - enc)
             alt = self.predict_ttft(state, enc, "decode")
             if mixed <= target and alt < ttft:
                 placement, ttft, tpot = "decode", alt, mixed
@@ -250,25 +327,39 @@ class SpaceInferenceScheduler:
                                                                      cur.prefill_on):
                 self._since = now
             self.current = new
-            return new
+            return self._count(state, new)
         held = self._place(state, cur.encoder_sms, new.tpot_target_s,
                            self.predict_tpot(state, cur.encoder_sms) <= new.tpot_target_s)
         self.current = held
-        return held
+        return self._count(state, held)
+
+    def _count(self, state: SisState, split: Split) -> Split:
+        e = split.encoder_sms
+        self.counts["window" if e >= self.total else "decoder-only" if e == 0
+                    else f"split:{e}"] += 1
+        if e and self.predictor.view(state).max_prompt > 0:
+            self.counts[f"prefill:{split.prefill_on}"] += 1
+        return split
+
+    def action_counts(self) -> dict[str, int]:
+        """How often each action was chosen: ``split:E`` (E encoder SMs shared), ``window``
+        (the whole GPU to the encoder), ``decoder-only``, and ``prefill:compute`` /
+        ``prefill:decode`` (where prompts went, in rounds that had some)."""
+        return dict(sorted(self.counts.items()))
 
     def _forced(self, cur: Split, new: Split, state: SisState) -> bool:
         if new.encoder_sms == cur.encoder_sms:
             return True  # same split: adopt fresh predictions and placement
-        if new.encoder_sms == 0 or cur.encoder_sms == 0:
-            return True  # work vanished or appeared
+        if 0 in (new.encoder_sms, cur.encoder_sms) or self.total in (new.encoder_sms,
+                                                                      cur.encoder_sms):
+            return True  # work vanished or appeared; a window begins or ends
         shrinks = new.encoder_sms < cur.encoder_sms
         # the goodput objective's hard bound is the decode SLO's margin, not the calm target
         bound = new.tpot_target_s if self.objective == "tpot" else self.slo_target()
         if shrinks and self.predict_tpot(state, cur.encoder_sms) > bound:
             return True
         if self.objective == "goodput" and not shrinks:  # growing saves predicted misses
-            p = self.predictor
-            return p.misses(state, new.encoder_sms) < p.misses(state, cur.encoder_sms)
+            return self.misses(state, new.encoder_sms) < self.misses(state, cur.encoder_sms)
         return False
 
     def _worth(self, cur: Split, new: Split, state: SisState, now: float) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.sis_state import SisState
+from spaceserve.runtime.policy.sis_view import StateView, WorkTable
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,15 @@ class GoodputPredictor:
         self.max_load, self.horizon = max_load, horizon
         self._enc: dict[tuple, float] = {}
         self._pre: dict[tuple, float] = {}
+        self.table = WorkTable(curves)
+        self._view: StateView | None = None
+
+    def view(self, state: SisState) -> StateView:
+        """The round's view of `state` (built once per state: predictions are memoised)."""
+        v = self._view
+        if v is None or v.state is not state:
+            v = self._view = StateView(state, self.table)
+        return v
 
     def encode_s(self, patches: int, layers: int, e: int) -> float:
         key = (patches, layers, e)
@@ -65,27 +75,7 @@ class GoodputPredictor:
         """Waiting requests predicted to miss their TTFT SLO with `e` encoder SMs."""
         if self.limit is None:
             return 0
-        limit = self.limit
-        t, missed = 0.0, 0
-        ages: Sequence[float] = state.prefill_age_s
-        for i, tokens in enumerate(state.prefill):
-            t += self.prefill_s(tokens, e)
-            if (ages[i] if i < len(ages) else 0.0) + t > limit:
-                missed += 1
-        live = []
-        for j in state.encode:
-            run = self.encode_s(j.patches, j.layers_left, e)
-            pre = self.prefill_s(j.prefill_tokens, e)
-            if j.age_s + t + run + pre > limit:
-                missed += j.requests
-            else:
-                live.append((run + pre, j.age_s, j.requests))
-        live.sort()
-        for work, age, n in live[: self.horizon]:
-            t += work
-            if age + t > limit:
-                missed += n
-        return missed
+        return self.view(state).misses(e, self.limit, self.horizon)
 
     def load(self, state: SisState, e: int) -> float:
         """Fraction of `e` encoder SMs the recent arrival rate keeps busy."""
@@ -103,9 +93,11 @@ class GoodputPredictor:
         """Fewest predicted misses, then load within `max_load` (else the lowest), then the
         most encoder SMs: under pressure the backlog drains as fast as the decoder's SLO
         allows, so the next arrivals find a short queue."""
-        fcs = [self.forecast(state, e) for e in cands]
-        return min(fcs, key=lambda f: (f.misses, max(0.0, f.load - self.max_load),
-                                       -f.encoder_sms))
+        return min((self.forecast(state, e) for e in cands), key=self.rank)
+
+    def rank(self, fc: Forecast) -> tuple[int, float, int]:
+        """Fewer misses, then less load beyond `max_load`, then more encoder SMs first."""
+        return fc.misses, max(0.0, fc.load - self.max_load), -fc.encoder_sms
 
     def calm(self, fc: Forecast) -> bool:
         """Nothing predicted late and the arrivals leave headroom: no need to grow."""

@@ -23,14 +23,14 @@ from pathlib import Path
 from spaceserve.cli_args import HelpFormatter
 from spaceserve.models.presets import PRESETS as MODELS
 from spaceserve.runtime.engine.args import add_engine_args
-from spaceserve.runtime.policy.analytic import PRESETS, analytic_curves
+from spaceserve.runtime.policy.analytic.model import PRESETS, analytic_curves
 from spaceserve.runtime.policy.contention import Contention
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler
 from spaceserve.runtime.policy.slo import Slo
-from spaceserve.runtime.sim import multiturn_cli
 from spaceserve.runtime.sim.cluster import ROUTERS
 from spaceserve.runtime.sim.engine import MODES, PLACEMENTS, SimConfig, sim_policy
+from spaceserve.runtime.sim.multiturn import cli as multiturn_cli
 from spaceserve.runtime.sim.plots import plot, plot_goodput
 from spaceserve.runtime.sim.sweep import (
     capacity_rate,
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the curves' contention table (default: the curves' own)")
     # the knobs the engine shares, declared beside its config: --sis-objective, --slo,
     # --encoder-window-ms
-    add_engine_args(p, ("sis_objective", "slo", "encoder_window_s"))
+    add_engine_args(p, ("sis_objective", "sis_actions", "slo", "encoder_window_s"))
     p.add_argument("--drain", type=float, default=10.0,
                    help="seconds a run goes on after arrivals stop; unfinished requests miss")
     p.add_argument("--seeds", type=_seeds,
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         preset = MODELS[args.model]
         if args.tp > 1:
-            from spaceserve.runtime.policy.analytic_tp import tensor_parallel_curves
+            from spaceserve.runtime.policy.analytic.tp import tensor_parallel_curves
 
             try:
                 curves = tensor_parallel_curves(preset, args.device, tp=args.tp,
@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                         text_rate=args.text_rate, text_tokens=args.text_tokens,
                         output_tokens=args.output_tokens, seed=seeds[0])
     base = SimConfig(static_encoder_sms=args.static_encoder_sms, tpot_factor=args.tpot_factor,
-                     sis_objective=args.sis_objective, slo=args.slo,
+                     sis_objective=args.sis_objective, sis_actions=args.sis_actions,
+                     slo=args.slo,
                      prefill_on=args.prefill_on, encoder_policy=args.encoder_policy,
                      background=args.batch, background_context=args.context,
                      shared_decode_share=args.shared_decode_share,
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "mm_encoder_tp_mode": curves.model.get("mm_encoder_tp_mode"),
             "capacity_rate": cap, "sis_encoder_sms": sis_sms, "sis_capacity_rate": sis_cap,
             "splits": list(policy.splits), "sis_objective": policy.objective,
+            "sis_actions": base.sis_actions,
             "workload": dataclasses.asdict(workload),
             "config": dataclasses.asdict(base), "gpus": args.gpus, "router": args.router,
             "slo": args.slo.to_dict(), "seeds": seeds, "drain_s": args.drain,

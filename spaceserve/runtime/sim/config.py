@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spaceserve.runtime.modes import MODES, OBJECTIVES, PLACEMENTS
+from spaceserve.runtime.modes import MODES, OBJECTIVES, PLACEMENTS, SIS_ACTIONS
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import SchedulingPolicy, scheduling_policy
 from spaceserve.runtime.policy.slo import Slo
@@ -23,6 +23,7 @@ class SimConfig:
     token_budget: int = 16384
     tpot_factor: float = 1.15  # the tpot objective's target (x unloaded decode step)
     sis_objective: str = "goodput"  # or "tpot": the paper-like TPOT-first baseline
+    sis_actions: str = "superset"  # SIS: "share" (pure sharing) or + whole-GPU encoder windows
     slo: Slo | None = None  # what the goodput objective and TWSRFT's deadline aim at
     comfort_factor: float = 2.5  # goodput objective: calm decode step (x unloaded)
     decode_margin: float = 0.8  # goodput objective: decode step within this x its SLO
@@ -54,6 +55,9 @@ class SimConfig:
         if self.sis_objective not in OBJECTIVES:
             raise ValueError(f"sis_objective must be one of {OBJECTIVES}, got "
                              f"{self.sis_objective!r}")
+        if self.sis_actions not in SIS_ACTIONS:
+            raise ValueError(f"sis_actions must be one of {SIS_ACTIONS}, got "
+                             f"{self.sis_actions!r}")
         if self.window_s is not None and not self.window_s > 0:
             raise ValueError(f"window_s must be positive, got {self.window_s}")
 

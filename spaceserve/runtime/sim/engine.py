@@ -48,6 +48,7 @@ from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenc
 from spaceserve.runtime.policy.twsrft import Grant, TwsrftScheduler, curve_cost
 from spaceserve.runtime.sim.config import SimConfig, default_allowed, sim_policy
 from spaceserve.runtime.sim.op import Op, lane_latencies
+from spaceserve.runtime.sim.sis_window import dispatch_sis_window
 from spaceserve.runtime.sim.workload import Request
 
 __all__ = ["MODES", "PLACEMENTS", "TEMPORAL_MODES", "Op", "SimConfig", "Simulator",
@@ -78,8 +79,8 @@ class Simulator:
         clock: Callable[[], float] = lambda: self.now
         cost = curve_cost(self.curves, self._encoder_target, corun=not temporal)
         deadline = self.policy.deadline_s if policy == "twsrft" else None
-        kw = dict(policy=policy, window_s=window, max_wait_s=c.max_wait_s,
-                  token_budget=c.token_budget, deadline_s=deadline, clock=clock)
+        kw = dict(policy=policy, window_s=window, max_wait_s=c.max_wait_s, clock=clock,
+                  token_budget=c.token_budget, deadline_s=deadline, overdue_s=self.policy.overdue_s)
         ranks = int(self.curves.model.get("encoder_ranks", 1))  # a data-parallel encoder
         self.sched = TwsrftScheduler(self.curves.encoder_depth, cost, **kw) if ranks == 1 \
             else RoundTwsrft(ranks, self.curves.encoder_depth, cost, **kw)
@@ -90,7 +91,8 @@ class Simulator:
                 self.curves, self.allowed, total_sms=self.total, tpot_factor=c.tpot_factor,
                 min_gain=c.min_gain, min_dwell_s=c.min_dwell_s, chunk_tokens=c.chunk_tokens,
                 objective=p.objective, slo=p.slo, decode_margin=p.decode_margin,
-                ttft_margin=p.ttft_margin, comfort_factor=p.comfort_factor, clock=clock)
+                ttft_margin=p.ttft_margin, comfort_factor=p.comfort_factor,
+                actions=c.sis_actions, window_s=p.window_s, clock=clock)
         # the engine's cooperative driver launches at most this many layers per decode step
         self._launch_model = c.mode in ("spatial", "spatial-static")
         self.layers_per_step = self.policy.layers_per_step() if self._launch_model else 1 << 30
@@ -249,6 +251,8 @@ class Simulator:
                 if self.split is None or split.encoder_sms != self.split.encoder_sms:
                     self.splits.append((self.now, split.encoder_sms))
                 self.split = split
+            if dispatch_sis_window(self):  # SIS gave the encoder the whole GPU for a window
+                return
             self._start_compute(self._budget("compute"))
         if "decode" not in self.ops:
             self._start_decode(self._budget("decode"))

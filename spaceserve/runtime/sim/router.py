@@ -9,17 +9,25 @@ token ids, so no prefix affinity either.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.routing.router import RouterConfig, RouteRequest, WorkModel
 from spaceserve.runtime.routing.tracker import ReplicaTracker
-from spaceserve.runtime.sim.engine import Simulator
 from spaceserve.runtime.sim.workload import PATCHES_PER_TOKEN, Request
+
+
+class SimulatedGpu(Protocol):
+    """What the router needs of a simulated GPU (a `sim.engine.Simulator`)."""
+
+    gpu: Any
+    now: float
 
 
 class MediaAwareRouter:
     """Routes simulated requests across `gpus` with the media-aware policy."""
 
-    def __init__(self, curves: CurveSet, gpus: list[Simulator],
+    def __init__(self, curves: CurveSet, gpus: list[SimulatedGpu],
                  config: RouterConfig | None = None) -> None:
         self.gpus = {str(g.gpu): g for g in gpus}
         self.tracker = ReplicaTracker(WorkModel(curves, patches_per_token=PATCHES_PER_TOKEN),
@@ -28,7 +36,7 @@ class MediaAwareRouter:
             self.tracker.add(key)
         self.open: dict[int, Request] = {}
 
-    def route(self, req: Request) -> Simulator:
+    def route(self, req: Request) -> SimulatedGpu:
         """The GPU `req` goes to (all GPUs stand at its arrival time)."""
         self._report()
         images = (req.image_tokens,) if req.image_tokens > 0 else ()

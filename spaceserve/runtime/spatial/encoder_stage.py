@@ -95,7 +95,8 @@ class SpatialEncoderStage(EncoderLaunches):
             self.ranks, self.num_layers, cost, policy=policy, window_s=window_s,
             max_wait_s=plan.max_wait_s if plan else max_wait_s,
             token_budget=plan.token_budget if plan else 1,
-            deadline_s=plan.deadline_s if plan else None, clock=clock)
+            deadline_s=plan.deadline_s if plan else None,
+            overdue_s=plan.overdue_s if plan else None, clock=clock)
         self.clock = clock
         self.arrivals = RateEstimator()
         self._arrived: dict[int, float] = {}  # job key -> arrival on `clock`

@@ -121,6 +121,7 @@ class EncoderLaunches:
         self._flights: deque[Flight] = deque()
         self._open: dict[int, Grant] = {}  # per rank, the grant whose layers are being launched
         self._paused = False
+        self.whole_device = False  # SIS's whole-GPU window: launch on the full partition too
         self._launching = False
         self._stop = False
         self.num_grants = 0
@@ -154,7 +155,7 @@ class EncoderLaunches:
 
     def _can_launch(self, rank: int = 0) -> bool:
         part = self.partitions.current
-        on_compute = bool(part.requested) or self.partitions.shared
+        on_compute = bool(part.requested) or self.partitions.shared or self.whole_device
         return on_compute and not self._paused and self.incomplete(rank) < self.max_inflight
 
     def incomplete(self, rank: int | None = None) -> int:

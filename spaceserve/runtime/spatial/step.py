@@ -17,6 +17,11 @@ the decode batch under its token budget ("decode"). Then the decode step is laun
 decoder stream, the encoder stage issues its launches (cooperative driver) while that step runs
 on the device, and the step's sampled tokens are read back - a sync of the decoder stream only.
 
+SIS's whole-GPU window (``sis_actions`` superset): the full partition becomes current and steps
+alternate - an encoder step, where the decoder pauses and the encoder stage launches on every SM
+(about one window of TWSRFT grants), then an ordinary step on the whole device whose batch
+carries the prompts' prefill chunks - while SIS keeps choosing the window.
+
 A request whose prefill is in flight on the compute stream is hidden from the scheduler (it can
 be neither scheduled again nor preempted: its KV blocks are being written) and an abort of it
 takes effect when the prefill completes.
@@ -103,12 +108,17 @@ class SpatialRuntime:
         self._busy: set[int] = set()  # seq_no of requests whose prefill is in flight
         self._deferred: set[int] = set()  # aborts waiting for an in-flight prefill
         self.num_compute_prefills = 0
+        self.num_windows = 0  # encoder steps of whole-GPU windows (decoder paused)
+        self._window = False  # SIS's split is a whole-GPU window
+        self._encoder_turn = False  # the window's next step is the encoder's
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, eng: Any) -> None:
         """One engine step after new requests were drained and the encoder stage polled."""
         self._collect(eng)
         self._choose(eng)
+        if self._window and self._window_step():
+            return
         part = self.partitions.current
         batch = self._schedule(eng.scheduler)
         batch.partition = part.budgets  # the runner runs each stage under its budget here
@@ -128,6 +138,25 @@ class SpatialRuntime:
             if launched.sampled is not None:
                 launched.sampled.fetch()  # a sync of the decoder stream only
         eng._complete(launched)
+
+    def _window_step(self) -> bool:
+        """A whole-GPU window's encoder step, every other step once the full partition is
+        current: the decoder pauses and the encoder launches on the whole device for about one
+        window; False when it is the decode step's turn (or nothing waits for the encoder)."""
+        if self.partitions.current is not self.partitions.full or not self.stage.num_pending:
+            return False
+        self._encoder_turn = not self._encoder_turn
+        if not self._encoder_turn:
+            return False
+        self.stage.whole_device = True
+        try:
+            launched = self.stage.launch(self.sis.window_s if self.sis else None)
+        finally:
+            self.stage.whole_device = False
+        self.num_windows += 1
+        if not launched:
+            self._wait()
+        return True
 
     def _launch_budget(self) -> float | None:
         """Host seconds of encoder launches beside this decode step: a share of its predicted
@@ -187,7 +216,9 @@ class SpatialRuntime:
         if self.sis is not None:
             split = self.sis.decide(self.sis_state(eng.scheduler))
             self.last_split = split
-            target = self.partitions.get(split.encoder_sms)
+            self._window = split.encoder_sms >= self.partitions.total
+            target = self.partitions.full if self._window else \
+                self.partitions.get(split.encoder_sms)
             auto = split.prefill_on
         else:
             target, auto = self.target, "compute"
@@ -300,7 +331,8 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
         sis = SpaceInferenceScheduler(
             curves, sorted(pset.splits), total_sms=total, objective=policy.objective,
             slo=policy.slo, tpot_factor=policy.tpot_factor, decode_margin=policy.decode_margin,
-            ttft_margin=policy.ttft_margin, comfort_factor=policy.comfort_factor, clock=clock)
+            ttft_margin=policy.ttft_margin, comfort_factor=policy.comfort_factor,
+            actions=config.sis_actions, window_s=policy.window_s, clock=clock)
     runtime = SpatialRuntime(runner, stage, pset, mode=mode, target=target, sis=sis,
                              prefill_on=config.prefill_on, curve_depth=curves.encoder_depth,
                              clock=clock, graph_batch_sizes=captured, policy=policy)

@@ -89,7 +89,7 @@ def work_model(path: Any, curves: str | None = None) -> WorkModel:
         return WorkModel(CurveSet.load(curves))
     from transformers import AutoConfig
 
-    from spaceserve.runtime.policy.analytic import analytic_curves
+    from spaceserve.runtime.policy.analytic.model import analytic_curves
 
     return WorkModel(analytic_curves(AutoConfig.from_pretrained(str(path))))
 

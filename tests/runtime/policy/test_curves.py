@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from spaceserve.runtime.policy.analytic import (
+from spaceserve.runtime.policy.analytic.model import (
     PRESETS,
     ModelShape,
     Roofline,

@@ -94,3 +94,23 @@ def test_split_set_from_curves_and_slo() -> None:
         scheduling_policy(CURVES, SLO_A, objective="latency")
     with pytest.raises(ValueError, match="objective"):
         sis(objective="latency")
+
+
+def test_pressure_keeps_the_decode_step_within_the_margin_not_the_bare_slo() -> None:
+    """The default decoder margin is 0.8 x the decode SLO, in the shared policy and in SIS: under
+    any pressure the chosen split's co-running step stays within 0.8 x 25 ms, although splits
+    that stay within the bare 25 ms (but not 20 ms) exist and would drain the queue faster."""
+    slo = Slo.parse("ttft:2000,tpot:25")
+    policy = scheduling_policy(CURVES, slo)
+    assert policy.decode_margin == 0.8
+    s = SpaceInferenceScheduler(CURVES, ALLOWED, slo=slo, clock=Clock())
+    assert s.slo_target() == pytest.approx(0.8 * 0.025)
+    state = SisState(tuple(PendingEncode(BIG, 32, 1500, age_s=1.5) for _ in range(8)), (),
+                     128, 8192.0, arrival_rate=30.0, arrival_patches=BIG, arrival_prompt=1500)
+    between = [e for e in ALLOWED
+               if 0.8 * 0.025 < s.predict_tpot(state, e) <= 0.025]
+    assert between, "the curves must offer splits between the margin and the bare SLO"
+    split = s.propose(state)
+    assert split.predicted_tpot_s <= 0.8 * 0.025 < s.predict_tpot(state, min(between))
+    cap = choose_splits(CURVES, slo, batch=128, context=8192.0)[-1]
+    assert CURVES.decode(128, 8192.0, TOTAL - cap, True) <= 0.8 * 0.025

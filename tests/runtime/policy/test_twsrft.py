@@ -223,3 +223,18 @@ def test_invalid_inputs() -> None:
         s.report(g.job_id + 1, 1)
     with pytest.raises(ValueError, match="layers_done"):
         s.report(g.job_id, g.layers + 1)
+
+
+def test_aging_without_deadline_serves_the_oldest_starving_job_first() -> None:
+    """The engine's chunked stage runs TWSRFT without a deadline: among jobs past `max_wait_s`
+    the one waiting longest goes first - not the newest, and not the shortest."""
+    clock = Clock()
+    s = make(clock, window_s=math.inf, max_wait_s=0.5)
+    s.submit("old", 9000)
+    clock.t = 0.1
+    s.submit("newer", 5000)  # shorter than "old": SRPT alone would pick it
+    clock.t = 0.6
+    s.submit("short", 100)  # shortest of all, not starving
+    clock.t = 0.7  # "old" waited 0.7 s, "newer" 0.6 s: both starving
+    order = [g.request_ids[0] for g in drain(s, clock)]
+    assert order == ["old", "newer", "short"], order  # "newer" still starves after "old"

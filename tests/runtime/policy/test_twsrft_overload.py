@@ -1,5 +1,6 @@
 """TWSRFT with a deadline (overload): live jobs shortest first, late jobs demoted with a bounded
-wait, waits counted from arrival, batching only where it cannot delay the chosen job."""
+wait, overdue jobs first (a bounded tail), waits counted from arrival, batching only where it
+cannot delay the chosen job."""
 
 from __future__ import annotations
 
@@ -134,3 +135,24 @@ def test_batching_never_delays_the_chosen_job(model) -> None:
 def test_deadline_must_be_positive() -> None:
     with pytest.raises(ValueError, match="deadline_s"):
         TwsrftScheduler(4, cost, deadline_s=0.0)
+
+
+def test_an_overdue_job_goes_first_oldest_first_and_finishes() -> None:
+    """Past its deadline by more than `overdue_s`, a job goes before live and late ones (the
+    oldest overdue first) and keeps its turn until done: its extra wait is bounded."""
+    clock = Clock()
+    clock.t = 10.0
+    s = make(clock, deadline_s=0.1, max_wait_s=1.0, overdue_s=0.2, window_s=0.002)
+    s.submit("late", 2000, arrival=9.85)  # 0.15 s old: late, not yet overdue
+    s.submit("overdue", 3000, arrival=9.6)  # 0.4 s old > 0.1 + 0.2
+    s.submit("older", 4000, arrival=9.5)
+    s.submit("small", 500)  # live
+    order = []
+    while (g := step(s, clock)[0]) is not None:
+        if not order or order[-1] != g.request_ids[0]:
+            order.append(g.request_ids[0])
+    # whole, one after the other; then the live job; "late" is not overdue yet at 10.07 s
+    assert order == ["older", "overdue", "small", "late"], order
+    assert TwsrftScheduler(LAYERS, cost, deadline_s=1.8, clock=clock).overdue_s is None
+    with pytest.raises(ValueError, match="overdue_s"):
+        TwsrftScheduler(LAYERS, cost, deadline_s=1.0, overdue_s=-1.0, clock=clock)

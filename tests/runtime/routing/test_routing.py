@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from spaceserve.runtime.policy.analytic import analytic_curves
+from spaceserve.runtime.policy.analytic.model import analytic_curves
 from spaceserve.runtime.routing.keys import (
     image_hashes,
     image_spans,

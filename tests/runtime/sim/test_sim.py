@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from spaceserve.runtime.policy.analytic import analytic_curves
+from spaceserve.runtime.policy.analytic.model import analytic_curves
 from spaceserve.runtime.policy.contention import Contention
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.sis import SpaceInferenceScheduler

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from spaceserve.runtime.policy.analytic import analytic_curves
+from spaceserve.runtime.policy.analytic.model import analytic_curves
 from spaceserve.runtime.policy.slo import DEFAULT_SLO
 from spaceserve.runtime.sim.cli import main
 from spaceserve.runtime.sim.engine import SimConfig
-from spaceserve.runtime.sim.multiturn import (
+from spaceserve.runtime.sim.multiturn.workload import (
     Conversation,
     MultiTurn,
     conversations,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from spaceserve.runtime.policy.analytic import analytic_curves
+from spaceserve.runtime.policy.analytic.model import analytic_curves
 from spaceserve.runtime.sim import ROUTERS, SimConfig, Workload, generate, simulate, summarize
 from spaceserve.runtime.sim.cli import main
 

@@ -11,14 +11,14 @@ from collections import Counter
 import pytest
 
 from spaceserve.runtime.encoder.data_parallel import RoundTwsrft
-from spaceserve.runtime.policy.analytic import (
+from spaceserve.runtime.policy.analytic.model import (
     PRESETS,
     ModelShape,
     Roofline,
     qwen2_vl_7b_config,
     qwen2_vl_72b_config,
 )
-from spaceserve.runtime.policy.analytic_tp import (
+from spaceserve.runtime.policy.analytic.tp import (
     LINKS,
     TensorParallelRoofline,
     tensor_parallel_curves,

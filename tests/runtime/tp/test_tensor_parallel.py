@@ -325,8 +325,8 @@ def test_spatial_splits_are_chosen_before_any_process_starts(tiny_path):
     any worker starts."""
     import multiprocessing
 
-    from spaceserve.runtime.policy.analytic import qwen2_vl_72b_config
-    from spaceserve.runtime.policy.analytic_tp import tensor_parallel_curves
+    from spaceserve.runtime.policy.analytic.model import qwen2_vl_72b_config
+    from spaceserve.runtime.policy.analytic.tp import tensor_parallel_curves
     from spaceserve.runtime.sim import SimConfig
     from spaceserve.runtime.sim.config import sim_policy
     from spaceserve.runtime.spatial.split_set import chosen_splits

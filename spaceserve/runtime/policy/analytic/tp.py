@@ -31,7 +31,7 @@ from typing import Any
 
 from spaceserve.checks import require_choice, require_int
 from spaceserve.models.presets import get_preset
-from spaceserve.runtime.policy.analytic import (
+from spaceserve.runtime.policy.analytic.model import (
     DevicePreset,
     ModelShape,
     Roofline,

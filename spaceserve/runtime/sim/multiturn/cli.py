@@ -13,11 +13,11 @@ import dataclasses
 import json
 import time
 
-from spaceserve.runtime.policy.analytic import analytic_curves
+from spaceserve.runtime.policy.analytic.model import analytic_curves
 from spaceserve.runtime.policy.contention import Contention
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.sim.config import SimConfig
-from spaceserve.runtime.sim.multiturn import MultiTurn, sweep_multiturn, table
+from spaceserve.runtime.sim.multiturn.workload import MultiTurn, sweep_multiturn, table
 from spaceserve.runtime.sim.sweep import capacity_rate
 from spaceserve.runtime.sim.workload import Workload
 

@@ -1,0 +1,42 @@
+"""The engine executes SIS's whole-GPU window: the full partition becomes current, encoder steps
+(decoder paused, the encoder launching on every SM) alternate with whole-device decode steps
+that carry the prefill chunks, and no output token changes; pure sharing never takes one."""
+
+import pytest
+
+from spaceserve.runtime.policy.sis import Split
+from tests.runtime.spatial.test_spatial import check_outputs, engine, workload
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(120)]
+
+
+def test_windows_run_and_change_no_token() -> None:
+    eng = engine("spatial", encoder_splits=(16, 64))
+    total = eng.spatial.partitions.total
+    plan = [(total, "decode"), (total, "decode"), (16, "compute"), (total, "decode"),
+            (0, "compute")]
+    calls = iter(range(10**6))
+    def decide(state):
+        e, where = plan[next(calls) % len(plan)]
+        return Split(e, total - e, where, 0.0, 0.0, 1.0, True)
+
+    eng.spatial.sis.decide = decide
+    try:
+        prompts, params = workload(seed=3, n=12)
+        check_outputs(eng, prompts, params, eng.generate(prompts, params))
+        assert eng.spatial.num_windows > 0
+        assert {e for _, e in eng.spatial.switches} >= {0, 16}
+        eng.check_idle()
+    finally:
+        eng.close()
+
+
+def test_the_engine_passes_sis_actions_on() -> None:
+    for actions in ("share", "superset"):
+        eng = engine("spatial", sis_actions=actions)
+        try:
+            assert eng.spatial.sis.actions == actions
+        finally:
+            eng.close()
+    with pytest.raises(ValueError, match="sis.actions"):
+        engine("spatial", sis_actions="everything")
