@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spaceserve.runtime.modes import MODES, OBJECTIVES, PLACEMENTS
+from spaceserve.runtime.modes import MODES, OBJECTIVES, PLACEMENTS, TEMPORAL_MODES
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import SchedulingPolicy, scheduling_policy
 from spaceserve.runtime.policy.slo import Slo
+
+# Host seconds of one engine step charged by the simulator: `Scheduler.schedule` + `update` of a
+# 64-sequence continuous batch with a prefill chunk, measured on this project's CI CPU
+# (bench/sim_host_time.py), plus the sampler's and planner's bookkeeping; a flag (--host-ms).
+HOST_S = 0.0003
 
 
 @dataclass(frozen=True)
@@ -30,8 +35,16 @@ class SimConfig:
     layer_launch_s: float = 0.00024  # host time to launch one vision layer (0: unbounded)
     min_gain: float = 0.1
     min_dwell_s: float = 0.05
-    prefill_on: str = "auto"  # auto: SIS (spatial), decode steps (temporal-chunked), else compute
-    chunk_tokens: int = 512
+    prefill_on: str = "auto"  # auto: SIS (spatial), else compute; temporal modes: decode steps
+    chunk_tokens: int = 512  # co-located modes: one request's prefill chunk per decode step
+    # the time-multiplexed modes run the engine's scheduler (stepped.py) with its settings
+    max_num_batched_tokens: int = 2048  # token budget of one engine step
+    max_num_seqs: int = 128  # sequences in one engine step
+    kv_blocks: int = 65536  # KV blocks (x block_size tokens; preemption by recompute)
+    block_size: int = 16
+    max_held: int = 64  # requests holding or computing image embeddings
+    max_encoder_tokens: int = 16384  # temporal: media tokens encoded per step (per rank)
+    host_s: float = HOST_S  # host time of one engine step (scheduling, planning, sampling)
     background: int = 32  # requests kept decoding (replaced as they finish)
     background_context: int = 1024  # their prompt length
     background_output: int = 256  # their output length
@@ -54,6 +67,21 @@ class SimConfig:
         if self.sis_objective not in OBJECTIVES:
             raise ValueError(f"sis_objective must be one of {OBJECTIVES}, got "
                              f"{self.sis_objective!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "kv_blocks", "block_size",
+                     "max_held", "max_encoder_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not self.host_s >= 0:
+            raise ValueError(f"host_s must be >= 0, got {self.host_s}")
+        if self.mode in TEMPORAL_MODES and self.prefill_on == "compute":
+            raise ValueError(f"prefill_on='compute' is not a {self.mode} schedule: the engine's "
+                             "time-multiplexed modes prefill in chunks inside the decode steps "
+                             "(use 'auto' or 'decode')")
+        if self.mode == "temporal" and self.encoder_policy not in (None, "fifo"):
+            raise ValueError("temporal encodes whole passes oldest first (the engine's temporal "
+                             "stage); TWSRFT order is temporal-chunked's (a long window runs "
+                             "whole passes)")
         if self.window_s is not None and not self.window_s > 0:
             raise ValueError(f"window_s must be positive, got {self.window_s}")
 

@@ -78,15 +78,21 @@ def test_policy_validation_and_launch_model() -> None:
 
 
 def test_time_multiplexed_baselines_get_the_same_encoder_scheduling() -> None:
-    """The baselines are not weakened: temporal-chunked runs the deadline-aware TWSRFT and
-    both temporal modes the same batching rule as spatial (whole FIFO passes for temporal)."""
+    """The baselines are not weakened: temporal-chunked runs the deadline-aware TWSRFT of
+    spatial (each request alone, as the engine's chunked stage), in the simulator and in the
+    engine; temporal runs the engine's whole FIFO passes."""
     curves = load_curves(None, NullModelRunner())
     slo = Slo.parse("ttft:2000,itl:21")
     spatial = Simulator(curves, SimConfig(mode="spatial", slo=slo)).sched
-    chunked = Simulator(curves, SimConfig(mode="temporal-chunked", slo=slo)).sched
-    temporal = Simulator(curves, SimConfig(mode="temporal", slo=slo)).sched
+    chunked = Simulator(curves, SimConfig(mode="temporal-chunked", slo=slo)).sched.scheds[0]
+    temporal = Simulator(curves, SimConfig(mode="temporal", slo=slo))
     assert (chunked.policy, chunked.deadline_s, chunked.window_s) == \
         ("twsrft", spatial.deadline_s, spatial.window_s) and chunked.deadline_s == \
         pytest.approx(1.8)
-    assert temporal.policy == "fifo" and temporal.window_s == float("inf")
-    assert chunked.token_budget == temporal.token_budget == spatial.token_budget
+    assert temporal.sched is None and temporal.loop is not None and not temporal.loop.chunked
+    eng = Engine(NullModelRunner(), EngineConfig(mode="temporal-chunked", slo=slo,
+                                                 num_kv_blocks=64, block_size=4))
+    stage = eng.encoder.sched
+    assert (stage.policy, stage.deadline_s, stage.token_budget) == \
+        (chunked.policy, pytest.approx(chunked.deadline_s), chunked.token_budget) == \
+        ("twsrft", pytest.approx(1.8), 1)
