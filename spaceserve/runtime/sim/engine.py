@@ -45,7 +45,12 @@ from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import RateEstimator
 from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
 from spaceserve.runtime.policy.twsrft import Grant, TwsrftScheduler, curve_cost
-from spaceserve.runtime.sim.config import SimConfig, default_allowed, sim_policy
+from spaceserve.runtime.sim.config import (
+    SimConfig,
+    chunked_window_s,
+    default_allowed,
+    sim_policy,
+)
 from spaceserve.runtime.sim.op import Op, lane_latencies
 from spaceserve.runtime.sim.stepped import StepLoop
 from spaceserve.runtime.sim.workload import Request
@@ -74,6 +79,8 @@ class Simulator:
         self.allowed = self.policy.splits
         policy = c.encoder_policy or ("fifo" if c.mode == "temporal" else "twsrft")
         window = math.inf if c.mode == "temporal" else self.policy.window_s
+        if c.mode == "temporal-chunked" and c.window_s is None:
+            window = chunked_window_s(self.curves, c)
         self.window_s = window
         clock: Callable[[], float] = lambda: self.now
         cost = curve_cost(self.curves, self._encoder_target, corun=not temporal)
@@ -110,6 +117,7 @@ class Simulator:
         self.splits: list[tuple[float, int]] = []
         self.wake_at = math.inf
         self._open = 0
+        self._decided = False  # SIS decided since the last decode step (its host time)
         self._bg_ids = itertools.count()
         n, out = c.background, c.background_output
         for i in range(n):
@@ -248,6 +256,7 @@ class Simulator:
         if "compute" not in self.ops:
             if self.sis is not None:
                 split = self.sis.decide(self.sis_state())
+                self._decided = True
                 if self.split is None or split.encoder_sms != self.split.encoder_sms:
                     self.splits.append((self.now, split.encoder_sms))
                 self.split = split
@@ -313,8 +322,12 @@ class Simulator:
             chunk_ctx = chunk_req.prefilled
             chunk = min(self.config.chunk_tokens, chunk_req.prompt_tokens - chunk_ctx)
         c = self.curves
+        # the engine's host work of a step, and of SIS's decisions since the last one
+        host = self.config.host_s + (self.config.sis_host_s if self._decided else 0.0)
+        self._decided = False
         self.ops["decode"] = Op("decode", "decode", sms,
-                                lambda n, o: c.mixed_step(len(batch), ctx, chunk, chunk_ctx, n, o),
+                                lambda n, o: c.mixed_step(len(batch), ctx, chunk, chunk_ctx, n,
+                                                          o) + host,
                                 (batch, chunk_req, chunk))
         self._launched = 0
         if self._launch_model:

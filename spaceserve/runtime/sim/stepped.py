@@ -150,7 +150,9 @@ class StepLoop:
             self.phase = "idle"
             if batch:
                 self.num_preemptions += len(batch.preempted)
-                t = batch_seconds(self.curves, batch, self.total) + sim.config.host_s
+                t = batch_seconds(self.curves, batch, self.total)
+                host = sim.config.host_s
+                t = max(t, host) if sim.config.async_scheduling else t + host
                 sim.ops["decode"] = Op("decode", "decode", self.total, lambda n, o, t=t: t,
                                        batch)
                 return

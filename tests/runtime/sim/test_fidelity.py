@@ -152,7 +152,7 @@ def curves(tmp_path_factory) -> tuple[CurveSet, str]:
 @pytest.mark.parametrize("mode,window", [("temporal", None), ("temporal-chunked", 0.01)])
 def test_the_simulator_predicts_the_engine(curves, mode, window, monkeypatch) -> None:
     c, path = curves
-    cfg = SimConfig(mode=mode, background=0, slo=SLO, window_s=window)
+    cfg = SimConfig(mode=mode, background=0, slo=SLO, window_s=window, async_scheduling=False)
     eng = summary(run_engine(c, path, cfg, monkeypatch))
     sim = summary(run_sim(c, cfg))
     assert len(run_sim(c, cfg)) == len(generate(WORKLOAD)) > 40

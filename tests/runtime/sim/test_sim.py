@@ -133,7 +133,9 @@ def test_light_load_keeps_ttft_and_tpot_near_time_multiplexing(h200) -> None:
     _, ttft_s, tpot_s = _goodput(h200, "spatial", w, slo)
     assert 0 < _goodput.widest < Simulator(h200, SimConfig(slo=slo)).policy.splits[-1]  # calm
     assert ttft_s <= 1.5 * ttft_t
-    assert tpot_s <= 1.25 * idle
+    # spatial's steps are not pipelined: they pay the host's step and SIS time on top
+    host_ms = 1e3 * (SimConfig().host_s + SimConfig().sis_host_s)
+    assert tpot_s <= 1.25 * idle + host_ms
     _, ttft_tpot, tpot_tpot = _goodput(h200, "spatial", w, slo, sis_objective="tpot")
     assert tpot_tpot <= 1.2 * idle and ttft_tpot > ttft_s  # TPOT first, at a TTFT cost
 
