@@ -27,7 +27,7 @@ from spaceserve.runtime.policy.slo import DEFAULT_SLO, Slo
 from spaceserve.runtime.sim.cluster import SimResult, simulate
 from spaceserve.runtime.sim.engine import MODES, SimConfig
 from spaceserve.runtime.sim.metrics import request_record, summarize
-from spaceserve.runtime.sim.tune import BEST, best_rows
+from spaceserve.runtime.sim.tune import BEST, TUNE_BUDGETS, best_rows
 from spaceserve.runtime.sim.workload import RESOLUTIONS, Workload
 
 THROUGHPUTS = ("duration_s", "request_throughput", "output_throughput",
@@ -91,10 +91,11 @@ def _row(rate: float, results: Sequence[SimResult], slo: Slo) -> dict[str, Any]:
 def run_sweep(curves: CurveSet, modes: Sequence[str], rates: Sequence[float],
               workload: Workload, base: SimConfig, *, num_gpus: int = 1,
               router: str = "round_robin", slo: Slo = DEFAULT_SLO,
-              seeds: Sequence[int] | None = None, drain_s: float | None = None
-              ) -> dict[str, list[dict[str, Any]]]:
+              seeds: Sequence[int] | None = None, drain_s: float | None = None,
+              tune_budgets: Sequence[int] = TUNE_BUDGETS) -> dict[str, list[dict[str, Any]]]:
     """Simulate every (mode, rate, seed); returns one pooled row per mode and rate. `seeds`
-    default to the workload's; `drain_s` bounds each run after its arrivals stop."""
+    default to the workload's; `drain_s` bounds each run after its arrivals stop;
+    `tune_budgets` are the prefill budgets ``best-temporal`` tries."""
     seeds = list(seeds) if seeds else [workload.seed]
 
     def point(cfg: SimConfig, rate: float) -> dict[str, Any]:
@@ -105,7 +106,7 @@ def run_sweep(curves: CurveSet, modes: Sequence[str], rates: Sequence[float],
     out: dict[str, list[dict[str, Any]]] = {}
     for mode in modes:
         if mode == BEST:
-            out[mode] = best_rows(curves, base, rates, point)
+            out[mode] = best_rows(curves, base, rates, point, tune_budgets)
             continue
         cfg = dataclasses.replace(base, mode=mode)
         out[mode] = [point(cfg, rate) for rate in rates]

@@ -50,10 +50,11 @@ def _key(row: Row) -> tuple[float, float]:
 
 
 def best_rows(curves: CurveSet, base: SimConfig, rates: Sequence[float],
-              run_point: Callable[[SimConfig, float], Row]) -> list[Row]:
-    """One ``best-temporal`` row per rate: every candidate run by `run_point(config, rate)`,
-    the best kept with its knobs and every candidate's outcome."""
-    tried = candidates(curves, base)
+              run_point: Callable[[SimConfig, float], Row],
+              budgets: Sequence[int] = TUNE_BUDGETS) -> list[Row]:
+    """One ``best-temporal`` row per rate: every candidate (over `budgets`) run by
+    `run_point(config, rate)`, the best kept with its knobs and every candidate's outcome."""
+    tried = candidates(curves, base, budgets)
     out = []
     for rate in rates:
         rows = [(knobs, run_point(cfg, rate)) for knobs, cfg in tried]
