@@ -67,3 +67,24 @@ def test_best_temporal_in_the_sweep_names_its_knobs(tmp_path, capsys) -> None:
         main(["--modes", "temporal", "--prefill-on", "compute", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="unknown"):
         main(["--modes", "best-spatial", "--out", str(tmp_path)])
+
+
+def test_the_goodput_sweep_judges_against_best_temporal() -> None:
+    from bench.goodput_sweep import strongest
+
+    def row(rate: float, good: float, att: float, p99: float, knobs=None) -> dict:
+        out = {"rate": rate, "goodput": {"rate_per_s": good, "attainment": att,
+                                         "image_ttft_p99_ms": p99}}
+        return out | ({"knobs": knobs} if knobs else {})
+
+    k = {"mode": "temporal-chunked", "max_num_batched_tokens": 512, "encoder_policy": "twsrft",
+         "window_ms": 5.0}
+    res = {"meta": {"slo": {"ttft": 2000.0, "tpot": 50.0}}, "sweep": {
+        "best-temporal": [row(10, 10, 1.0, 900, k), row(20, 16, 0.8, 5000, k)],
+        "spatial": [row(10, 10, 1.0, 1500), row(20, 15.9, 0.79, 3900)]}}
+    (ok_good, text), (ok_tail, tail) = strongest("A", res)
+    assert ok_good and "0.994x at 20" in text and "budget 512" in text
+    assert ok_tail and "up to 24/s" in tail  # 1.2x the rate best-temporal fell below 90%
+    res["sweep"]["spatial"][1]["goodput"] |= {"rate_per_s": 15.0, "image_ttft_p99_ms": 4100}
+    (ok_good, _), (ok_tail, _) = strongest("A", res)
+    assert not ok_good and not ok_tail
