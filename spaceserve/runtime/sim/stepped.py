@@ -22,26 +22,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from spaceserve.runtime.core.batch import ScheduledBatch
-from spaceserve.runtime.core.block_manager import BlockManager
-from spaceserve.runtime.core.request import Request as CoreRequest
-from spaceserve.runtime.core.request import Status
-from spaceserve.runtime.core.sampling_params import SamplingParams
-from spaceserve.runtime.core.scheduler import Scheduler
 from spaceserve.runtime.encoder.data_parallel import RankedTwsrft, assign_ranks
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.sim.op import Op
 from spaceserve.runtime.sim.workload import PATCHES_PER_TOKEN, Request
 
-if TYPE_CHECKING:
-    from spaceserve.runtime.sim.engine import Simulator
-
 TOKEN = 1  # every simulated draw: never a stop token (requests end by length)
 
 
-def batch_seconds(curves: CurveSet, batch: ScheduledBatch, sms: int) -> float:
+def batch_seconds(curves: CurveSet, batch: Any, sms: int) -> float:
     """Whole-GPU seconds of one engine step: the decode step of its single-token sequences at
     their mean context, plus each prefill chunk's marginal cost over the smallest prefill pass
     (which streams the weights the decode step streams anyway); a step without decodes pays
@@ -58,9 +49,19 @@ def batch_seconds(curves: CurveSet, batch: ScheduledBatch, sms: int) -> float:
 
 
 class StepLoop:
-    """The engine's step loop for one simulated GPU in a time-multiplexed mode."""
+    """The engine's step loop for one simulated GPU (a `Simulator`) in a time-multiplexed
+    mode. The engine's scheduler objects are imported here: they pull in torch, which
+    `spaceserve sim --help` must not."""
 
-    def __init__(self, sim: Simulator, policy: str, deadline_s: float | None) -> None:
+    def __init__(self, sim: Any, policy: str, deadline_s: float | None) -> None:
+        from spaceserve.runtime.core.block_manager import BlockManager
+        from spaceserve.runtime.core.request import Request as CoreRequest
+        from spaceserve.runtime.core.request import Status
+        from spaceserve.runtime.core.sampling_params import SamplingParams
+        from spaceserve.runtime.core.scheduler import Scheduler
+
+        self._request, self._params, self._finished = CoreRequest, SamplingParams, \
+            Status.FINISHED
         c, curves = sim.config, sim.curves
         self.sim, self.curves, self.total = sim, curves, curves.num_sms
         self.bm = BlockManager(c.kv_blocks, c.block_size)
@@ -69,7 +70,7 @@ class StepLoop:
                                max_model_len=1 << 40, is_ready=self._ready)
         self.chunked = c.mode == "temporal-chunked"
         self.window_s = sim.window_s
-        self.core: dict[int, CoreRequest] = {}  # sim rid -> the scheduler's request
+        self.core: dict[int, Any] = {}  # sim rid -> the scheduler's request
         self.sim_of: dict[int, Request] = {}  # core seq_no -> sim request
         self.inbox: deque[Request] = deque()
         self.backlog: deque[Request] = deque()  # encoder jobs waiting for a held slot
@@ -98,14 +99,14 @@ class StepLoop:
         core.num_computed = core.num_prompt_tokens - 1
         self.sched.add(core)
 
-    def _core(self, req: Request, prompt: int, max_tokens: int) -> CoreRequest:
+    def _core(self, req: Request, prompt: int, max_tokens: int) -> Any:
         seq = len(self.sim_of)
-        core = CoreRequest(str(req.rid), seq, [TOKEN] * prompt,
-                           SamplingParams(max_tokens=max(1, max_tokens), ignore_eos=True), 0)
+        core = self._request(str(req.rid), seq, [TOKEN] * prompt,
+                             self._params(max_tokens=max(1, max_tokens), ignore_eos=True), 0)
         self.core[req.rid], self.sim_of[seq] = core, req
         return core
 
-    def _ready(self, core: CoreRequest, start: int) -> bool:
+    def _ready(self, core: Any, start: int) -> bool:
         req = self.sim_of[core.seq_no]
         return req.patches <= 0 or req.rid in self.encoded
 
@@ -231,7 +232,7 @@ class StepLoop:
                     self.encoded.add(req.rid)
                     self.held.add(req.rid)
             return
-        batch: ScheduledBatch = op.payload  # type: ignore[assignment]
+        batch = op.payload
         self.num_steps += 1
         drawn = batch.drawn_reqs
         finished = self.sched.update(batch, [TOKEN] * len(drawn), sim.now)
@@ -251,7 +252,7 @@ class StepLoop:
         """`req` has finished (or the background batch stopped): free its slot, KV blocks and
         embeddings."""
         core = self.core.pop(req.rid, None)
-        if core is not None and core.status is not Status.FINISHED:
+        if core is not None and core.status is not self._finished:
             self.sched.finish(core, "length")
         self.held.discard(req.rid)
         self.encoded.discard(req.rid)
