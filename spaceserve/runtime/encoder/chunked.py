@@ -67,13 +67,15 @@ class ChunkedEncoderStage:
 
     `curves` give the per-layer cost on `num_sms` SMs (scaled from the curves' encoder depth
     to the runner's); `max_held` bounds the requests holding or computing embeddings; `cache`
-    is the engine's encoder output cache; `deadline_s` TWSRFT's deadline (None: plain aging).
+    is the engine's encoder output cache; `deadline_s` TWSRFT's deadline (None: plain aging);
+    `policy` "fifo" orders jobs by arrival instead (the simulator's tuned baseline may pick it).
     """
 
     def __init__(self, runner: Any, curves: CurveSet, *, window_s: float = 0.02,
                  max_wait_s: float = 0.5, max_held: int = 64, num_sms: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 cache: EncoderCache | None = None, deadline_s: float | None = None) -> None:
+                 cache: EncoderCache | None = None, deadline_s: float | None = None,
+                 policy: str = "twsrft") -> None:
         if not window_s > 0:
             raise ValueError(f"window_s={window_s!r} must be > 0")
         if isinstance(max_held, bool) or not isinstance(max_held, int) or max_held < 1:
@@ -87,8 +89,8 @@ class ChunkedEncoderStage:
         sms = num_sms or curves.num_sms
         self.layer_cost = lambda patches: curves.encoder(patches, scale, sms)
         cost = lambda patches, layers: layers * self.layer_cost(patches)  # noqa: E731
-        kw = dict(window_s=window_s, max_wait_s=max_wait_s, token_budget=1, clock=clock,
-                  deadline_s=deadline_s)
+        kw = dict(policy=policy, window_s=window_s, max_wait_s=max_wait_s, token_budget=1,
+                  clock=clock, deadline_s=deadline_s)
         self.ranks = int(getattr(runner, "encoder_ranks", 1)) if self.preemptible else 1
         self.ranked = RankedTwsrft(self.ranks, self.num_layers, cost, **kw) \
             if self.ranks > 1 else None
