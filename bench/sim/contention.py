@@ -34,7 +34,7 @@ def sweep(level: float, rates: list[float], seeds: list[int], duration: float,
     from spaceserve.runtime.policy.analytic.model import analytic_curves
     from spaceserve.runtime.policy.contention import Contention
     from spaceserve.runtime.sim import SimConfig, Workload, simulate
-    from spaceserve.runtime.sim.sweep import pooled_goodput
+    from spaceserve.runtime.sim.sweep.rates import pooled_goodput
 
     curves = analytic_curves(device="H200").with_contention(Contention.flat(level))
     out: dict[str, dict[float, dict[str, float]]] = {}

@@ -26,7 +26,7 @@ from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenc
 from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim import ROUTERS, SimConfig, Workload, simulate, summarize
 from spaceserve.runtime.sim.engine import default_allowed
-from spaceserve.runtime.sim.sweep import capacity_rate
+from spaceserve.runtime.sim.sweep.rates import capacity_rate
 
 
 def sis_capacity(curves: Any, workload: Workload, cfg: SimConfig, gpus: int) -> float:

@@ -28,7 +28,7 @@ from typing import Any
 from spaceserve.runtime.policy.analytic.tp import tensor_parallel_curves
 from spaceserve.runtime.policy.slo import DEFAULT_SLO_TEXT, Slo
 from spaceserve.runtime.sim import SimConfig, Workload, simulate, summarize
-from spaceserve.runtime.sim.sweep import capacity_rate, pooled_goodput
+from spaceserve.runtime.sim.sweep.rates import capacity_rate, pooled_goodput
 from spaceserve.runtime.sim.workload import RESOLUTIONS
 
 ENCODER_MODES = ("data", "weights")

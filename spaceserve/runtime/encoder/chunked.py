@@ -17,7 +17,10 @@ The window is measured in predicted time - the resource-utility curves' whole-de
 latency, as TWSRFT sizes its grants - not in wall time: chunks are then a function of the
 requests alone, the same on every machine, and the simulator's ``temporal-chunked`` runs the
 same rule. A step runs at least one layer while encoder work waits; the last chunk of a window
-may overshoot it by at most one layer.
+may overshoot it by at most one layer. TWSRFT is built as the simulator and the co-located
+modes build it: with the deadline the TTFT SLO sets (`SchedulingPolicy.deadline_s`: the
+encoder's share of the TTFT bound, counted from each request's arrival), or plain aging
+without a TTFT bound.
 
 With a data-parallel encoder (a tensor-parallel runner whose ``encoder_ranks`` > 1) each job
 (a request's items neither cache holds) is encoded by one rank, chosen when it starts as the
@@ -65,13 +68,15 @@ class ChunkedEncoderStage:
 
     `curves` give the per-layer cost on `num_sms` SMs (scaled from the curves' encoder depth
     to the runner's); `max_held` bounds the requests holding or computing embeddings; `cache`
-    is the engine's encoder output cache.
+    is the engine's encoder output cache; `deadline_s` TWSRFT's deadline (None: plain aging);
+    `policy` "fifo" orders jobs by arrival instead (the simulator's tuned baseline may pick it).
     """
 
     def __init__(self, runner: Any, curves: CurveSet, *, window_s: float = 0.02,
                  max_wait_s: float = 0.5, max_held: int = 64, num_sms: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 cache: EncoderCache | None = None) -> None:
+                 cache: EncoderCache | None = None, deadline_s: float | None = None,
+                 policy: str = "twsrft") -> None:
         require_number("window_s", window_s)
         require_int("max_held", max_held)
         self.runner, self.window_s, self.max_held = runner, window_s, max_held
@@ -83,7 +88,8 @@ class ChunkedEncoderStage:
         sms = num_sms or curves.num_sms
         self.layer_cost = lambda patches: curves.encoder(patches, scale, sms)
         cost = lambda patches, layers: layers * self.layer_cost(patches)  # noqa: E731
-        kw = dict(window_s=window_s, max_wait_s=max_wait_s, token_budget=1, clock=clock)
+        kw = dict(policy=policy, window_s=window_s, max_wait_s=max_wait_s, token_budget=1,
+                  clock=clock, deadline_s=deadline_s)
         self.ranks = int(getattr(runner, "encoder_ranks", 1)) if self.preemptible else 1
         self.ranked = RankedTwsrft(self.ranks, self.num_layers, cost, **kw) \
             if self.ranks > 1 else None
@@ -203,9 +209,10 @@ class ChunkedEncoderStage:
                 continue
             self._jobs[job.req.seq_no] = job
             if self.ranked is not None:
-                self.ranked.submit(job.req.seq_no, job.patches, rank=job.rank)
+                self.ranked.submit(job.req.seq_no, job.patches, rank=job.rank,
+                                   arrival=job.req.arrival_time)
             else:
-                self.sched.submit(job.req.seq_no, job.patches)
+                self.sched.submit(job.req.seq_no, job.patches, job.req.arrival_time)
         return failed
 
     def _advance(self, job: _Job, layers: int, done: list[_Job] | None = None
@@ -297,4 +304,15 @@ def temporal_stage(runner: Any, config: Any, *, clock: Callable[[], float] = tim
                                window_s=config.encoder_window_s,
                                max_held=config.max_held_embeddings,
                                num_sms=device_num_sms(runner.device), clock=clock,
-                               cache=cache)
+                               cache=cache, deadline_s=twsrft_deadline(config.slo))
+
+
+def twsrft_deadline(slo: Any) -> float | None:
+    """TWSRFT's deadline under `slo` (an `Slo`), as the co-located modes and the simulator set
+    it: `SchedulingPolicy`'s ttft margin x the TTFT bound; None without a TTFT bound."""
+    from spaceserve.runtime.policy.scheduling import SchedulingPolicy
+
+    if slo is None or slo.ttft is None:
+        return None
+    margin = SchedulingPolicy.__dataclass_fields__["ttft_margin"].default
+    return margin * slo.ttft / 1e3

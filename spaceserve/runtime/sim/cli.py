@@ -1,7 +1,8 @@
 """`spaceserve sim` / `python -m spaceserve.runtime.sim`: sweep image rates, write the figure.
 
 Default: analytic (modelled) curves of Qwen2-VL-7B on an H200 preset, a background batch of 32
-decoding requests, modes temporal, temporal-chunked and spatial (SIS maximising goodput), image
+decoding requests, modes temporal, temporal-chunked and spatial (SIS maximising goodput; add
+best-temporal for the strongest time-multiplexed configuration tuned per rate), image
 rates 0, 2, ..., 20 per second, 30 s of Poisson arrivals, seeds 0 and 1 pooled. Every point
 reports goodput under --slo (default ttft:2000,tpot:50): image requests per second of the
 arrival window that met it, and the fraction that did; a request still unfinished --drain
@@ -29,10 +30,12 @@ from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler
 from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim.cluster import ROUTERS
+from spaceserve.runtime.sim.config import HOST_S, SIS_HOST_S
 from spaceserve.runtime.sim.engine import MODES, PLACEMENTS, SimConfig, sim_policy
 from spaceserve.runtime.sim.multiturn import cli as multiturn_cli
-from spaceserve.runtime.sim.plots import plot, plot_goodput
-from spaceserve.runtime.sim.sweep import (
+from spaceserve.runtime.sim.sweep.plots import plot, plot_goodput
+from spaceserve.runtime.sim.sweep.rates import (
+    BEST,
     capacity_rate,
     default_rates,
     headline,
@@ -84,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tp > 1: the vision encoder data-parallel (each rank encodes "
                         "whole images) or sharded like the decoder (vLLM's names)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"comma-separated modes out of {', '.join(MODES)}")
+                   help=f"comma-separated modes out of {', '.join(MODES)}, or {BEST} (the "
+                        "time-multiplexed configuration with the best goodput at each rate, "
+                        "over prefill budget, encoder window and order; each row names it)")
     p.add_argument("--rates", default=DEFAULT_RATES,
                    help="comma-separated image rates/s, or 'auto' (--points from 0 to 85%% of "
                         "the encode+prefill capacity)")
@@ -108,9 +113,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--sis-objective tpot: the decode step it protects, x the decode step "
                         "on the whole device")
     p.add_argument("--prefill-on", default="auto", choices=PLACEMENTS,
-                   help="partition prefill runs on (auto: SIS decides in spatial mode)")
+                   help="partition prefill runs on (auto: SIS decides in spatial mode; the "
+                        "time-multiplexed modes prefill inside their steps: compute is refused)")
     p.add_argument("--encoder-policy", choices=("twsrft", "fifo"),
-                   help="default: fifo whole passes for temporal, twsrft elsewhere")
+                   help="encoder order: default fifo whole passes for temporal (its only "
+                        "order, as the engine's), twsrft elsewhere")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="time-multiplexed modes: token budget of one engine step (decodes "
+                        "plus prefill chunks of several requests)")
+    p.add_argument("--max-num-seqs", type=int, default=128,
+                   help="time-multiplexed modes: sequences in one engine step")
+    p.add_argument("--kv-blocks", type=int, default=65536,
+                   help="time-multiplexed modes: KV blocks of 16 tokens (preemption by "
+                        "recompute when they run out)")
+    p.add_argument("--max-held", type=int, default=64,
+                   help="time-multiplexed modes: requests holding or computing embeddings")
+    p.add_argument("--host-ms", type=float, default=1e3 * HOST_S,
+                   help="host time of one engine step (scheduling, planning, sampling), "
+                        "hidden behind the previous step in the time-multiplexed modes (the "
+                        "engine pipelines them), added to every decode step of the co-located "
+                        "ones")
+    p.add_argument("--sis-host-ms", type=float, default=1e3 * SIS_HOST_S,
+                   help="spatial: host time of SIS's decisions, added to the next decode step")
     p.add_argument("--shared-decode-share", type=float, default=0.5,
                    help="shared mode: decode's share of SM throughput when both stages run")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (one engine each)")
@@ -121,9 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contention", type=float,
                    help="co-running slowdown of both stages, e.g. 0.2 = 20%% slower, replacing "
                         "the curves' contention table (default: the curves' own)")
-    # the knobs the engine shares, declared beside its config: --sis-objective, --slo,
-    # --encoder-window-ms
-    add_engine_args(p, ("sis_objective", "sis_actions", "slo", "encoder_window_s"))
+    # the knobs the engine shares, declared beside its config: --sis-objective, --sis-actions,
+    # --slo (the window's default differs: derived from the SLO here)
+    add_engine_args(p, ("sis_objective", "sis_actions", "slo"))
+    p.add_argument("--encoder-window-ms", type=float,
+                   help="encoder time window: temporal-chunked's chunk between decode steps "
+                        "(default: the largest whose step fits the SLO's TPOT / ITL bound "
+                        "with the decode margin), TWSRFT's grant elsewhere (default 20 ms; "
+                        "temporal runs whole jobs)")
     p.add_argument("--drain", type=float, default=10.0,
                    help="seconds a run goes on after arrivals stop; unfinished requests miss")
     p.add_argument("--seeds", type=_seeds,
@@ -142,14 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"--slo {args.slo}: {exc}") from None
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODES and m != BEST]
     if bad:
-        raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)}")
+        raise SystemExit(f"--modes: unknown {bad}; choose from {[*MODES, BEST]}")
     if args.tp < 1:
         raise SystemExit(f"--tp {args.tp}: must be >= 1")
     for name in ("encoder_window_ms", "drain"):
-        if not getattr(args, name) > 0:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
             raise SystemExit(f"--{name.replace('_', '-')}: must be positive")
+    if not (args.host_ms >= 0 and args.sis_host_ms >= 0):
+        raise SystemExit("--host-ms, --sis-host-ms: must be >= 0")
     if args.workload == "multiturn":
         return multiturn_cli.main(args, modes)
     if args.curves is not None:
@@ -180,13 +212,24 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(0.0, args.duration, burstiness=args.burstiness, image_mix=args.mix,
                         text_rate=args.text_rate, text_tokens=args.text_tokens,
                         output_tokens=args.output_tokens, seed=seeds[0])
-    base = SimConfig(static_encoder_sms=args.static_encoder_sms, tpot_factor=args.tpot_factor,
-                     sis_objective=args.sis_objective, sis_actions=args.sis_actions,
-                     slo=args.slo,
-                     prefill_on=args.prefill_on, encoder_policy=args.encoder_policy,
-                     background=args.batch, background_context=args.context,
-                     shared_decode_share=args.shared_decode_share,
-                     window_s=args.encoder_window_ms / 1e3)
+    window = None if args.encoder_window_ms is None else args.encoder_window_ms / 1e3
+    try:
+        base = SimConfig(static_encoder_sms=args.static_encoder_sms,
+                         tpot_factor=args.tpot_factor, sis_objective=args.sis_objective,
+                         sis_actions=args.sis_actions,
+                         slo=args.slo, prefill_on=args.prefill_on,
+                         encoder_policy=args.encoder_policy, background=args.batch,
+                         background_context=args.context,
+                         shared_decode_share=args.shared_decode_share, window_s=window,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_num_seqs=args.max_num_seqs, kv_blocks=args.kv_blocks,
+                         max_held=args.max_held, host_s=args.host_ms / 1e3,
+                         sis_host_s=args.sis_host_ms / 1e3)
+        for mode in modes:  # a knob a mode refuses (prefill_on, encoder_policy) fails here
+            if mode != BEST:
+                dataclasses.replace(base, mode=mode)
+    except ValueError as exc:
+        raise SystemExit(f"bad settings: {exc}") from None
     cap = capacity_rate(curves, workload, args.gpus)
     policy = sim_policy(curves, base)
     sis = SpaceInferenceScheduler(curves, policy.splits, tpot_factor=args.tpot_factor,

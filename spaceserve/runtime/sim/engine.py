@@ -6,13 +6,12 @@ while the other stage is busy. Work proceeds as a fraction per second, so when t
 starts or stops mid-launch the remaining work continues at the new speed.
 
 Modes:
-- ``temporal``: one stage at a time on the whole GPU (a whole encoder job or a whole prefill,
-  then a decode step, alternating; decode waits while the others run) - the time-multiplexed
-  baseline as vLLM / SGLang run it;
-- ``temporal-chunked``: the time-multiplexed baseline at its strongest, as Sarathi chunks
-  prefill: between two decode steps the encoder runs layer chunks (TWSRFT-ordered) for one
-  time window (``window_s``, default 20 ms) on the whole GPU, and prompts are prefilled in
-  chunks carried by the decode steps (``prefill_on`` "auto" = "decode");
+- ``temporal``: the engine's temporal mode, as vLLM runs it: each step the encoder runs the
+  oldest requests' whole passes on the whole GPU, then one continuous batch (decodes plus
+  chunked prefills of several requests under ``max_num_batched_tokens``) - the engine's own
+  scheduler objects, see stepped.py;
+- ``temporal-chunked``: the same step loop, the encoder running TWSRFT-ordered layer chunks for
+  one time window (``window_s``, default 20 ms) per step instead of whole passes (stepped.py);
 - ``spatial-static``: a fixed split, encoder + prefill on ``static_encoder_sms``, decode on the
   rest, concurrently;
 - ``spatial``: SIS picks the split (and prefill placement) each scheduling round;
@@ -46,9 +45,15 @@ from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import RateEstimator
 from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
 from spaceserve.runtime.policy.twsrft import Grant, TwsrftScheduler, curve_cost
-from spaceserve.runtime.sim.config import SimConfig, default_allowed, sim_policy
+from spaceserve.runtime.sim.config import (
+    SimConfig,
+    chunked_window_s,
+    default_allowed,
+    sim_policy,
+)
 from spaceserve.runtime.sim.op import Op, lane_latencies
 from spaceserve.runtime.sim.sis_window import dispatch_sis_window
+from spaceserve.runtime.sim.stepped import StepLoop
 from spaceserve.runtime.sim.workload import Request
 
 __all__ = ["MODES", "PLACEMENTS", "TEMPORAL_MODES", "Op", "SimConfig", "Simulator",
@@ -75,6 +80,8 @@ class Simulator:
         self.allowed = self.policy.splits
         policy = c.encoder_policy or ("fifo" if c.mode == "temporal" else "twsrft")
         window = math.inf if c.mode == "temporal" else self.policy.window_s
+        if c.mode == "temporal-chunked" and c.window_s is None:
+            window = chunked_window_s(self.curves, c)
         self.window_s = window
         clock: Callable[[], float] = lambda: self.now
         cost = curve_cost(self.curves, self._encoder_target, corun=not temporal)
@@ -82,8 +89,13 @@ class Simulator:
         kw = dict(policy=policy, window_s=window, max_wait_s=c.max_wait_s, clock=clock,
                   token_budget=c.token_budget, deadline_s=deadline, overdue_s=self.policy.overdue_s)
         ranks = int(self.curves.model.get("encoder_ranks", 1))  # a data-parallel encoder
-        self.sched = TwsrftScheduler(self.curves.encoder_depth, cost, **kw) if ranks == 1 \
-            else RoundTwsrft(ranks, self.curves.encoder_depth, cost, **kw)
+        self.loop = StepLoop(self, policy, deadline) if temporal else None
+        if self.loop is not None:  # the engine's stage: None for temporal's FIFO passes
+            self.sched = self.loop.twsrft if c.mode == "temporal-chunked" else None
+        elif ranks == 1:
+            self.sched = TwsrftScheduler(self.curves.encoder_depth, cost, **kw)
+        else:
+            self.sched = RoundTwsrft(ranks, self.curves.encoder_depth, cost, **kw)
         self.sis = None
         if c.mode == "spatial":
             p = self.policy
@@ -105,10 +117,9 @@ class Simulator:
         self.ops: dict[str, Op] = {}
         self.timeline: list[tuple[float, int, int]] = [(0.0, 0, 0)]
         self.splits: list[tuple[float, int]] = []
-        self._last_kind = "decode"
         self.wake_at = math.inf
-        self._window_spent = 0.0  # temporal-chunked: encoder seconds since the last decode step
         self._open = 0
+        self._decided = False  # SIS decided since the last decode step (its host time)
         self._bg_ids = itertools.count()
         n, out = c.background, c.background_output
         for i in range(n):
@@ -124,6 +135,8 @@ class Simulator:
         req.first_token = req.last_token = self.now
         self.requests[rid] = req
         self.decoding.append(req)
+        if self.loop is not None:
+            self.loop.add_background(req)
 
     # -- inputs ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -134,7 +147,9 @@ class Simulator:
         self.requests[req.rid] = req
         self._open += 1
         req.prefilled = req.cached_tokens  # a prefix-cache hit: prefill only the rest
-        if req.patches > 0:  # a cached image is no encoder work
+        if self.loop is not None:
+            self.loop.add(req)
+        elif req.patches > 0:  # a cached image is no encoder work
             self.sched.submit(req.rid, req.patches, req.arrival)
             self.arrivals.add(self.now, req.patches, req.prompt_tokens)
         else:
@@ -215,12 +230,8 @@ class Simulator:
 
     def _placement(self) -> str:
         c = self.config
-        if c.mode == "temporal":
-            return "compute"
         if c.prefill_on != "auto":
             return c.prefill_on
-        if c.mode == "temporal-chunked":
-            return "decode"
         return self.split.prefill_on if (self.sis and self.split) else "compute"
 
     def sis_state(self) -> SisState:
@@ -241,13 +252,13 @@ class Simulator:
                         patches, prompt)
 
     def _dispatch(self) -> None:
-        if self.config.mode in TEMPORAL_MODES:
-            if not self.ops:
-                self._dispatch_temporal()
+        if self.loop is not None:
+            self.loop.dispatch()
             return
         if "compute" not in self.ops:
             if self.sis is not None:
                 split = self.sis.decide(self.sis_state())
+                self._decided = True
                 if self.split is None or split.encoder_sms != self.split.encoder_sms:
                     self.splits.append((self.now, split.encoder_sms))
                 self.split = split
@@ -258,21 +269,6 @@ class Simulator:
             self._start_decode(self._budget("decode"))
             if "compute" not in self.ops and "decode" in self.ops:  # a fresh launch budget
                 self._start_compute(self._budget("compute"))
-
-    def _dispatch_temporal(self) -> None:
-        """One stage at a time on the whole GPU. ``temporal``: a whole encoder job or prefill,
-        then a decode step. ``temporal-chunked``: encoder chunks until the window is spent (or
-        the encoder has no work), then a decode step carrying a prefill chunk."""
-        on_compute = self._placement() == "compute"
-        has_compute = (on_compute and bool(self.prefill_q)) or self._encoder_waiting()
-        has_decode = bool(self.decoding) or (not on_compute and bool(self.prefill_q))
-        turn = self._last_kind == "decode" or not has_decode
-        if self.config.mode == "temporal-chunked" and self._window_spent < self.window_s:
-            turn = True  # the window is not spent: keep encoding
-        if has_compute and turn:
-            self._start_compute(self.total)
-        elif has_decode:
-            self._start_decode(self.total)
 
     def _budget(self, lane: str) -> int:
         mode, other = self.config.mode, self._held("decode" if lane == "compute" else "compute")
@@ -311,17 +307,11 @@ class Simulator:
             assert g is not None
             if g.layers > self.layers_per_step - self._launched:  # the launch budget binds
                 g = dataclasses.replace(g, layers=self.layers_per_step - self._launched)
-            if self.config.mode == "temporal-chunked":  # the rest of the window, >= 1 layer
-                per_layer = c.encoder(g.patches, 1, sms)
-                left = self.window_s - self._window_spent
-                layers = max(1, min(g.layers, math.ceil(left / per_layer - 1e-9)))
-                g = dataclasses.replace(g, layers=layers)
             self._launched += g.layers
             self.ops["compute"] = Op("compute", "encode", sms,
                                      lambda n, o: c.encoder(g.patches, g.layers, n, o), g)
         else:
             return
-        self._last_kind = "compute"
 
     def _start_decode(self, sms: int) -> None:
         chunk_req = None
@@ -336,11 +326,13 @@ class Simulator:
             chunk_ctx = chunk_req.prefilled
             chunk = min(self.config.chunk_tokens, chunk_req.prompt_tokens - chunk_ctx)
         c = self.curves
+        # the engine's host work of a step, and of SIS's decisions since the last one
+        host = self.config.host_s + (self.config.sis_host_s if self._decided else 0.0)
+        self._decided = False
         self.ops["decode"] = Op("decode", "decode", sms,
-                                lambda n, o: c.mixed_step(len(batch), ctx, chunk, chunk_ctx, n, o),
+                                lambda n, o: c.mixed_step(len(batch), ctx, chunk, chunk_ctx, n,
+                                                          o) + host,
                                 (batch, chunk_req, chunk))
-        self._last_kind = "decode"
-        self._window_spent = 0.0
         self._launched = 0
         if self._launch_model:
             op = self.ops["decode"]
@@ -349,9 +341,10 @@ class Simulator:
 
     # -- completions -------------------------------------------------------------------------
     def _complete(self, op: Op) -> None:
-        if op.kind == "encode":
+        if self.loop is not None:
+            self.loop.complete(op)
+        elif op.kind == "encode":
             g: Grant = op.payload  # type: ignore[assignment]
-            self._window_spent += op.latency(op.sms, False)
             for rid in self.sched.report(g.job_id, g.layers):
                 req = self.requests[rid]
                 req.encoded_at = self.now
@@ -390,6 +383,8 @@ class Simulator:
         stop = self.now >= self.horizon and self._open == 0
         if stop or r.generated >= r.output_tokens:
             r.finish = self.now
+            if stop and self.loop is not None:
+                self.loop.release(r)
             if not stop:
                 self._spawn_background()
 

@@ -163,3 +163,27 @@ def test_tiny_qwen2_vl_same_tokens_as_temporal(tiny_qwen2_vl, qwen2_vl_image_pro
             assert eng.encoder.num_layers_run == 3 * 2 and eng.encoder.num_chunks == 6
         eng.check_idle()
     assert got["temporal-chunked"] == got["temporal"]
+
+
+def test_the_stage_orders_jobs_by_the_policy_it_is_given() -> None:
+    """FIFO (a configuration the simulator's best-temporal may choose) serves the older, larger
+    image first; TWSRFT the smaller one."""
+    from spaceserve.runtime.policy.model_curves import load_curves
+
+    gen = torch.Generator().manual_seed(5)
+    first = {}
+    for policy in ("twsrft", "fifo"):
+        runner = NullModelRunner(encoder_layers=4)
+        eng = make("temporal-chunked", runner, encoder_window_s=1e-9, num_kv_blocks=1024)
+        stage = ChunkedEncoderStage(runner, load_curves(None, runner), window_s=1e-9,
+                                    policy=policy)
+        eng.encoder = stage
+        eng.scheduler.is_ready = stage.ready
+        big = eng.add_request(image_prompt(gen, 3, grids=((1, 64, 64),)), GREEDY)
+        small = eng.add_request(image_prompt(gen, 3), GREEDY)
+        while not stage.num_held:
+            eng.step()
+        first[policy] = big if eng._active[big].seq_no in stage._held else small
+        while eng.has_unfinished():
+            eng.step()
+    assert first == {"twsrft": small, "fifo": big}

@@ -14,7 +14,7 @@ from spaceserve.runtime.policy.model_curves import load_curves
 from spaceserve.runtime.policy.scheduling import RateEstimator, SchedulingPolicy, graph_count
 from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim import SimConfig, Simulator
-from spaceserve.runtime.sim.config import sim_policy
+from spaceserve.runtime.sim.config import chunked_window_s, sim_policy
 from spaceserve.runtime.spatial.split_set import engine_policy
 from spaceserve.runtime.worker.null import NullModelRunner
 
@@ -78,15 +78,22 @@ def test_policy_validation_and_launch_model() -> None:
 
 
 def test_time_multiplexed_baselines_get_the_same_encoder_scheduling() -> None:
-    """The baselines are not weakened: temporal-chunked runs the deadline-aware TWSRFT and
-    both temporal modes the same batching rule as spatial (whole FIFO passes for temporal)."""
+    """The baselines are not weakened: temporal-chunked runs the deadline-aware TWSRFT of
+    spatial (each request alone, as the engine's chunked stage), in the simulator and in the
+    engine; temporal runs the engine's whole FIFO passes."""
     curves = load_curves(None, NullModelRunner())
     slo = Slo.parse("ttft:2000,itl:21")
     spatial = Simulator(curves, SimConfig(mode="spatial", slo=slo)).sched
-    chunked = Simulator(curves, SimConfig(mode="temporal-chunked", slo=slo)).sched
-    temporal = Simulator(curves, SimConfig(mode="temporal", slo=slo)).sched
+    cfg = SimConfig(mode="temporal-chunked", slo=slo)
+    chunked = Simulator(curves, cfg).sched.scheds[0]
+    temporal = Simulator(curves, SimConfig(mode="temporal", slo=slo))
     assert (chunked.policy, chunked.deadline_s, chunked.window_s) == \
-        ("twsrft", spatial.deadline_s, spatial.window_s) and chunked.deadline_s == \
-        pytest.approx(1.8)
-    assert temporal.policy == "fifo" and temporal.window_s == float("inf")
-    assert chunked.token_budget == temporal.token_budget == spatial.token_budget
+        ("twsrft", spatial.deadline_s, chunked_window_s(curves, cfg)) and \
+        chunked.deadline_s == pytest.approx(1.8)
+    assert temporal.sched is None and temporal.loop is not None and not temporal.loop.chunked
+    eng = Engine(NullModelRunner(), EngineConfig(mode="temporal-chunked", slo=slo,
+                                                 num_kv_blocks=64, block_size=4))
+    stage = eng.encoder.sched
+    assert (stage.policy, stage.deadline_s, stage.token_budget) == \
+        (chunked.policy, pytest.approx(chunked.deadline_s), chunked.token_budget) == \
+        ("twsrft", pytest.approx(1.8), 1)

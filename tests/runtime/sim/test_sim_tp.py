@@ -27,7 +27,7 @@ from spaceserve.runtime.policy.slo import DEFAULT_SLO
 from spaceserve.runtime.policy.twsrft import TwsrftScheduler
 from spaceserve.runtime.sim import SimConfig, Simulator, Workload, generate, simulate
 from spaceserve.runtime.sim.cli import main
-from spaceserve.runtime.sim.sweep import capacity_rate
+from spaceserve.runtime.sim.sweep.rates import capacity_rate
 
 H200, NVLINK = PRESETS["H200"], LINKS["H200"]
 
@@ -97,15 +97,21 @@ def test_a_data_parallel_encoder_encodes_an_image_per_rank_at_once(tp8) -> None:
     w = Workload(30.0, 1.0, output_tokens=8, seed=4)
     assert tp8["data"].model["encoder_ranks"] == 8 and tp8["weights"].model["encoder_ranks"] == 1
     assert capacity_rate(tp8["data"], w) > capacity_rate(tp8["weights"], w)
-    for mode in ("temporal", "spatial"):
+    for mode in ("temporal", "temporal-chunked", "spatial"):
         cfg = SimConfig(mode=mode, background=4, background_output=16)
         sim = Simulator(tp8["data"], cfg)
-        assert isinstance(sim.sched, RoundTwsrft) and sim.sched.ranked.ranks == 8
-        assert type(Simulator(tp8["weights"], cfg).sched) is TwsrftScheduler
+        if mode == "spatial":
+            assert isinstance(sim.sched, RoundTwsrft) and sim.sched.ranked.ranks == 8
+            assert type(Simulator(tp8["weights"], cfg).sched) is TwsrftScheduler
+        else:  # the engine's stages: a batch divided over the ranks, or a queue per rank
+            assert sim.loop.ranks == 8 and Simulator(tp8["weights"], cfg).loop.ranks == 1
         res = simulate(tp8["data"], cfg, w)
         served = [r for r in res.requests if r.kind == "image"]
         assert len(served) == len(generate(w)) > 10 and all(r.finish for r in served)
-        assert all(res.gpus[0].sched.ranked.submitted), "a rank encoded nothing"
+        if mode != "temporal":
+            sched = res.gpus[0].sched
+            ranked = sched.ranked if mode == "spatial" else sched
+            assert all(ranked.submitted), "a rank encoded nothing"
         rounds = Counter(r.encoded_at for r in served)  # a round finishes its members at once
         assert len(rounds) < len(served)
 

@@ -18,7 +18,7 @@ from spaceserve.runtime.policy.contention import Contention
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.sim.config import SimConfig
 from spaceserve.runtime.sim.multiturn.workload import MultiTurn, sweep_multiturn, table
-from spaceserve.runtime.sim.sweep import capacity_rate
+from spaceserve.runtime.sim.sweep.rates import capacity_rate
 from spaceserve.runtime.sim.workload import Workload
 
 
@@ -55,7 +55,12 @@ def main(args: argparse.Namespace, modes: list[str]) -> int:
                      prefill_on=args.prefill_on, encoder_policy=args.encoder_policy,
                      background=args.batch, background_context=args.context,
                      shared_decode_share=args.shared_decode_share,
-                     window_s=args.encoder_window_ms / 1e3)
+                     window_s=None if args.encoder_window_ms is None
+                     else args.encoder_window_ms / 1e3,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
+                     max_num_seqs=args.max_num_seqs, kv_blocks=args.kv_blocks,
+                     max_held=args.max_held, host_s=args.host_ms / 1e3,
+                     sis_host_s=args.sis_host_ms / 1e3)
     cap = capacity_rate(curves, Workload(0.0, args.duration, image_mix=args.mix,
                                          text_tokens=args.text_tokens))
     if args.rates:

@@ -8,6 +8,10 @@ arrived.
 The headline: find the image rate at which time-multiplexed (temporal) TPOT reaches
 ``factor`` x its unloaded value, rerun every mode at exactly that rate and report each mode's
 TPOT and p99 ITL relative to unloaded (plus TTFT, which a TPOT-first split pays for).
+
+``best-temporal`` (tune.py) is the strongest time-multiplexed configuration found at each rate;
+every row's goodput carries the tail beside it: ``image_ttft_p99_ms``, the p99 TTFT of the
+image requests served, and ``unfinished_share``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from spaceserve.runtime.policy.slo import DEFAULT_SLO, Slo
 from spaceserve.runtime.sim.cluster import SimResult, simulate
 from spaceserve.runtime.sim.engine import MODES, SimConfig
 from spaceserve.runtime.sim.metrics import request_record, summarize
+from spaceserve.runtime.sim.sweep.tune import BEST, TUNE_BUDGETS, best_rows
 from spaceserve.runtime.sim.workload import RESOLUTIONS, Workload
 
 THROUGHPUTS = ("duration_s", "request_throughput", "output_throughput",
@@ -72,30 +77,39 @@ def pooled_goodput(results: Sequence[SimResult], slo: Slo) -> dict[str, Any]:
 
 
 def _row(rate: float, results: Sequence[SimResult], slo: Slo) -> dict[str, Any]:
+    image = _pooled(results, ("image",))
+    good = pooled_goodput(results, slo)
+    # the tail beside goodput: p99 TTFT of the image requests served, and the share of the
+    # arrivals left unfinished when the run ended (the simulator sheds none)
+    good["image_ttft_p99_ms"] = image["ttft"]["p99_ms"]
+    good["unfinished_share"] = image["unfinished"] / good["counted"] if good["counted"] else 0.0
     return {"rate": rate, "seeds": [res.workload.seed for res in results],
-            "all": _pooled(results, None), "image": _pooled(results, ("image",)),
-            "background": _pooled(results, ("background",)),
-            "goodput": pooled_goodput(results, slo)}
+            "all": _pooled(results, None), "image": image,
+            "background": _pooled(results, ("background",)), "goodput": good}
 
 
 def run_sweep(curves: CurveSet, modes: Sequence[str], rates: Sequence[float],
               workload: Workload, base: SimConfig, *, num_gpus: int = 1,
               router: str = "round_robin", slo: Slo = DEFAULT_SLO,
-              seeds: Sequence[int] | None = None, drain_s: float | None = None
-              ) -> dict[str, list[dict[str, Any]]]:
+              seeds: Sequence[int] | None = None, drain_s: float | None = None,
+              tune_budgets: Sequence[int] = TUNE_BUDGETS) -> dict[str, list[dict[str, Any]]]:
     """Simulate every (mode, rate, seed); returns one pooled row per mode and rate. `seeds`
-    default to the workload's; `drain_s` bounds each run after its arrivals stop."""
+    default to the workload's; `drain_s` bounds each run after its arrivals stop;
+    `tune_budgets` are the prefill budgets ``best-temporal`` tries."""
     seeds = list(seeds) if seeds else [workload.seed]
+
+    def point(cfg: SimConfig, rate: float) -> dict[str, Any]:
+        runs = [simulate(curves, cfg, dataclasses.replace(workload, image_rate=rate, seed=seed),
+                         num_gpus=num_gpus, router=router, drain_s=drain_s) for seed in seeds]
+        return _row(rate, runs, slo)
+
     out: dict[str, list[dict[str, Any]]] = {}
     for mode in modes:
+        if mode == BEST:
+            out[mode] = best_rows(curves, base, rates, point, tune_budgets)
+            continue
         cfg = dataclasses.replace(base, mode=mode)
-        out[mode] = []
-        for rate in rates:
-            runs = [simulate(curves, cfg, dataclasses.replace(workload, image_rate=rate,
-                                                              seed=seed),
-                             num_gpus=num_gpus, router=router, drain_s=drain_s)
-                    for seed in seeds]
-            out[mode].append(_row(rate, runs, slo))
+        out[mode] = [point(cfg, rate) for rate in rates]
     return out
 
 
@@ -127,6 +141,8 @@ def headline(curves: CurveSet, sweep: dict[str, list[dict[str, Any]]], workload:
         return info, {}
     runs = {}
     for mode in sweep:
+        if mode == BEST:  # tuned per rate: its knobs are in the sweep's rows
+            continue
         res = simulate(curves, dataclasses.replace(base, mode=mode),
                        dataclasses.replace(workload, image_rate=rate), num_gpus=num_gpus,
                        router=router, drain_s=drain_s)
@@ -143,15 +159,20 @@ def table(sweep: dict[str, list[dict[str, Any]]]) -> str:
     """A plain-text table of the sweep: latencies over every request (TTFT over the image
     and text requests), goodput over the image requests."""
     lines = [f"{'mode':<17}{'rate/s':>7}{'TPOT ms':>9}{'p99 ITL':>9}{'TTFT ms':>10}"
-             f"{'p99 TTFT':>10}{'served':>7}{'unfin':>6}{'good/s':>8}{'attain':>8}"]
+             f"{'p99 TTFT':>10}{'img p99':>10}{'served':>7}{'unfin':>6}{'good/s':>8}"
+             f"{'attain':>8}  knobs"]
     for mode, rows in sweep.items():
         for r in rows:
             a, g = r["all"], r["goodput"]
+            k = r.get("knobs")
+            knobs = "" if k is None else (
+                f"  {k['mode']} budget {k['max_num_batched_tokens']} {k['encoder_policy']}"
+                + ("" if k["window_ms"] is None else f" window {k['window_ms']:g} ms"))
             lines.append(f"{mode:<17}{r['rate']:>7.2f}{a['tpot']['mean_ms']:>9.2f}"
                          f"{a['itl']['p99_ms']:>9.2f}{a['ttft']['mean_ms']:>10.1f}"
-                         f"{a['ttft']['p99_ms']:>10.1f}{a['served']:>7d}"
-                         f"{r['image']['unfinished']:>6d}{g['rate_per_s']:>8.2f}"
-                         f"{100 * g['attainment']:>7.1f}%")
+                         f"{a['ttft']['p99_ms']:>10.1f}{r['image']['ttft']['p99_ms']:>10.1f}"
+                         f"{a['served']:>7d}{r['image']['unfinished']:>6d}"
+                         f"{g['rate_per_s']:>8.2f}{100 * g['attainment']:>7.1f}%{knobs}")
     return "\n".join(lines)
 
 
@@ -168,5 +189,5 @@ def write_outputs(out: Path, meta: dict[str, Any], sweep: dict[str, list[dict[st
     return {"results": results, "requests": reqs}
 
 
-__all__ = ["MODES", "capacity_rate", "crossing", "default_rates", "headline", "pooled_goodput",
-           "run_sweep", "table", "write_outputs"]
+__all__ = ["BEST", "MODES", "capacity_rate", "crossing", "default_rates", "headline",
+           "pooled_goodput", "run_sweep", "table", "write_outputs"]
