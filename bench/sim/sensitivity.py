@@ -11,8 +11,8 @@ preset, Qwen2-VL-7B, modelled):
   roofline's compute-bound encoder; below 1, a partition loses less than its share of SMs).
 
 Each cell runs, at rates around the encode+prefill capacity of the whole GPU (0.8, 1.0, 1.2 x),
-spatial with pure sharing (``sis_actions`` "share" where the simulator has that knob), the
-superset (``sis_actions`` "superset", only when the knob exists) and ``best-temporal`` (the
+spatial with pure sharing (``sis_actions`` "share"), the superset (``sis_actions``
+"superset": sharing plus whole-GPU encoder windows) and ``best-temporal`` (the
 time-multiplexed configuration tuned per rate over prefill budgets 512, 1024 and 2048,
 `sim.tune`), and takes each mode's goodput at
 saturation (its best over those rates). Writes sensitivity.json and a heat map of goodput
@@ -53,11 +53,6 @@ QUICK = dict(contention=(0.0, 0.20), decoder_sms=(66,), alpha=(1.0, 0.7), factor
 SLO_A = "ttft:2000,tpot:50"
 
 
-def has_sis_actions() -> bool:
-    """Whether this simulator has the ``sis_actions`` knob (pure sharing vs the superset)."""
-    return "sis_actions" in {f.name for f in dataclasses.fields(SimConfig)}
-
-
 def _scale(values: Any, factor: float) -> Any:
     return [_scale(v, factor) for v in values] if isinstance(values, list) else values * factor
 
@@ -83,11 +78,8 @@ def cell(curves: CurveSet, base: SimConfig, workload: Any, factors: tuple[float,
     cap = capacity_rate(curves, workload)
     rates = [round(f * cap, 3) for f in factors]
     modes: dict[str, SimConfig] = {}
-    if has_sis_actions():
-        modes["share"] = dataclasses.replace(base, sis_actions="share")  # type: ignore[call-arg]
-        modes["superset"] = dataclasses.replace(base, sis_actions="superset")  # type: ignore
-    else:
-        modes["share"] = base
+    modes["share"] = dataclasses.replace(base, sis_actions="share")
+    modes["superset"] = dataclasses.replace(base, sis_actions="superset")
     out: dict[str, Any] = {"capacity_rate": cap, "rates": rates}
     for name, cfg in modes.items():
         rows = run_sweep(curves, ["spatial"], rates, workload, cfg, slo=cfg.slo, seeds=seeds,
@@ -177,12 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                                  if k in got)
                 print(f"decoder {n:>3} SMs  encoder a={a:<4g} contention {100 * x:>4g}%  "
                       f"best-temporal {got[BEST]:6.2f}/s  {ratio}", flush=True)
-    if not has_sis_actions():
-        print("superset map skipped: this simulator has no sis_actions knob (pure sharing "
-              "only)")
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"slo": slo.to_dict(), "duration_s": duration, "seeds": seeds, "grid": grid,
-            "superset": has_sis_actions(), "model": "Qwen2-VL-7B", "device": "H200 (modelled)"}
+            "model": "Qwen2-VL-7B", "device": "H200 (modelled)"}
     (args.out / "sensitivity.json").write_text(json.dumps({"meta": meta, "cells": cells},
                                                           indent=1))
     print(f"results: {args.out / 'sensitivity.json'}")
