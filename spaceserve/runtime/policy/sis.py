@@ -96,7 +96,7 @@ class SpaceInferenceScheduler:
                  min_gain: float = 0.1, min_dwell_s: float = 0.05, chunk_tokens: int = 512,
                  objective: str = "goodput", slo: Slo | None = None,
                  decode_margin: float = 0.8, ttft_margin: float = 0.9,
-                 comfort_factor: float = 2.5, actions: str = "superset",
+                 comfort_factor: float = 2.5, actions: str = "share",
                  window_s: float = 0.02,
                  clock: Callable[[], float] = time.monotonic) -> None:
         require_choice("sis actions", actions, SIS_ACTIONS)

@@ -37,7 +37,7 @@ class SimConfig:
     token_budget: int = 16384
     tpot_factor: float = 1.15  # the tpot objective's target (x unloaded decode step)
     sis_objective: str = "goodput"  # or "tpot": the paper-like TPOT-first baseline
-    sis_actions: str = "superset"  # SIS: "share" (pure sharing) or + whole-GPU encoder windows
+    sis_actions: str = "share"  # SIS: "share" (pure sharing) or "superset" (+ whole-GPU windows)
     slo: Slo | None = None  # what the goodput objective and TWSRFT's deadline aim at
     comfort_factor: float = 2.5  # goodput objective: calm decode step (x unloaded)
     decode_margin: float = 0.8  # goodput objective: decode step within this x its SLO
