@@ -125,6 +125,17 @@ def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
     return graph
 
 
+def planted(pkg: Path, files: dict[str, str]) -> tuple[dict[str, Path], dict[str, dict[str, int]]]:
+    """Write `files` under the planted package `pkg`; its (modules, import graph)."""
+    for rel, text in files.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    mods = {module_name(p, pkg.parent): p for p in pkg.rglob("*.py")}
+    known = set(mods)
+    return mods, {n: {t: line for t, line in imports_of(p, n, known) if t != n}
+                  for n, p in mods.items()}
+
+
 def layer_violations(graph: dict[str, dict[str, int]], modules: dict[str, Path]) -> list[str]:
     out = []
     for src, edges in graph.items():
@@ -207,13 +218,7 @@ def test_the_checks_see_function_level_relative_and_string_imports(tmp_path: Pat
         "kernels/aot.py": "import importlib\nm = importlib.import_module('spaceserve.runtime.e')\n",
         "runtime/e.py": "import spaceserve.kernels.aot\n",
     }
-    for rel, text in files.items():
-        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / rel).write_text(text)
-    mods = {module_name(p, tmp_path): p for p in pkg.rglob("*.py")}
-    known = set(mods)
-    graph = {n: {t: line for t, line in imports_of(p, n, known) if t != n}
-             for n, p in mods.items()}
+    mods, graph = planted(pkg, files)
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
@@ -343,13 +348,7 @@ def test_the_room_rules_fire_on_planted_breaks(tmp_path: Path) -> None:
              "runtime/engine/config.py": "import spaceserve.runtime.x0\nTEMPORAL_MODES = ()\n"}
     files.update({f"runtime/x{i}.py": f"import spaceserve.runtime.x{i + 1}\n" for i in range(12)})
     files["runtime/x12.py"] = ""
-    for rel, text in files.items():
-        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / rel).write_text(text)
-    mods = {module_name(p, tmp_path): p for p in pkg.rglob("*.py")}
-    known = set(mods)
-    graph = {n: {t: line for t, line in imports_of(p, n, known) if t != n}
-             for n, p in mods.items()}
+    mods, graph = planted(pkg, files)
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
