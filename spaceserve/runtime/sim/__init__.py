@@ -1,7 +1,14 @@
 """Discrete-event simulation of SpaceServe's schedulers on resource-utility curves.
 
-The simulator drives the real `TwsrftScheduler` and `SpaceInferenceScheduler`, so the figure
-"decode TPOT against image request rate" exists before the engine does.
+The simulator drives the real `TwsrftScheduler` and `SpaceInferenceScheduler`, and in the
+time-multiplexed modes the engine's own `Scheduler` and `BlockManager`, so its figures are the
+engine's schedule on the curves.
+
+engine.py (`Simulator`: the event loop, co-located lanes), stepped.py (the time-multiplexed
+modes' step loop, the engine's), sis_window.py (SIS's whole-GPU window), config.py
+(`SimConfig`, host-time charges), op.py (lane latencies), workload.py (arrivals), metrics.py,
+cluster.py and router.py (several GPUs behind a router), sweep/ (rate sweeps, best-temporal,
+figures), multiturn/ (the multi-turn workload), cli.py (`spaceserve sim`).
 """
 
 from spaceserve.runtime.sim.cluster import ROUTERS, SimResult, simulate
