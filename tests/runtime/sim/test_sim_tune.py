@@ -88,3 +88,16 @@ def test_the_goodput_sweep_judges_against_best_temporal() -> None:
     res["sweep"]["spatial"][1]["goodput"] |= {"rate_per_s": 15.0, "image_ttft_p99_ms": 4100}
     (ok_good, _), (ok_tail, _) = strongest("A", res)
     assert not ok_good and not ok_tail
+
+
+def test_spatial_rows_count_the_sis_actions(tmp_path) -> None:
+    """Each spatial point of results.json says how often SIS took each action (splits, whole-GPU
+    windows, prefill placements); the time-multiplexed modes run no SIS and carry none."""
+    rc = main(["--modes", "spatial,temporal", "--rates", "0,12", "--duration", "3", "--seeds",
+               "0", "--no-plot", "--batch", "8", "--sis-actions", "superset", "--out",
+               str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    loaded = res["sweep"]["spatial"][1]["sis_actions"]
+    assert any(k.startswith("split:") for k in loaded) and all(n > 0 for n in loaded.values())
+    assert all("sis_actions" not in row for row in res["sweep"]["temporal"])

@@ -83,9 +83,25 @@ def _row(rate: float, results: Sequence[SimResult], slo: Slo) -> dict[str, Any]:
     # arrivals left unfinished when the run ended (the simulator sheds none)
     good["image_ttft_p99_ms"] = image["ttft"]["p99_ms"]
     good["unfinished_share"] = image["unfinished"] / good["counted"] if good["counted"] else 0.0
-    return {"rate": rate, "seeds": [res.workload.seed for res in results],
-            "all": _pooled(results, None), "image": image,
-            "background": _pooled(results, ("background",)), "goodput": good}
+    row = {"rate": rate, "seeds": [res.workload.seed for res in results],
+           "all": _pooled(results, None), "image": image,
+           "background": _pooled(results, ("background",)), "goodput": good}
+    actions = sis_actions(results)
+    if actions:
+        row["sis_actions"] = actions
+    return row
+
+
+def sis_actions(results: Sequence[SimResult]) -> dict[str, int]:
+    """How often SIS took each action over `results`' GPUs and seeds (`action_counts`: splits,
+    whole-GPU windows, prefill placements); empty where no GPU ran SIS."""
+    total: dict[str, int] = {}
+    for res in results:
+        for gpu in res.gpus:
+            if gpu.sis is not None:
+                for name, n in gpu.sis.action_counts().items():
+                    total[name] = total.get(name, 0) + n
+    return dict(sorted(total.items()))
 
 
 def run_sweep(curves: CurveSet, modes: Sequence[str], rates: Sequence[float],
@@ -190,4 +206,4 @@ def write_outputs(out: Path, meta: dict[str, Any], sweep: dict[str, list[dict[st
 
 
 __all__ = ["BEST", "MODES", "capacity_rate", "crossing", "default_rates", "headline",
-           "pooled_goodput", "run_sweep", "table", "write_outputs"]
+           "pooled_goodput", "run_sweep", "sis_actions", "table", "write_outputs"]
