@@ -9,8 +9,8 @@ Every launch is observable through `record_launches()`; when nobody records, rec
 truthiness check of an empty list. Collectives are launches too (NCCL's channels are thread
 blocks, one SM each): a tensor-parallel communicator records each one it issues as a
 ``kind="collective"`` `LaunchRecord` whose grid is its bound on thread blocks (NCCL_MAX_CTAS) and
-whose budget is the SMs of the stage it runs in (`stage_budget_scope`), so a step's record shows
-every SM it may occupy.
+whose budget is the SMs of the stage it runs in (passed as `num_sms=`, as a kernel's is), so a
+step's record shows every SM it may occupy.
 
 Launches run one program per budgeted SM, except inside `programs_per_sm_scope(n)`: a green-context
 partition whose SM count was read back from the driver sets it around its stage's launches, so
@@ -143,27 +143,6 @@ def record_collective(name: str, ctas: int, num_sms: int, **config: Any) -> None
     `num_sms` SMs (a no-op when nobody records)."""
     if _recorders:
         record(LaunchRecord(name, (ctas,), num_sms, config=config, kind="collective"))
-
-
-_STAGE_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "spaceserve_stage_budget", default=None)
-
-
-def current_stage_budget() -> int | None:
-    """The SM budget of the stage whose work is being issued here (None: not set)."""
-    return _STAGE_BUDGET.get()
-
-
-@contextlib.contextmanager
-def stage_budget_scope(num_sms: int | None) -> Iterator[None]:
-    """Name the SM budget of the stage issuing work inside the block (None: the whole device),
-    for the collectives it issues: kernels take their budget as an argument, a communicator
-    reads it here."""
-    token = _STAGE_BUDGET.set(num_sms)
-    try:
-        yield
-    finally:
-        _STAGE_BUDGET.reset(token)
 
 
 _PROGRAMS_PER_SM: contextvars.ContextVar[int] = contextvars.ContextVar(
