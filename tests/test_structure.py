@@ -45,7 +45,7 @@ CONFIG_MODULE = "spaceserve.runtime.engine.config"
 CONFIG_IMPORTS = {"spaceserve.checks", "spaceserve.runtime.modes", "spaceserve.runtime.policy.slo",
                   "spaceserve.runtime.core.memory", "spaceserve.runtime.engine.setting"}
 SETTING_NAMES = {"MODES", "TEMPORAL_MODES", "COLOCATED_MODES", "PLACEMENTS", "PARTITIONS",
-                 "DRIVERS", "OBJECTIVES", "SIS_ACTIONS"}
+                 "DRIVERS", "OBJECTIVES", "SIS_ACTIONS", "ENCODER_POLICIES"}
 CYCLES_ALLOWED: list[set[str]] = []
 # (importer prefix, imported prefix, rule)
 FORBIDDEN = [

@@ -54,3 +54,4 @@ PARTITIONS: tuple[str, ...] = ("compute", "decode")  # the placements SIS choose
 DRIVERS: tuple[str, ...] = ("cooperative", "thread")  # how the encoder stage is launched
 OBJECTIVES: tuple[str, ...] = ("goodput", "tpot")  # what SIS maximises
 SIS_ACTIONS: tuple[str, ...] = ("share", "superset")  # pure sharing; + whole-GPU encoder windows
+ENCODER_POLICIES: tuple[str, ...] = ("twsrft", "fifo")  # temporal-chunked's encoder order

@@ -304,7 +304,8 @@ def temporal_stage(runner: Any, config: Any, *, clock: Callable[[], float] = tim
                                window_s=config.encoder_window_s,
                                max_held=config.max_held_embeddings,
                                num_sms=device_num_sms(runner.device), clock=clock,
-                               cache=cache, deadline_s=twsrft_deadline(config.slo))
+                               cache=cache, deadline_s=twsrft_deadline(config.slo),
+                               policy=config.encoder_policy)
 
 
 def twsrft_deadline(slo: Any) -> float | None:

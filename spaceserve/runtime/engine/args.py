@@ -22,10 +22,11 @@ from spaceserve.runtime.engine.setting import Flag
 # the engine flags of `spaceserve serve` (one engine or replicas), in its help's order
 SERVE_FIELDS = ("mode", "tensor_parallel_size", "mm_encoder_tp_mode", "max_num_seqs",
                 "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "seed",
-                "encoder_cache_bytes", "enable_prefix_caching", "slo", "encoder_window_s")
+                "encoder_cache_bytes", "enable_prefix_caching", "slo", "encoder_window_s",
+                "encoder_policy")
 # the SM budget of the co-located modes
 SM_BUDGET_FIELDS = ("encoder_sms", "encoder_splits", "curves", "sis_objective",
-                    "green_contexts")
+                    "sis_actions", "green_contexts")
 SM_BUDGET_TITLE = "SM budget (co-located modes: spatial, spatial-static)"
 
 # the loader's flags: not config fields, the same everywhere an engine is loaded

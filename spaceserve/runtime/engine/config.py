@@ -14,7 +14,14 @@ from typing import Any
 
 from spaceserve.runtime.core.memory import GRAPH_RESERVE_BYTES
 from spaceserve.runtime.engine.setting import Flag, ms_to_s, parse_ints, s_to_ms, setting
-from spaceserve.runtime.modes import DRIVERS, MODES, OBJECTIVES, PLACEMENTS, SIS_ACTIONS
+from spaceserve.runtime.modes import (
+    DRIVERS,
+    ENCODER_POLICIES,
+    MODES,
+    OBJECTIVES,
+    PLACEMENTS,
+    SIS_ACTIONS,
+)
 from spaceserve.runtime.policy.slo import DEFAULT_SLO, DEFAULT_SLO_TEXT, Slo
 
 ATTENTION_BACKENDS = ("triton", "torch")
@@ -102,6 +109,10 @@ class EngineConfig:
         0.02, "encoder time window (ms on the command line): temporal-chunked's encoder chunk "
         "between decode steps, TWSRFT's grant in the co-located modes",
         Flag(("--encoder-window-ms",), type=float, to_field=ms_to_s, from_field=s_to_ms))
+    encoder_policy: str = setting(
+        "twsrft", "temporal-chunked's encoder order: twsrft (time-weighted shortest remaining "
+        "first, with the SLO's deadline) or fifo (arrival order; the simulator's best-temporal "
+        "often picks it)", Flag(("--encoder-policy",), choices=ENCODER_POLICIES))
     encoder_launch_budget_s: float = setting(
         0.003, "the cooperative driver's host time for encoder launches per step")
     green_contexts: bool | str = setting(
@@ -230,6 +241,9 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"encoder_splits={splits!r} must be ints >= 1")
     if cfg.curves is not None and not isinstance(cfg.curves, str):
         raise ValueError(f"curves={cfg.curves!r} must be a path (str) or None")
+    if cfg.encoder_policy not in ENCODER_POLICIES:
+        raise ValueError(f"encoder_policy={cfg.encoder_policy!r} is not one of "
+                         f"{', '.join(ENCODER_POLICIES)}")
     if cfg.sis_actions not in SIS_ACTIONS:
         raise ValueError(f"sis_actions={cfg.sis_actions!r} is not one of {', '.join(SIS_ACTIONS)}")
     if cfg.sis_objective not in OBJECTIVES:

@@ -53,10 +53,11 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from spaceserve.checks import require_choice, require_int, require_number
+from spaceserve.runtime.modes import ENCODER_POLICIES
 from spaceserve.runtime.policy.curves import CurveSet
 
 Cost = Callable[[int, int], float]
-POLICIES = ("twsrft", "fifo")
+POLICIES = ENCODER_POLICIES
 BATCH_TOLERANCE = 1e-9  # a merge may cost this fraction more than the chosen job alone
 
 

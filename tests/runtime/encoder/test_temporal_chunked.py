@@ -130,6 +130,9 @@ def test_config_validation() -> None:
     assert EngineConfig(slo="ttft:500,itl:21").slo.itl == 21.0
     with pytest.raises(ValueError, match="slo='ttft:fast'"):
         EngineConfig(slo="ttft:fast")
+    assert EngineConfig().encoder_policy == "twsrft"
+    with pytest.raises(ValueError, match="encoder_policy='lifo'"):
+        EngineConfig(mode="temporal-chunked", encoder_policy="lifo")
 
 
 IDS = (120, 121, 122, 123, 2, 1)  # image, video, vision start, vision end, eos, bos
@@ -168,17 +171,15 @@ def test_tiny_qwen2_vl_same_tokens_as_temporal(tiny_qwen2_vl, qwen2_vl_image_pro
 def test_the_stage_orders_jobs_by_the_policy_it_is_given() -> None:
     """FIFO (a configuration the simulator's best-temporal may choose) serves the older, larger
     image first; TWSRFT the smaller one."""
-    from spaceserve.runtime.policy.model_curves import load_curves
 
     gen = torch.Generator().manual_seed(5)
     first = {}
     for policy in ("twsrft", "fifo"):
         runner = NullModelRunner(encoder_layers=4)
-        eng = make("temporal-chunked", runner, encoder_window_s=1e-9, num_kv_blocks=1024)
-        stage = ChunkedEncoderStage(runner, load_curves(None, runner), window_s=1e-9,
-                                    policy=policy)
-        eng.encoder = stage
-        eng.scheduler.is_ready = stage.ready
+        eng = make("temporal-chunked", runner, encoder_window_s=1e-9, num_kv_blocks=1024,
+                   encoder_policy=policy)  # EngineConfig.encoder_policy reaches the stage
+        stage = eng.encoder
+        assert isinstance(stage, ChunkedEncoderStage)
         big = eng.add_request(image_prompt(gen, 3, grids=((1, 64, 64),)), GREEDY)
         small = eng.add_request(image_prompt(gen, 3), GREEDY)
         while not stage.num_held:
