@@ -61,15 +61,13 @@ from dataclasses import dataclass
 
 from spaceserve.checks import require_choice, require_int, require_number
 from spaceserve.runtime.modes import OBJECTIVES, SIS_ACTIONS
-from spaceserve.runtime.modes import PARTITIONS as PLACEMENTS
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import decode_bound_s
 from spaceserve.runtime.policy.sis_goodput import Forecast, GoodputPredictor
 from spaceserve.runtime.policy.sis_state import PendingEncode, SisState
 from spaceserve.runtime.policy.slo import DEFAULT_SLO, Slo
 
-__all__ = ["PLACEMENTS", "SIS_ACTIONS", "PendingEncode", "SisState", "SpaceInferenceScheduler",
-           "Split"]
+__all__ = ["PendingEncode", "SisState", "SpaceInferenceScheduler", "Split"]
 
 MIN_WINDOW_S = 0.001  # a shorter window than this is not worth pausing the decoder for
 

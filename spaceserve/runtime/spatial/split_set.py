@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from spaceserve.kernels.budget import device_num_sms
-from spaceserve.runtime.modes import COLOCATED_MODES as SPATIAL_MODES
+from spaceserve.runtime.modes import COLOCATED_MODES
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.model_curves import model_curves
 from spaceserve.runtime.policy.scheduling import SchedulingPolicy, scheduling_policy
@@ -59,8 +59,8 @@ def encoder_split_set(config: Any, total: int, splits: Sequence[int] | None = No
     (``shared``: none); `splits` is ``spatial``'s set when chosen elsewhere. ValueError for a
     mode that is not co-located or a split outside ``1..total - 1``."""
     mode = config.mode
-    if mode not in SPATIAL_MODES:
-        raise ValueError(f"mode={mode!r} is not a co-located mode ({', '.join(SPATIAL_MODES)})")
+    if mode not in COLOCATED_MODES:
+        raise ValueError(f"mode={mode!r} is not a co-located mode ({', '.join(COLOCATED_MODES)})")
     if mode == "shared":
         return ()
     if mode == "spatial-static":
@@ -94,5 +94,5 @@ def make_partitions(config: Any, device: torch.device, splits: Sequence[int] | N
     return pset, pset.partitions()
 
 
-__all__ = ["SPATIAL_MODES", "chosen_splits", "encoder_split_set", "engine_policy",
+__all__ = ["chosen_splits", "encoder_split_set", "engine_policy",
            "make_partitions"]
