@@ -368,3 +368,19 @@ def test_the_replica_set_is_bounded_and_drains_as_one_server(preprocessor) -> No
         assert not server.thread.is_alive() and time.monotonic() - t0 < 6.0
     assert wait_until(lambda: reps.cancelled == 1 and client.num_pending == 0)
     client.close()
+
+
+def test_bad_engine_settings_fail_once_before_any_replica_starts() -> None:
+    """A setting every replica would refuse (a bad field, or green contexts demanded on a
+    device without them) fails at once in the driver, not in each replica Ray restarts."""
+    from spaceserve.server.replicas.deploy import DataParallelServer
+
+    bad = DataParallelServer(MODEL, data_parallel_size=2, max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        bad._check_engine_kwargs()
+    green = DataParallelServer(MODEL, data_parallel_size=2, device="cpu", mode="spatial",
+                               green_contexts="on")
+    with pytest.raises(ValueError, match="--green-contexts on"):
+        green._check_engine_kwargs()
+    DataParallelServer(MODEL, data_parallel_size=2, device="cpu", mode="spatial",
+                       green_contexts=True)._check_engine_kwargs()

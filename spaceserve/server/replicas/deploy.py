@@ -209,7 +209,12 @@ class DataParallelServer:
 
         kw = {k: v for k, v in self.engine_kwargs.items()
               if k not in ("mode", "device", "dtype", "attention_backend")}
-        EngineConfig(mode=resolve_mode(self.engine_kwargs.get("mode", "temporal"))[0], **kw)
+        config = EngineConfig(mode=resolve_mode(self.engine_kwargs.get("mode", "temporal"))[0],
+                              **kw)
+        if self.ray_address is None:  # the replicas run on this machine: check its device once
+            from spaceserve.runtime.engine.assemble import check_green_contexts, resolve_device
+
+            check_green_contexts(config, resolve_device(self.engine_kwargs.get("device")))
 
     def _ingress(self, path: Any) -> tuple[Any, Any]:
         """(chat preprocessor, routing tracker) of the checkpoint at `path`."""
