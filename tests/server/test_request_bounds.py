@@ -134,17 +134,27 @@ def test_bounds_from_flags(engine, preprocessor) -> None:
 
 
 def test_replicas_answer_alike(engine, app, preprocessor) -> None:
-    """A replica client reporting the same engine facts gives the same 400s."""
+    """A replica client built from what a replica reports of this engine (`info`, as
+    replicas/deploy.py builds it) gives the same 400s."""
+    from types import SimpleNamespace
+
     from spaceserve.server.app import create_app
     from spaceserve.server.replicas.client import ReplicaClient
+    from spaceserve.server.replicas.replica import EngineReplica
 
     from .test_replica_client import FakeReplicas, two_replicas
 
+    replica = EngineReplica.__new__(EngineReplica)  # no Ray: only its report of the engine
+    replica.rank, replica.client = 0, SimpleNamespace(engine=engine, mode="temporal",
+                                                      mode_note=None, device=None)
+    info = replica.info()
+    replica.client = None  # its __del__ would close the engine
+    assert (info["max_num_seqs"], info["kv_capacity_tokens"]) == (16, 1024)
     tracker = two_replicas()
-    client = ReplicaClient(FakeReplicas(tracker), tracker, max_model_len=engine.max_model_len,
-                           mode="temporal", num_replicas=2, max_num_seqs=16,
-                           kv_capacity_tokens=engine.memory.capacity_tokens,
-                           vocab_size=engine.runner.info.vocab_size,
+    client = ReplicaClient(FakeReplicas(tracker), tracker, max_model_len=info["max_model_len"],
+                           mode="temporal", num_replicas=2, max_num_seqs=info["max_num_seqs"],
+                           kv_capacity_tokens=info["kv_capacity_tokens"],
+                           vocab_size=info["vocab_size"],
                            image_token_id=preprocessor.image_token_id)
     replicas = create_app(client, preprocessor, model_name=MODEL, limits=limits())
     bad = [("/v1/completions", CMPL | {"prompt": ["a"] * 64, "n": 16}),
