@@ -18,7 +18,10 @@ Starts ``spaceserve serve --model tiny`` with default flags, plus ``--allowed-lo
 7. untrusted image formats (EPS, TIFF, a type that lies about the bytes);
 8. slowloris: connections that trickle headers or a body, beyond the connection cap in full
    mode;
-9. shutdown: SIGTERM with 100 streams in flight.
+9. shutdown: SIGTERM with 100 streams in flight;
+10. (before 9; bench/attack/bounds.py) one request over the per-request bounds (64 prompts x
+    n=128, n=128 x 4000 tokens), and 1000 idle connections from 127.0.0.2 while a client on
+    127.0.0.3 is served.
 
 During 1-3 and 8 a "hi" request is sent every 0.25 s on its own connection; its worst latency
 must stay under 2 s. The server's RSS is sampled every 20 ms; its peak above the idle baseline

@@ -46,6 +46,7 @@ from spaceserve.runtime.inputs import ChatPreprocessor, RemoteFetcher, text_byte
 from spaceserve.server.flags import build_parser, engine_args
 from spaceserve.server.handles import Cancelled, QueueFull
 from spaceserve.server.openai import protocol as P
+from spaceserve.server.openai.bounds import RequestBounds
 from spaceserve.server.openai.logprobs import TokenText
 from spaceserve.server.openai.preprocess import prepare_chat_request
 from spaceserve.server.openai.protocol import APIError
@@ -100,6 +101,8 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
                        on_error=metrics.http_error)
     ctx = client.engine.max_model_len
     choices_limit = max_choices(client.engine)  # n per prompt at most (max_num_seqs)
+    bounds = RequestBounds.for_engine(client.engine, limits.max_seqs_per_request,
+                                      limits.max_tokens_per_request)
     max_text = text_byte_limit(preprocessor.tokenizer, ctx) \
         if getattr(preprocessor, "tokenizer", None) is not None else None
 
@@ -142,10 +145,10 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
     add_completions_route(app, client, preprocessor, model_name=model_name, limits=limits,
                           texts=texts)
 
-    def sampling(req: P.ChatCompletionRequest, prompt: dict[str, Any]) -> Any:
+    def sampling(req: P.ChatCompletionRequest, prompt: dict[str, Any], cap: int | None) -> Any:
         return to_sampling_params(req, len(prompt["prompt_token_ids"]),
                                   client.engine.max_model_len, req.output_limit(),
-                                  req.num_logprobs())
+                                  req.num_logprobs(), default_cap=cap)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -157,6 +160,8 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
             raise APIError(404, f"The model `{req.model[:128]}` does not exist.", param="model",
                            type="NotFoundError", code="model_not_found")
         check_n(req.n, choices_limit)
+        cap = bounds.check(1, req.n, req.output_limit(), "max_completion_tokens"
+                           if req.max_completion_tokens is not None else "max_tokens")
         if not client.alive or client.draining:
             raise APIError(503, "the engine is not running", type="server_error")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -170,7 +175,8 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
         try:
             try:
                 await prepare_chat_request(
-                    client, preprocessor, req, handle, limits.images, lambda p: sampling(req, p),
+                    client, preprocessor, req, handle, limits.images,
+                    lambda p: sampling(req, p, cap),
                     video_limits=limits.videos, fetcher=fetcher,
                     timeout_s=limits.preprocess_timeout_s, max_text_bytes=max_text,
                     context_len=ctx, on_body_done=lambda: release_body(request.scope.get(

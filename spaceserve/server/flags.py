@@ -24,6 +24,7 @@ from spaceserve.runtime.inputs import ImageLimits
 from spaceserve.server.media_args import add_media_args
 from spaceserve.server.replicas.args import add_data_parallel_args
 from spaceserve.server.settings import ServerLimits, ServeSettings
+from spaceserve.server.transport.connections import ConnectionLimits
 from spaceserve.server.transport.guard import GuardLimits
 
 
@@ -87,8 +88,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: seconds in-flight requests may finish (new ones get "
                         "503 meanwhile) before they are ended and the server exits; a second "
                         "signal exits at once")
+    add_request_bounds_args(h)
     add_data_parallel_args(p)
     return p
+
+
+def add_request_bounds_args(h: Any) -> None:
+    """Per-request bounds (openai/bounds.py) and the per-client connection bound
+    (transport/connections.py), in the hardening group `h`."""
+    h.add_argument("--max-seqs-per-request", type=int, default=None,
+                   help="sequences one request may run, prompts x n (default: the engine's "
+                        "--max-num-seqs); more is a 400")
+    h.add_argument("--max-tokens-per-request", type=int, default=None,
+                   help="tokens one request may generate in all, sequences x max_tokens "
+                        "(default: what the whole KV cache holds); more is a 400, and a "
+                        "request without max_tokens gets at most its share")
+    h.add_argument("--max-connections-per-client", type=int,
+                   default=ConnectionLimits.max_per_client,
+                   help="open connections of one client (its address, or behind "
+                        "--trusted-proxies the --forwarded-client-header's); a request on "
+                        "one beyond gets 503 with Retry-After, and it does not count toward "
+                        "--max-connections")
+    h.add_argument("--forwarded-client-header",
+                   help="header naming the client behind a trusted proxy (X-Forwarded-For, "
+                        "X-Real-IP, ...; default: none, the peer address is the client)")
+    h.add_argument("--trusted-proxies", default="",
+                   help="comma-separated addresses or networks (10.0.0.0/8) whose "
+                        "--forwarded-client-header is believed (default: none)")
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,7 +12,7 @@ bound (`shutdown.DrainingServer`). Nothing heavy is imported here.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from spaceserve.runtime.inputs import ImageLimits, RemotePolicy, VideoLimits, check_dir
@@ -28,6 +28,9 @@ class ServerLimits:
     videos: VideoLimits = VideoLimits()
     remote: RemotePolicy | None = None
     preprocess_timeout_s: float = 30.0
+    # per-request bounds (openai/bounds.py); None: the engine's max_num_seqs, its KV capacity
+    max_seqs_per_request: int | None = None
+    max_tokens_per_request: int | None = None
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class ServeSettings:
     def from_args(cls, args: argparse.Namespace) -> ServeSettings:
         """Settings from parsed flags; ValueError names a bad value."""
         from spaceserve.server.media_args import media_limits
-        from spaceserve.server.transport.connections import ConnectionLimits
+        from spaceserve.server.transport.connections import ConnectionLimits, parse_proxies
         from spaceserve.server.transport.guard import GuardLimits
 
         videos, remote = media_limits(args)
@@ -55,6 +58,17 @@ class ServeSettings:
             args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
             check_dir(args.allowed_local_media_path), args.max_request_pixels), videos, remote,
             args.preprocess_timeout)
+        # per-request and per-client bounds (openai/bounds.py, transport/connections.py)
+        from spaceserve.checks import require_int
+
+        limits = replace(limits, max_seqs_per_request=require_int(
+            "--max-seqs-per-request", args.max_seqs_per_request, optional=True),
+            max_tokens_per_request=require_int(
+            "--max-tokens-per-request", args.max_tokens_per_request, optional=True))
+        per_client = dict(max_per_client=require_int(
+            "--max-connections-per-client", args.max_connections_per_client),
+                          client_header=args.forwarded_client_header,
+                          trusted_proxies=parse_proxies(args.trusted_proxies))
         guard = GuardLimits(max_body_bytes=args.max_body_bytes,
                             body_budget_bytes=args.max_buffered_body_bytes,
                             body_idle_timeout_s=args.body_idle_timeout,
@@ -65,7 +79,8 @@ class ServeSettings:
         if not args.graceful_shutdown_timeout >= 0:
             raise ValueError(f"--graceful-shutdown-timeout {args.graceful_shutdown_timeout} "
                              "must be >= 0")
-        return cls(limits, guard, ConnectionLimits(args.max_connections, args.header_timeout),
+        return cls(limits, guard, ConnectionLimits(args.max_connections, args.header_timeout,
+                                                   **per_client),
                    args.max_pending, args.max_preprocess_pixels, args.preprocess_queue,
                    args.graceful_shutdown_timeout, args.keep_alive_timeout)
 

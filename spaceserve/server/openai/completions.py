@@ -29,6 +29,7 @@ from starlette.responses import Response, StreamingResponse
 
 from spaceserve.server.handles import Cancelled, QueueFull
 from spaceserve.server.openai import protocol as P
+from spaceserve.server.openai.bounds import RequestBounds
 from spaceserve.server.openai.logprobs import TokenText, completion_logprobs
 from spaceserve.server.openai.sampling import (
     MAX_LOGPROBS,
@@ -92,6 +93,33 @@ class CompletionRequest(SamplingFields):
         return out
 
 
+def prompt_error(exc: APIError) -> APIError:
+    """`exc` with ``param`` "prompt" when it is about one prompt or a part of it
+    (``prompt[2]``, ``prompt[0][5]``): the parameter is `prompt`; the message says where."""
+    if exc.param is not None and exc.param.startswith("prompt["):
+        exc.param = "prompt"
+    return exc
+
+
+def vocab_size(engine: Any) -> int | None:
+    """The engine's vocabulary size (an `Engine`'s runner, or the replica client's engine
+    facts); None when unknown (the engine checks token ids then)."""
+    info = getattr(getattr(engine, "runner", None), "info", None)
+    size = getattr(info, "vocab_size", None) if info is not None else None
+    if size is None:
+        size = getattr(engine, "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def check_token_ids(ids: list[int], i: int, vocab: int | None) -> list[int]:
+    """Prompt `i`'s token ids, each in the vocabulary; APIError 400 (param ``prompt``)."""
+    for j, t in enumerate(ids):
+        if t < 0 or (vocab is not None and t >= vocab):
+            raise APIError(400, f"prompt[{i}][{j}]: token id {t} is outside the vocabulary "
+                           f"(0..{vocab - 1 if vocab else 'its size'})", param="prompt")
+    return ids
+
+
 class _Prompt:
     """One prompt's engine request (all its n choices): its handle, its text for `echo`, its
     first output (streaming)."""
@@ -135,24 +163,30 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
     ctx = client.engine.max_model_len
     max_text = text_byte_limit(tokenizer, ctx) if tokenizer is not None else None
     choices_limit = max_choices(client.engine)  # n per prompt at most (max_num_seqs)
+    bounds = RequestBounds.for_engine(client.engine, limits.max_seqs_per_request,
+                                      limits.max_tokens_per_request)
+    vocab = vocab_size(client.engine)
 
     def prepare(prompt: str | list[int], i: int) -> dict[str, Any]:
         if isinstance(prompt, list):
-            return {"prompt_token_ids": prompt}
+            return {"prompt_token_ids": check_token_ids(prompt, i, vocab)}
         try:
             if tokenizer is None:
                 raise InputError("prompt: this checkpoint has no tokenizer; send token ids",
                                  kind="unsupported", param="prompt")
             if max_text is not None:
                 check_text_size([prompt], max_text, context_len=ctx, param=f"prompt[{i}]")
-            return {"prompt_token_ids": encode_plain(tokenizer, prompt)}
+            ids = encode_plain(tokenizer, prompt)
         except InputError as exc:
-            raise P.input_error(exc) from None
+            raise prompt_error(P.input_error(exc)) from None
+        if not ids:
+            raise APIError(400, f"prompt[{i}]: the text holds no tokens", param="prompt")
+        return {"prompt_token_ids": ids}
 
-    def sampling(req: CompletionRequest, prompt: dict[str, Any]) -> Any:
+    def sampling(req: CompletionRequest, prompt: dict[str, Any], cap: int | None) -> Any:
         return to_sampling_params(req, len(prompt["prompt_token_ids"]),
                                   client.engine.max_model_len, req.max_tokens, req.logprobs,
-                                  what="prompt")
+                                  what="prompt", default_cap=cap)
 
     def echo_text(prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
@@ -177,7 +211,10 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await read_request(request, limits.max_body_bytes, CompletionRequest)
+        try:
+            req = await read_request(request, limits.max_body_bytes, CompletionRequest)
+        except APIError as exc:
+            raise prompt_error(exc) from None
         if req is None:
             return Response(status_code=499)
         prompts = req.prompts()
@@ -185,6 +222,7 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
                            type="NotFoundError", code="model_not_found")
         check_n(req.n, choices_limit)
+        cap = bounds.check(len(prompts), req.n, req.max_tokens)
         if not client.alive or client.draining:
             raise APIError(503, "the engine is not running", type="server_error")
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -203,8 +241,9 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
         try:
             try:
                 await asyncio.gather(*(
-                    part.handle.start(lambda p=p, i=i: prepare(p, i), lambda x: sampling(req, x),
-                                      stream=req.stream, lane="light", deadline=deadline)
+                    part.handle.start(lambda p=p, i=i: prepare(p, i),
+                                      lambda x: sampling(req, x, cap), stream=req.stream,
+                                      lane="light", deadline=deadline)
                     for i, (part, p) in enumerate(zip(parts, prompts, strict=True))))
             except DeadlineExceeded:
                 raise APIError(503, f"preprocessing did not finish within "

@@ -11,6 +11,7 @@ sequences in one batch.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from spaceserve.runtime.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from spaceserve.server.transport.errors import APIError
 
+_TOKEN_ID = re.compile("[0-9]{1,19}")  # a logit_bias key (re's [0-9]: ASCII digits only)
 MAX_LOGPROBS = 20  # = spaceserve.runtime.core.request.MAX_LOGPROBS (no torch import here)
 
 # parameter -> the message of the 400 it gets (when set to anything but its neutral value)
@@ -109,8 +111,9 @@ class SamplingFields(Strict):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (v or {}).items():
-            if not key.strip().isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not _TOKEN_ID.fullmatch(key):  # not str.isdigit: "١٢" or "²" are no token ids
+                raise ValueError(f"keys must be token ids in ASCII decimal digits, got "
+                                 f"{key[:32]!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"bias {value} of token {key} must be in [-100, 100]")
         return v
@@ -164,20 +167,25 @@ def param_of(message: str) -> str | None:
 
 
 def to_sampling_params(req: SamplingFields, num_prompt: int, context: int, limit: int | None,
-                       logprobs: int | None, what: str = "messages") -> Any:
+                       logprobs: int | None, what: str = "messages",
+                       default_cap: int | None = None) -> Any:
     """The engine's SamplingParams for a prompt of `num_prompt` tokens in a `context`-token
-    model; `limit` is the requested output length (None: the rest of the context). APIError
-    400 when the prompt and output do not fit, or a value is out of range."""
+    model; `limit` is the requested output length (None: the rest of the context, at most
+    `default_cap`: the request's share of its token budget, bounds.py). APIError 400 when the
+    prompt and output do not fit, or a value is out of range."""
     from spaceserve.runtime.core.request import SamplingParams
 
     if num_prompt >= context:
-        raise APIError(400, f"This model's maximum context length is {context} tokens; the "
-                       f"{what} take {num_prompt}.", param=what)
+        raise APIError(400, f"This model's maximum context length is {context} tokens, and "
+                       f"the {what} alone {'is' if what == 'prompt' else 'are'} {num_prompt} "
+                       "tokens long.", param=what)
     if limit is not None and num_prompt + limit > context:
         raise APIError(400, f"This model's maximum context length is {context} tokens; you "
                        f"requested {num_prompt + limit} ({num_prompt} in the {what}, {limit} "
                        "in the completion).", param="max_tokens")
     max_tokens = limit if limit is not None else context - num_prompt
+    if limit is None and default_cap is not None:
+        max_tokens = min(max_tokens, default_cap)
     if req.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}",
                        param="min_tokens")

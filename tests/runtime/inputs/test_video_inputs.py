@@ -274,3 +274,31 @@ def test_process_prompt_checks_video_fields() -> None:
     no_video = ModelInfo(100, 512, image_token_id=5, patch_dim=4)
     with pytest.raises(ValueError, match="takes no videos"):
         process_prompt(ok, no_video, **kw)
+
+
+def animated_gif(n: int = 6, w: int = 56, h: int = 56) -> bytes:
+    """An animated GIF of `n` flat frames at 10 fps (grey levels as `flat_frames`)."""
+    from PIL import Image
+
+    frames = [Image.new("RGB", (w, h), (10 + 20 * i,) * 3) for i in range(n)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100,
+                   loop=0)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("mime", ["image/gif", "video/gif"])
+def test_an_animated_gif_is_a_video_under_its_gif_types(mime) -> None:
+    """The accepted containers include gif: its own media types must be accepted too."""
+    raw = animated_gif()
+    url = f"data:{mime};base64," + base64.b64encode(raw).decode()
+    v = load_video_url(url, ImageLimits(), VideoLimits(), SMALL, "m[0].video_url")
+    assert v.total_frames == 6 and v.num_frames >= 2
+    # a GIF that says it is an mp4 is still refused, and an mp4 that says it is a GIF
+    err = fails("bad_video", load_video_url, url.replace(mime, "video/mp4"), ImageLimits(),
+                VideoLimits(), SMALL, "m[0].video_url")
+    assert "says video/mp4 but the data is gif" in str(err)
+    mp4 = encode_clip(flat_frames(4, 28, 28), fmt="mp4")
+    err = fails("bad_video", load_video_url, f"data:{mime};base64,"
+                + base64.b64encode(mp4).decode(), ImageLimits(), VideoLimits(), SMALL, "m")
+    assert f"says {mime} but the data is mp4/mov" in str(err)

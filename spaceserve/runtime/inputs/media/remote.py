@@ -43,7 +43,8 @@ from spaceserve.runtime.inputs.errors import InputError, safe_detail
 
 # Content-Types accepted beside "<media>/*" (servers often label media generically)
 GENERIC_TYPES = frozenset({"", "application/octet-stream", "binary/octet-stream"})
-VIDEO_TYPES = frozenset({"application/mp4", "application/ogg", "application/x-matroska"})
+VIDEO_TYPES = frozenset({"application/mp4", "application/ogg", "application/x-matroska",
+                         "image/gif"})  # an animated GIF is a clip
 REDIRECTS = (301, 302, 303, 307, 308)
 
 Resolver = Callable[[str, int], Sequence[str]]

@@ -30,6 +30,10 @@ from spaceserve.runtime.inputs.errors import InputError
 Loader = Callable[[str, str, str, int, "str | None"], bytes]
 
 _ARTICLE = {"image": "an", "audio": "an"}
+# media types a video may declare beside "video/*" (remote.VIDEO_TYPES, the same for http(s)
+# answers): animated GIFs are clips, and some containers are registered under application/
+_ALSO = {"video": frozenset({"image/gif", "application/mp4", "application/ogg",
+                             "application/x-matroska"})}
 
 
 def _too_large(where: str, media: str, max_bytes: int) -> InputError:
@@ -47,7 +51,7 @@ def _data_bytes(url: str, where: str, media: str, max_bytes: int,
         raise InputError(f"{where}: only base64 data: URLs are accepted", kind="invalid",
                          param=where)
     mime = header[5:-7].split(";", 1)[0].strip().lower()
-    if mime and not mime.startswith(f"{media}/"):
+    if mime and not mime.startswith(f"{media}/") and mime not in _ALSO.get(media, ()):
         raise InputError(f"{where}: media type {mime[:64]!r} is not {_ARTICLE.get(media, 'a')} "
                          f"{media}", kind="unsupported", param=where)
     if len(payload) > 4 * (max_bytes // 3 + 2):

@@ -40,7 +40,7 @@ MIME_DEMUXERS = {
     "video/x-matroska": "matroska", "video/matroska": "matroska",
     "application/x-matroska": "matroska", "video/x-msvideo": "avi", "video/avi": "avi",
     "video/msvideo": "avi", "video/mp2t": "mpegts", "video/ogg": "ogg", "application/ogg": "ogg",
-    "video/x-flv": "flv",
+    "video/x-flv": "flv", "video/gif": "gif", "image/gif": "gif",  # an animated GIF is a clip
 }
 _ACCEPTED = "mp4/mov, webm/mkv, avi, mpeg-ts, ogg, flv or gif"
 
