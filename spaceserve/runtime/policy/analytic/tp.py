@@ -139,16 +139,17 @@ class TensorParallelRoofline(Roofline):
         m, wide = p / s.merge ** 2, s.vision_embed * s.merge ** 2
         if self.mode == "replicate":
             return super().encoder_layer(patches, sms)
-        if self.mode == "data":  # + the broadcast of the embeddings from their owner
-            extra = self.broadcast(m * s.vision_out * self.b)
+        mergers = 1 + s.vision_deepstack  # the final one and the DeepStack ones (Qwen3-VL)
+        if self.mode == "data":  # + the broadcast of the embeddings (and features) from their owner
+            extra = self.broadcast(mergers * m * s.vision_out * self.b)
             return super().encoder_layer(patches, sms) + extra / s.vision_depth
-        # weights: the merger's two GEMMs split too (column, then row + all-reduce); the rest
-        # as on one GPU (its merger removed)
+        # weights: each merger's two GEMMs split too (column, then row + all-reduce); the rest
+        # as on one GPU (its mergers removed)
         whole = self._gemm(m, wide, wide, sms) + self._gemm(m, wide, s.vision_out, sms)
         split = (self._gemm(m, wide, wide // self.tp, sms) +
                  self._gemm(m, wide // self.tp, s.vision_out, sms) +
                  self.all_reduce(m * s.vision_out * self.b))
-        return super().encoder_layer(patches, sms) + (split - whole) / s.vision_depth
+        return super().encoder_layer(patches, sms) + mergers * (split - whole) / s.vision_depth
 
 
 def tensor_parallel_curves(config: Any = None, device: str | DevicePreset = "H200", *,
