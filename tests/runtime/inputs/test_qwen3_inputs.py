@@ -159,6 +159,10 @@ def test_family_from_config_json(qwen3_dir, tmp_path) -> None:
     assert pre.tokenizer.chat_template  # the family's template: the tokenizer has none
     tok, proc = load_processor(str(qwen3_dir))
     assert isinstance(proc, ChatPreprocessor) and tok is proc.tokenizer
+    from spaceserve.server.engine_client import cap_video_tokens
+
+    cap_video_tokens(pre, 16)  # the server's cap at its context: the clip's pixels shrink
+    assert pre.video_sampling.max_pixels == max(16 * 32 * 32, s.min_pixels) < s.max_pixels
 
 
 @pytest.mark.parametrize("total, fps", [(13, 4.0), (11, 4.0), (3, 30.0), (300, 24.0),
