@@ -56,3 +56,14 @@ def test_sim_runs_qwen3_vl_8b(tmp_path, capsys) -> None:
     assert rows[1]["goodput"]["rate_per_s"] > 0
     curves = json.loads((tmp_path / "curves_H200.json").read_text())
     assert curves["model"]["vision_deepstack"] == 3 and curves["model"]["head_dim"] == 128
+
+
+def test_multiturn_takes_the_model(tmp_path, capsys) -> None:
+    """--workload multiturn simulates --model's curves and counts its images its way."""
+    rc = main(["--workload", "multiturn", "--model", "qwen3-vl-8b", "--modes", "spatial",
+               "--rates", "1", "--duration", "2", "--turns", "2", "--no-plot",
+               "--out", str(tmp_path)])
+    assert rc == 0 and "Qwen3-VL-8B" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "multiturn.json").read_text())
+    assert saved["model"] == "Qwen3-VL-8B"
+    assert saved["workload"]["tokens_per_image"]["1920x1080"] == 2040
