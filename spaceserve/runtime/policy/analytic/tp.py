@@ -9,14 +9,15 @@ their time adds to the stage's; it is bound by the links, not by SMs.
 
 The vision encoder, in vLLM's `mm_encoder_tp_mode` terms:
 - ``"data"`` (SpaceServe's default): every rank holds the whole ViT and encodes whole images;
-  its curve is the single-GPU ViT plus the broadcast of the embeddings from their owner (spread
-  over the layers). The simulator runs one image per rank at a time (`encoder_ranks` in the
+  its curve is the single-GPU ViT plus the broadcast of the embeddings (and of Qwen3-VL's
+  DeepStack features, one tensor of the same size per tap) from their owner (spread over the
+  layers). The simulator runs one image per rank at a time (`encoder_ranks` in the
   curve set's model description; `encoder_dp.RoundTwsrft`).
 - ``"replicate"`` (the engine's reference mode): every rank encodes every image with the whole
   ViT, so its curve is the single-GPU ViT and there is one encoder queue.
 - ``"weights"``: the ViT sharded like the decoder (heads, MLP width and the merger split over
-  the ranks, two all-reduces per block and one after the merger); every rank works on the same
-  image, so there is one encoder queue.
+  the ranks, two all-reduces per block and one after each merger, DeepStack's included); every
+  rank works on the same image, so there is one encoder queue.
 
 A collective of ``S`` bytes over ``n`` ranks costs ``latency + k * S / bus_bw`` (ring
 algorithms; all-reduce k = 2(n-1)/n, all-gather (n-1)/n of the gathered bytes, broadcast 1).
