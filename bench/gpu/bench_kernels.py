@@ -37,7 +37,18 @@ from bench.common import (
     time_call,
 )
 
-HIDDEN, INTER, V_EMBED, V_MLP = 3584, 18944, 1280, 5120
+MODEL = "qwen2-vl-7b"  # the preset whose shapes the GPU run measures
+
+
+def preset_dims(key: str = MODEL) -> tuple[int, int, int, int]:
+    """(LLM hidden, LLM intermediate, vision width, vision MLP width) of a model preset."""
+    from spaceserve.models.presets import get_preset
+
+    p = get_preset(key)
+    return p.text.hidden, p.text.intermediate, p.vision.embed, p.vision.intermediate
+
+
+HIDDEN, INTER, V_EMBED, V_MLP = preset_dims()  # Qwen2-VL-7B: 3584, 18944, 1280, 5120
 # (label, N, K) of the projections: LLM o_proj, gate_up, down; vision fc1, fc2.
 LINEAR_SHAPES = [("llm_o", HIDDEN, HIDDEN), ("llm_gate_up", 2 * INTER, HIDDEN),
                  ("llm_down", HIDDEN, INTER), ("vis_fc1", V_MLP, V_EMBED),

@@ -198,8 +198,9 @@ def cases() -> list[tuple[str, str, str, dict[str, Any], float]]:
                     {"n": n, "k": k, "ms": (4096, *bk.SKINNY_M)}, 2.0))
     out.append(("gated_mlp llm", "gated_mlp", "gated_mlp",
                 {"hidden": bk.HIDDEN, "inter": bk.INTER, "ms": (4096, *bk.SKINNY_M)}, 2.0))
+    _, _, v_embed, v_mlp = bk.preset_dims("qwen2.5-vl-7b")  # 1280, 3420
     out.append(("gated_mlp qwen2.5 vision", "gated_mlp", "gated_mlp",
-                {"hidden": 1280, "inter": 3420, "ms": (1024, 4096), "bias": True}, 2.0))
+                {"hidden": v_embed, "inter": v_mlp, "ms": (1024, 4096), "bias": True}, 2.0))
     out.append(("norms", "norms", "norms",
                 {"shapes": ((4096, bk.HIDDEN), (16384, bk.V_EMBED), (32, bk.HIDDEN))}, 1.0))
     out.append(("sm and time probes", "probes", "probes", {}, 1.0))

@@ -19,6 +19,7 @@ from .cases import (
     paged_cache,
     prefill_cost,
     rand,
+    vision_towers,
     vit_cost,
 )
 from .shapes import models, workload
@@ -97,10 +98,12 @@ def backend_cases(profile: str, backend: str) -> dict[str, list[Case]]:
     """One backend's cases in `profile`, by operation."""
     dims = models(profile)
     wl = workload(profile)
-    vis = next(iter(dims.values()))
     out: dict[str, list[Case]] = {op: [] for op in OPS}
-    out["vit"].append(vit_case(backend, "vit", "qwen2-vl-vit", wl.vit_segments,
-                               vis.vision_heads, vis.vision_head_dim))
+    for prefix, vis in vision_towers(dims).items():
+        segments = tuple(t * h * w for t, h, w in wl.grids(vis.patch_size))
+        out["vit"].append(vit_case(backend, f"{prefix}vit",
+                                   f"{vis.name.split('-vl-')[0]}-vl-vit", segments,
+                                   vis.vision_heads, vis.vision_head_dim))
     batch = len(wl.decode_lens)
     for short, m in dims.items():
         geo = (m.heads, m.kv_heads, m.head_dim, wl.block_size)

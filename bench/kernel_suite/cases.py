@@ -277,26 +277,48 @@ def store_kv_case(name: str, model: str, t: int, hkv: int, d: int, bs: int) -> C
     return Case("store_kv", name, model, build, dict(T=t, Hkv=hkv, D=d))
 
 
+def vision_towers(dims: dict[str, ModelDims]) -> dict[str, ModelDims]:
+    """One model per distinct vision tower, by case-name prefix: the first tower's cases keep
+    their plain names (``vit``), a later one's are prefixed by its model's short name
+    (``q3-8b-vit``)."""
+    out: dict[str, ModelDims] = {}
+    seen: set[tuple] = set()
+    for short, m in dims.items():
+        key = (m.vision_embed, m.vision_heads, m.vision_mlp, m.patch_size, m.vision_act)
+        if key not in seen:
+            seen.add(key)
+            out["" if not out else f"{short}-"] = m
+    return out
+
+
 def kernel_cases(profile: str) -> dict[str, list[Case]]:
     """Every kernel's cases in `profile`, by kernel name (the test function's suffix)."""
     dims: dict[str, ModelDims] = models(profile)
     wl: Workload = workload(profile)
-    vis = next(iter(dims.values()))  # the vision tower is the same across the profile's models
-    vit = "qwen2-vl-vit"
-    patches = sum(wl.vit_segments)
-    vd = vis.vision_head_dim
     out: dict[str, list[Case]] = {k: [] for k in (
         "linear", "gated_mlp", "rms_norm", "layer_norm", "apply_rotary", "rotary_tables",
         "vit_attention", "paged_decode_attention", "paged_prefill_attention", "store_kv")}
-    out["linear"].append(linear_case("vit-fc1", vit, patches, vis.vision_embed, vis.vision_mlp,
-                                     "quick_gelu", True))
-    out["layer_norm"].append(layer_norm_case("vit", vit, patches, vis.vision_embed))
-    out["apply_rotary"].append(rotary_case("vit", vit, patches, vis.vision_heads,
-                                           vis.vision_heads, vd))
-    out["rotary_tables"].append(rotary_table_case("vision", vit, "vision", patches, vd,
-                                                  grids=wl.vit_grids))
-    out["vit_attention"].append(vit_attention_case("vit", vit, wl.vit_segments,
-                                                   vis.vision_heads, vd))
+    for prefix, vis in vision_towers(dims).items():
+        vit = f"{vis.name.split('-vl-')[0]}-vl-vit"  # qwen2-vl-vit, qwen3-vl-vit
+        grids = wl.grids(vis.patch_size)
+        segments = tuple(t * h * w for t, h, w in grids)
+        patches, vd = sum(segments), vis.vision_head_dim
+        out["linear"].append(linear_case(f"{prefix}vit-fc1", vit, patches, vis.vision_embed,
+                                         vis.vision_mlp, vis.vision_act, True))
+        out["layer_norm"].append(layer_norm_case(f"{prefix}vit", vit, patches, vis.vision_embed))
+        out["apply_rotary"].append(rotary_case(f"{prefix}vit", vit, patches, vis.vision_heads,
+                                               vis.vision_heads, vd))
+        out["rotary_tables"].append(rotary_table_case(f"{prefix}vision", vit, "vision", patches,
+                                                      vd, grids=grids))
+        out["vit_attention"].append(vit_attention_case(f"{prefix}vit", vit, segments,
+                                                       vis.vision_heads, vd))
+        if vis.deepstack:  # a DeepStack merger's MLP: merged patches 4x wide, then to the LLM
+            wide = vis.vision_embed * 4
+            out["linear"] += [
+                linear_case(f"{prefix}vit-merger-fc1", vit, patches // 4, wide, wide, "gelu",
+                            True),
+                linear_case(f"{prefix}vit-merger-fc2", vit, patches // 4, wide, vis.hidden,
+                            None, True)]
     batch, tok = len(wl.decode_lens), wl.prefill_tokens
     for short, m in dims.items():
         h, hq, hkv, d, bs = m.hidden, m.heads, m.kv_heads, m.head_dim, wl.block_size
@@ -306,6 +328,9 @@ def kernel_cases(profile: str) -> dict[str, list[Case]]:
         out["gated_mlp"] += [gated_mlp_case(f"{short}-decode", m.name, batch, h, m.intermediate),
                              gated_mlp_case(f"{short}-prefill", m.name, tok, h, m.intermediate)]
         out["rms_norm"].append(rms_norm_case(f"{short}-prefill", m.name, tok, h))
+        if m.qk_norm:  # one RMSNorm per q and k head (Qwen3)
+            out["rms_norm"].append(rms_norm_case(f"{short}-qk-norm-prefill", m.name,
+                                                 tok * (hq + hkv), d))
         out["apply_rotary"].append(rotary_case(short, m.name, tok, hq, hkv, d))
         out["paged_decode_attention"].append(paged_decode_case(
             f"{short}-b{batch}-ctx{sum(wl.decode_lens) // batch}", m.name, wl.decode_lens, hq,

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
@@ -329,5 +329,4 @@ def load_engine(model: str, *, mode: str = "temporal", device: str | None = None
 def cap_video_tokens(pre: Any, max_model_len: int) -> None:
     """A video's total token budget is the context at most (frames get smaller to fit)."""
     if getattr(pre, "video_sampling", None) is not None:
-        pre.video_sampling = replace(pre.video_sampling, max_video_tokens=min(
-            pre.video_sampling.max_video_tokens, max_model_len))
+        pre.video_sampling = pre.video_sampling.within_tokens(max_model_len)

@@ -237,3 +237,23 @@ def test_gpu_timer_flush_and_graph_of_a_budgeted_kernel() -> None:
     start = cuda_event_timer()
     graph.replay()
     assert 0 < cuda_event_timer() - start < 0.1
+
+
+def test_gpu_profile_has_qwen3_vl_shapes() -> None:
+    """The GPU profile covers Qwen3-VL-8B (D=128 heads, q/k norm, its own 16-px vision tower
+    and DeepStack mergers) next to Qwen2-VL's, whose case names stay as they were."""
+    import dataclasses
+
+    from bench.kernel_suite.backend_cases import backend_cases
+    from bench.kernel_suite.cases import kernel_cases
+
+    cases = kernel_cases("gpu")
+    dims = {k: {c.name: dataclasses.astuple(c)[-1] for c in v} for k, v in cases.items()}
+    assert dims["linear"]["vit-fc1"] == {"M": 4784 + 1024, "K": 1280, "N": 5120}
+    assert dims["linear"]["q3-8b-vit-fc1"] == {"M": 3520 + 784, "K": 1152, "N": 4304}
+    assert dims["linear"]["q3-8b-vit-merger-fc2"] == {"M": 1076, "K": 4608, "N": 4096}
+    assert dims["linear"]["q3-8b-qkv-prefill"] == {"M": 2048, "K": 4096, "N": (32 + 16) * 128}
+    assert dims["vit_attention"]["q3-8b-vit"] == {"T": 4304, "H": 16, "D": 72}
+    assert dims["rms_norm"]["q3-8b-qk-norm-prefill"] == {"M": 2048 * 40, "K": 128}
+    assert "q3-8b-b32-ctx4096" in dims["paged_decode_attention"]
+    assert [c.name for c in backend_cases("gpu", "triton")["vit"]] == ["vit", "q3-8b-vit"]

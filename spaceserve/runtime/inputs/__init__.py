@@ -7,12 +7,16 @@ the engine's processor call), text.py (client text: special tokens as plain text
 `encode_plain`; byte bounds from the context length), pool.py (`PreprocessPool`: light and heavy
 lanes, bounded queues, deadlines), errors.py (`InputError`: a ValueError with a
 machine-readable `kind` and the `param` at fault), processor.py (`load_processor`: a
-checkpoint's tokenizer and processor), prompt.py (`process_prompt`: an engine prompt validated
+checkpoint's tokenizer and processor), family.py (`model_family`: the checkpoint's
+``model_type``, which picks its video sampling and, when its tokenizer has none, its chat
+template), prompt.py (`process_prompt`: an engine prompt validated
 against the model and the engine's limits).
 
 media/: images.py (format allow-list, header-first decoding under pixel limits), video.py (PyAV:
 container allow-list, header-first decoding under `VideoLimits`), frames.py (`VideoSampling`:
-frame sampling and patches as Qwen2-VL's processor does), urls.py (``data:`` / ``file://`` URLs
+frame sampling and patches as Qwen2-VL's processor does), frames_qwen3.py
+(`Qwen3VideoSampling`: Qwen3-VL's sampling, clip-wide resize rule and per-temporal-patch
+timestamps), urls.py (``data:`` / ``file://`` URLs
 to bytes under a byte limit, local files "not allowed or not found"; http(s) only through a
 fetcher), remote.py (`RemoteFetcher`: http(s) under an allow-list of domains, public addresses
 only, off by default), limits.py (`ImageLimits`, `VideoLimits`), budget.py (`PixelBudget`: the
@@ -29,8 +33,10 @@ from typing import Any
 
 from spaceserve.runtime.inputs.chat import ChatPlan, ChatPreprocessor, MediaRef
 from spaceserve.runtime.inputs.errors import KINDS, ImageError, InputError, safe_detail
+from spaceserve.runtime.inputs.family import model_family
 from spaceserve.runtime.inputs.media.budget import PixelBudget, PixelLease
 from spaceserve.runtime.inputs.media.frames import VideoSampling
+from spaceserve.runtime.inputs.media.frames_qwen3 import Qwen3VideoSampling
 from spaceserve.runtime.inputs.media.images import (
     IMAGE_FORMATS,
     decode_image,
@@ -90,6 +96,7 @@ __all__ = [
     "PreprocessPool",
     "PromptEncoder",
     "QueueFull",
+    "Qwen3VideoSampling",
     "RemoteFetcher",
     "RemotePolicy",
     "VideoLimits",
@@ -113,6 +120,7 @@ __all__ = [
     "load_video",
     "load_video_url",
     "mark_plain",
+    "model_family",
     "open_image",
     "open_video",
     "process_prompt",

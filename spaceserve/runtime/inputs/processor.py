@@ -1,8 +1,25 @@
-"""A checkpoint's tokenizer and processor, loaded from a local directory (no hub access)."""
+"""A checkpoint's tokenizer and processor, loaded from a local directory (no hub access):
+transformers' processor where it loads, SpaceServe's `ChatPreprocessor` otherwise and for the
+families in `OWN_PROCESSOR`."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from spaceserve.runtime.inputs.family import model_family
+
+# Families whose prompts SpaceServe builds itself (`ChatPreprocessor`): Qwen3-VL's video path in
+# transformers needs torchvision, and its timestamps need the sampled frames' source times.
+OWN_PROCESSOR = ("qwen3_vl",)
+
+
+def _own(path: str) -> Any:
+    from spaceserve.runtime.inputs.chat import ChatPreprocessor
+
+    try:
+        return ChatPreprocessor.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def load_processor(path: str) -> tuple[Any, Any]:
@@ -10,19 +27,18 @@ def load_processor(path: str) -> tuple[Any, Any]:
     from transformers import AutoProcessor, AutoTokenizer
 
     tokenizer = processor = None
-    try:
-        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-    except ImportError:
-        # transformers' Qwen2-VL processor wants torchvision for its video half; images need only
-        # the image processor and the tokenizer, which SpaceServe's chat preprocessor combines.
-        from spaceserve.runtime.inputs.chat import ChatPreprocessor
-
+    if model_family(path) in OWN_PROCESSOR:
+        processor = _own(path)
+    else:
         try:
-            processor = ChatPreprocessor.from_pretrained(path)
+            processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        except ImportError:
+            # transformers' Qwen2-VL processor wants torchvision for its video half; images
+            # need only the image processor and the tokenizer, which SpaceServe's chat
+            # preprocessor combines.
+            processor = _own(path)
         except (OSError, ValueError, KeyError, TypeError):
             processor = None
-    except (OSError, ValueError, KeyError, TypeError):
-        processor = None
     try:
         tokenizer = getattr(processor, "tokenizer", None) or AutoTokenizer.from_pretrained(
             path, local_files_only=True)

@@ -6,8 +6,10 @@ transformers' names), ``{"prompt": str, "images": [...], "videos": [...]}`` or a
 Text prompts go through the checkpoint's processor (or tokenizer); everything is checked against
 the model (vocabulary, image and video tokens, patch size, merge size) and the engine's limits
 (context, KV capacity, images per prompt). Images and videos become one `MultiModalData` in
-prompt order. A bad prompt raises ValueError (an `InputError` from the processor) naming the
-problem: the engine ends that request with the message and carries on.
+prompt order; an item's tokens need not be one run (a Qwen3-VL video's temporal patches are
+separated by their timestamps' text), its positions are each token's place. A bad prompt raises
+ValueError (an `InputError` from the processor) naming the problem: the engine ends that request
+with the message and carries on.
 """
 
 from __future__ import annotations

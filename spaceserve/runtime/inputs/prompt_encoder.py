@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from spaceserve.runtime.inputs.errors import InputError, safe_detail
+from spaceserve.runtime.inputs.family import chat_template, model_family, sampling_class
 from spaceserve.runtime.inputs.media.frames import VideoSampling, video_patches
+from spaceserve.runtime.inputs.media.frames_qwen3 import timestamp_text
 from spaceserve.runtime.inputs.media.images import image_hash
 from spaceserve.runtime.inputs.pool import DeadlineExceeded
 from spaceserve.runtime.inputs.text import encode_marked
@@ -58,21 +60,31 @@ class PromptEncoder:
             else _token_id(tokenizer, video_token)
         self.video_sampling = video_sampling
         self.merge = int(getattr(image_processor, "merge_size", 2) or 2)
+        # a timestamped video (Qwen3-VL) wraps each temporal patch in these
+        self.vision_start_id = _token_id(tokenizer, "<|vision_start|>")
+        self.vision_end_id = _token_id(tokenizer, "<|vision_end|>")
         self._image_settings: bytes | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, image_token_id: int | None = None,
                         video_token_id: int | None = None) -> Any:
         """Load them from a local checkpoint directory (no hub access); videos are taken
-        when it has an image processor (see `VideoSampling.from_pretrained`)."""
+        when it has an image processor, sampled as the checkpoint's family does
+        (``config.json``'s ``model_type``: `family.sampling_class`; see
+        `VideoSampling.from_pretrained`). A tokenizer without a chat template gets the
+        checkpoint's ``chat_template.jinja`` / ``.json`` or its family's
+        (`family.chat_template`)."""
         from transformers import AutoImageProcessor, AutoTokenizer
 
         path = os.fspath(path)
+        kind = model_family(path)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = chat_template(path, kind)
         image_processor = sampling = None
         if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
             image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
-            sampling = VideoSampling.from_pretrained(path, image_processor)
+            sampling = sampling_class(kind).from_pretrained(path, image_processor)
         return cls(tokenizer, image_processor, image_token_id=image_token_id,
                    video_sampling=sampling, video_token_id=video_token_id)
 
@@ -129,7 +141,7 @@ class PromptEncoder:
         if not slots:
             return {"prompt_token_ids": ids}
         prompt: dict[str, Any] = {}
-        counts: dict[str, list[int]] = {"image": [], "video": []}
+        counts: dict[str, list[int]] = {"image": []}
         hashes: dict[str, list[str]] = {}
         if images:
             hashes["image"] = []
@@ -138,17 +150,43 @@ class PromptEncoder:
             counts["image"] = (grid.prod(dim=1) // self.merge ** 2).tolist()
         if videos:
             prompt.update(self._videos(videos, deadline))
-            m = self.video_sampling.merge_size
-            counts["video"] = (prompt["video_grid_thw"].prod(dim=1) // m ** 2).tolist()
             hashes["video"] = [v.content_hash for v in videos]
         out: list[int] = []
         prev = 0
+        nth_video = 0
         for slot, kind in slots:
             out += ids[prev:slot]
-            out += [ids[slot]] * int(counts[kind].pop(0))
+            if kind == "video":
+                grid = prompt["video_grid_thw"][nth_video].tolist()
+                out += self._video_ids(ids[slot], videos[nth_video], grid)
+                nth_video += 1
+            else:
+                out += [ids[slot]] * int(counts[kind].pop(0))
             prev = slot + 1
         out += ids[prev:]
         return {"prompt_token_ids": out, **prompt, "mm_hashes": hashes}
+
+    def _video_ids(self, pad: int, video: Any, grid: list[int]) -> list[int]:
+        """The tokens a video's placeholder becomes: its ``t * h * w / merge^2`` pad tokens in
+        one run, or, when its sampling times them (Qwen3-VL), per temporal patch the time as
+        text (``<1.5 seconds>``) then ``<|vision_start|>``, that patch's pad tokens and
+        ``<|vision_end|>``."""
+        m = self.video_sampling.merge_size
+        per_patch = grid[1] * grid[2] // m ** 2
+        stamps = self.video_sampling.timestamps(video.indices, video.source_fps)
+        if stamps is None:
+            return [pad] * (grid[0] * per_patch)
+        if self.vision_start_id is None or self.vision_end_id is None:
+            raise InputError("this tokenizer lacks <|vision_start|> / <|vision_end|>, which "
+                             "a timestamped video needs", kind="unsupported")
+        if len(stamps) != grid[0]:
+            raise InputError(f"a video of {grid[0]} temporal patches has {len(stamps)} "
+                             "timestamps")
+        out: list[int] = []
+        for seconds in stamps:
+            out += encode_marked(self.tokenizer, timestamp_text(seconds))
+            out += [self.vision_start_id, *([pad] * per_patch), self.vision_end_id]
+        return out
 
     def _pixels(self, images: Sequence[Any], deadline: float | None,
                 hashes: list[str] | None = None) -> tuple[Any, Any]:

@@ -7,10 +7,11 @@ rates 0, 2, ..., 20 per second, 30 s of Poisson arrivals, seeds 0 and 1 pooled. 
 reports goodput under --slo (default ttft:2000,tpot:50): image requests per second of the
 arrival window that met it, and the fraction that did; a request still unfinished --drain
 seconds after arrivals stop counts as a miss. Writes curves, results.json,
-requests.json, tpot_vs_rate.png and goodput_vs_rate.png under --out. ``--model qwen2-vl-72b
---tp 8`` simulates one rank of a tensor-parallel group (per-rank curves with the collectives'
-costs over the preset's NVLink figures; the vision encoder data-parallel or, with
-``--mm-encoder-tp-mode weights``, sharded).
+requests.json, tpot_vs_rate.png and goodput_vs_rate.png under --out. ``--model`` picks the shapes
+of any preset (``qwen3-vl-8b``: Qwen3-VL, its images counted in 32-px tokens).
+``--model qwen2-vl-72b --tp 8`` simulates one rank of a tensor-parallel group (per-rank
+curves with the collectives' costs over the preset's NVLink figures; the vision encoder
+data-parallel or, with ``--mm-encoder-tp-mode weights``, sharded).
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ from spaceserve.runtime.sim.sweep.rates import (
     table,
     write_outputs,
 )
-from spaceserve.runtime.sim.workload import DEFAULT_MIX, Workload
+from spaceserve.runtime.sim.workload import (
+    DEFAULT_MIX,
+    PATCHES_PER_TOKEN,
+    Workload,
+    resolution_tokens,
+)
 
 DEFAULT_MODES = ("temporal", "temporal-chunked", "spatial")
 DEFAULT_RATES = "0,2,4,6,8,10,12,14,16,18,20"
@@ -209,9 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.curves is None or args.contention is not None:
         curves.save(args.out / f"curves_{curves.device}.json")
     seeds = args.seeds or ([args.seed] if args.seed is not None else list(DEFAULT_SEEDS))
+    vision = MODELS[args.model].vision  # image sizes -> tokens under --model's preprocessing
     workload = Workload(0.0, args.duration, burstiness=args.burstiness, image_mix=args.mix,
                         text_rate=args.text_rate, text_tokens=args.text_tokens,
-                        output_tokens=args.output_tokens, seed=seeds[0])
+                        output_tokens=args.output_tokens, seed=seeds[0],
+                        tokens_per_image=resolution_tokens(vision.patch_size, vision.merge,
+                                                           vision.min_pixels, vision.max_pixels))
     window = None if args.encoder_window_ms is None else args.encoder_window_ms / 1e3
     try:
         base = SimConfig(static_encoder_sms=args.static_encoder_sms,
@@ -237,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                                   decode_margin=policy.decode_margin,
                                   comfort_factor=policy.comfort_factor)
     age = (args.slo.ttft or 0.0) / 1e3  # a request at its TTFT bound: SIS under pressure
-    busy = SisState((PendingEncode(4 * 2691, curves.encoder_depth, age_s=age),), (), args.batch,
+    big = PATCHES_PER_TOKEN * workload.tokens("1920x1080")
+    busy = SisState((PendingEncode(big, curves.encoder_depth, age_s=age),), (), args.batch,
                     args.context + base.background_output / 2)
     sis_sms = sis.propose(busy).encoder_sms
     sis_cap = capacity_rate(curves, workload, args.gpus, sis_sms, corun=True)

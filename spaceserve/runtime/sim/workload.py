@@ -1,12 +1,15 @@
 """Simulated requests and the workloads that generate them.
 
-Image sizes follow Qwen2-VL's preprocessing: one LLM token per 28x28 pixels, four ViT patches per
-LLM token. Arrivals are Poisson (burstiness 1) or gamma (burstiness < 1 is burstier), as
-`vllm bench serve` draws them.
+Image sizes follow the model's preprocessing: one LLM token per (patch x merge)^2 pixels after
+the processor's resize (28x28 for Qwen2-VL / Qwen2.5-VL, 32x32 for Qwen3-VL), four ViT patches
+per LLM token. `RESOLUTIONS` is Qwen2-VL's table; `resolution_tokens` builds any model's.
+Arrivals are Poisson (burstiness 1) or gamma (burstiness < 1 is burstier), as `vllm bench
+serve` draws them.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -19,6 +22,35 @@ RESOLUTIONS: dict[str, int] = {
     "3840x2160": 10549,
 }
 PATCHES_PER_TOKEN = 4
+
+
+def image_tokens(width: int, height: int, *, patch: int = 14, merge: int = 2,
+                 min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 16384) -> int:
+    """LLM tokens of one `width` x `height` image: the Qwen-VL processors' resize (sides rounded
+    to multiples of ``patch * merge``, pixels kept within [min_pixels, max_pixels], the aspect
+    ratio kept), one token per ``(patch * merge)^2`` pixels."""
+    f = patch * merge
+    h, w = max(f, round(height / f) * f), max(f, round(width / f) * f)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = max(f, math.floor(height / beta / f) * f), max(f, math.floor(width / beta / f) * f)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+    return (h // f) * (w // f)
+
+
+def resolution_tokens(patch: int = 14, merge: int = 2, min_pixels: int = 56 * 56,
+                      max_pixels: int = 28 * 28 * 16384) -> dict[str, int]:
+    """LLM tokens of each of `RESOLUTIONS`' sizes under a model's preprocessing (the defaults:
+    Qwen2-VL's hub processor, which gives `RESOLUTIONS` itself)."""
+    out = {}
+    for res in RESOLUTIONS:
+        w, h = (int(x) for x in res.split("x"))
+        out[res] = image_tokens(w, h, patch=patch, merge=merge, min_pixels=min_pixels,
+                                max_pixels=max_pixels)
+    return out
+
 DEFAULT_MIX: dict[str, float] = {"448x448": 0.25, "1280x720": 0.25, "1024x1024": 0.25,
                                  "1920x1080": 0.25}
 
@@ -77,6 +109,8 @@ class Workload:
     text_tokens: int = 64  # text prompt tokens of every request
     output_tokens: int = 128
     seed: int = 0
+    # LLM tokens per resolution under the model's preprocessing (None: `RESOLUTIONS`, Qwen2-VL's)
+    tokens_per_image: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.image_rate < 0 or self.text_rate < 0:
@@ -94,10 +128,21 @@ class Workload:
                              f"known: {sorted(RESOLUTIONS)}")
         if self.text_tokens < 1 or self.output_tokens < 1:
             raise ValueError("text_tokens and output_tokens must be >= 1")
+        if self.tokens_per_image is not None:
+            missing = set(self.image_mix) - set(self.tokens_per_image)
+            bad = [r for r, n in self.tokens_per_image.items()
+                   if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+            if missing or bad:
+                raise ValueError(f"tokens_per_image: needs a positive int for each resolution "
+                                 f"of the mix (missing {sorted(missing)}, bad {sorted(bad)})")
+
+    def tokens(self, resolution: str) -> int:
+        """LLM tokens of one image of `resolution` under this workload's model."""
+        return (self.tokens_per_image or RESOLUTIONS)[resolution]
 
     def mean_image_tokens(self) -> float:
         total = sum(self.image_mix.values())
-        return sum(RESOLUTIONS[r] * w for r, w in self.image_mix.items()) / total
+        return sum(self.tokens(r) * w for r, w in self.image_mix.items()) / total
 
 
 def arrival_times(rate: float, duration: float, burstiness: float, rng: random.Random
@@ -122,7 +167,7 @@ def generate(w: Workload, first_rid: int = 0) -> list[Request]:
     reqs = []
     for t in arrival_times(w.image_rate, w.duration_s, w.burstiness, rng):
         res = rng.choices(names, weights)[0]
-        reqs.append(("image", t, RESOLUTIONS[res], res))
+        reqs.append(("image", t, w.tokens(res), res))
     for t in arrival_times(w.text_rate, w.duration_s, w.burstiness, rng):
         reqs.append(("text", t, 0, ""))
     reqs.sort(key=lambda r: (r[1], r[0]))

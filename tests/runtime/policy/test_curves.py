@@ -321,3 +321,42 @@ def test_analytic_invalid_inputs() -> None:
         analytic_curves(qwen2_vl_7b_config(), dtype="int3")
     with pytest.raises(ValueError, match="config"):
         ModelShape.from_config(object())
+
+
+def test_model_curves_of_a_qwen3_vl_config() -> None:
+    """An engine running Qwen3-VL schedules by its own analytic curves, at TP too, where the
+    data-parallel encoder also ships the DeepStack features (3 more tensors per image)."""
+    from spaceserve.runtime.policy.analytic.model import qwen3_vl_8b_config
+    from spaceserve.runtime.policy.model_curves import model_curves
+
+    config = qwen3_vl_8b_config()
+    one = model_curves(None, config)
+    assert one.model["vision_deepstack"] == 3 and one.encoder_depth == 27
+    assert one.model["head_dim"] == 128 and one.model["qk_norm"] is True
+    two = model_curves(None, config, tp=2)
+    assert two.model["tp"] == 2 and two.model["encoder_ranks"] == 2
+    sharded = model_curves(None, config, tp=2, mm_encoder_tp_mode="weights")
+    assert sharded.encoder(4096, 27, 132) != two.encoder(4096, 27, 132)
+
+
+@pytest.mark.parametrize("mode", ["data", "weights"])
+def test_tp_encoder_charges_each_deepstack_merger(mode: str) -> None:
+    """At TP the DeepStack mergers' outputs are broadcast (data) or their GEMMs split with an
+    all-reduce each (weights), like the final merger's: a tower without them is cheaper."""
+    import dataclasses
+
+    from spaceserve.models.presets import get_preset
+    from spaceserve.runtime.policy.analytic.model import PRESETS as DEVICES
+    from spaceserve.runtime.policy.analytic.model import ModelShape
+    from spaceserve.runtime.policy.analytic.tp import LINKS, TensorParallelRoofline
+
+    shape = ModelShape.from_preset(get_preset("qwen3-vl-8b"))
+    bare = dataclasses.replace(shape, vision_deepstack=0)
+
+    def layer(s: ModelShape) -> float:
+        rank = TensorParallelRoofline(s, DEVICES["H200"], tp=2, link=LINKS["H200"],
+                                      mm_encoder_tp_mode=mode)
+        return rank.encoder_layer(4096, 132) - super(TensorParallelRoofline, rank
+                                                     ).encoder_layer(4096, 132)
+
+    assert layer(shape) > layer(bare) > 0 if mode == "data" else layer(shape) != layer(bare)

@@ -18,7 +18,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from spaceserve.runtime.inputs.media.limits import check_positive_ints
@@ -105,6 +105,16 @@ class VideoSampling:
         if n < 1:
             return list(range(total_frames))
         return [int(i * total_frames / n) for i in range(n)]
+
+    def within_tokens(self, tokens: int) -> VideoSampling:
+        """These settings with one video's tokens bounded by `tokens` (a context length):
+        frames get smaller to fit."""
+        return replace(self, max_video_tokens=min(self.max_video_tokens, tokens))
+
+    def timestamps(self, indices: Any, video_fps: float) -> list[float] | None:
+        """Seconds of each temporal patch, for a prompt that writes them before its tokens;
+        None: Qwen2-VL's prompt holds a video's tokens in one run, untimed."""
+        return None
 
     def frame_size(self, height: int, width: int, num_frames: int) -> tuple[int, int]:
         """(height, width) of the sampled frames: the aspect ratio kept, sides multiples of

@@ -1,5 +1,5 @@
-"""Analytic resource-utility curves: a roofline model of Qwen2-VL / Qwen2.5-VL stages on a device
-preset.
+"""Analytic resource-utility curves: a roofline model of Qwen2-VL / Qwen2.5-VL / Qwen3-VL stages
+on a device preset.
 
 Before anything is profiled, SIS and the simulator need curves. This module derives them from
 each op's FLOPs and bytes, computed from a transformers config, and a device preset:
@@ -15,7 +15,13 @@ each op's FLOPs and bytes, computed from a transformers config, and a device pre
   profile`'s measurements or overridden with `spaceserve sim --contention X`);
 - Qwen2.5-VL's window blocks attend within windows of ``vision_window`` patches (cost linear in
   the patch count), its full blocks over the whole sequence; an encoder "layer" is the mean
-  over the mix, so TWSRFT's remaining-work estimates and SIS see the right pass cost.
+  over the mix, so TWSRFT's remaining-work estimates and SIS see the right pass cost;
+- Qwen3-VL's encoder (plain GELU MLP, full attention in every block) adds its learned position
+  embeddings (a bilinear blend of 4 table rows per patch) and one DeepStack merger per tap (a
+  norm and two GEMMs over the merged patches, as the final merger); its decoder adds the per-head
+  q/k RMSNorm. The DeepStack features' additions to the first decoder layers' hidden states
+  (one row-wise add per tap over the image tokens) are left out: a prefill curve does not know
+  which of its tokens are image tokens, and the add is under 1% of a layer.
 
 Results are marked ``source="modelled"``. The numbers are a model: they fix orders of magnitude
 and the shape of the trade-off (memory-bound decode saturates at about half an H200, the
@@ -78,6 +84,9 @@ class ModelShape:
     vocab: int
     vision_window: int = 0  # patches per attention window (0: every block attends fully)
     vision_window_layers: int = 0  # blocks attending within windows (the rest: full)
+    vision_deepstack: int = 0  # DeepStack mergers (Qwen3-VL: one per tapped block)
+    vision_pos_embed: bool = False  # learned position table interpolated per grid (Qwen3-VL)
+    qk_norm: bool = False  # RMSNorm over each q and k head (the Qwen3 decoder)
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
@@ -87,7 +96,11 @@ class ModelShape:
         if vc is None:
             raise ValueError("config: needs a vision_config (a Qwen2-VL style config)")
         window = window_layers = 0
-        if hasattr(vc, "embed_dim"):  # Qwen2-VL: LayerNorm + GELU MLP, hidden_size = LLM width
+        deepstack = getattr(vc, "deepstack_visual_indexes", None)
+        if deepstack is not None:  # Qwen3-VL: LayerNorm + GELU MLP, merger to out_hidden_size
+            embed, mlp, gated, out = vc.hidden_size, vc.intermediate_size, False, \
+                vc.out_hidden_size
+        elif hasattr(vc, "embed_dim"):  # Qwen2-VL: LayerNorm + GELU MLP, hidden_size = LLM width
             embed, mlp, gated, out = vc.embed_dim, int(vc.embed_dim * vc.mlp_ratio), False, \
                 vc.hidden_size
         else:  # Qwen2.5-VL: SwiGLU MLP, merger to out_hidden_size, window attention
@@ -103,7 +116,10 @@ class ModelShape:
         return cls(name or getattr(config, "model_type", "model"), vc.depth, embed, vc.num_heads,
                    mlp, gated, out, vc.spatial_merge_size, patch_dim, tc.num_hidden_layers,
                    tc.hidden_size, tc.intermediate_size, heads, tc.num_key_value_heads, head_dim,
-                   tc.vocab_size, vision_window=window, vision_window_layers=window_layers)
+                   tc.vocab_size, vision_window=window, vision_window_layers=window_layers,
+                   vision_deepstack=len(deepstack or ()),
+                   vision_pos_embed=bool(getattr(vc, "num_position_embeddings", 0)),
+                   qk_norm=deepstack is not None)
 
     @classmethod
     def from_preset(cls, preset: ModelPreset, name: str | None = None) -> ModelShape:
@@ -118,7 +134,9 @@ class ModelShape:
         return cls(name or preset.name, v.depth, v.embed, v.heads, v.intermediate, v.gated,
                    v.out_hidden, v.merge, v.patch_dim, t.layers, t.hidden, t.intermediate,
                    t.heads, t.kv_heads, t.head_dim, t.vocab, vision_window=window,
-                   vision_window_layers=window_layers)
+                   vision_window_layers=window_layers, vision_deepstack=len(v.deepstack),
+                   vision_pos_embed=bool(v.position_embeddings),
+                   qk_norm=preset.family == "qwen3_vl")
 
 
 def qwen2_vl_7b_config() -> Any:
@@ -129,6 +147,11 @@ def qwen2_vl_7b_config() -> Any:
 def qwen2_vl_72b_config() -> Any:
     """Qwen2-VL-72B's transformers config, built offline from its preset."""
     return get_preset("qwen2-vl-72b").hf_config()
+
+
+def qwen3_vl_8b_config() -> Any:
+    """Qwen3-VL-8B's transformers config, built offline from its preset."""
+    return get_preset("qwen3-vl-8b").hf_config()
 
 
 def qwen2_5_vl_7b_config() -> Any:
@@ -190,8 +213,12 @@ class Roofline:
             total += windowed * self._vit_layer(p, min(p, float(s.vision_window)), sms)
         m, wide = p / s.merge ** 2, e * s.merge ** 2
         extra = self._gemm(p, s.patch_dim, e, sms) + self._rowwise(p, e, sms)
-        extra += self._gemm(m, wide, wide, sms) + self._gemm(m, wide, s.vision_out, sms)
-        total = total + extra + (s.vision_depth + 2) * self.d.layer_overhead_s
+        merger = self._gemm(m, wide, wide, sms) + self._gemm(m, wide, s.vision_out, sms)
+        extra += merger + s.vision_deepstack * (merger + self._rowwise(m, wide, sms))
+        if s.vision_pos_embed:  # 4 table rows read per patch, one row written
+            extra += self._op(0.0, 5.0 * self.b * p * e, math.ceil(p / 4), sms)
+        launches = s.vision_depth + 2 + s.vision_deepstack
+        total = total + extra + launches * self.d.layer_overhead_s
         return total / s.vision_depth
 
     def _text_layer(self, rows: float, attn: float, sms: int) -> float:
@@ -199,6 +226,8 @@ class Roofline:
         q_width = s.heads * s.head_dim
         t = 2 * self._rowwise(rows, s.hidden, sms)
         t += self._gemm(rows, s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim, sms)
+        if s.qk_norm:
+            t += self._rowwise(rows, (s.heads + s.kv_heads) * s.head_dim, sms)
         t += attn + self._gemm(rows, q_width, s.hidden, sms)
         t += self._gemm(rows, s.hidden, 2 * s.intermediate, sms)
         t += self._gemm(rows, s.intermediate, s.hidden, sms)

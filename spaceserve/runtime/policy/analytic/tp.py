@@ -9,14 +9,15 @@ their time adds to the stage's; it is bound by the links, not by SMs.
 
 The vision encoder, in vLLM's `mm_encoder_tp_mode` terms:
 - ``"data"`` (SpaceServe's default): every rank holds the whole ViT and encodes whole images;
-  its curve is the single-GPU ViT plus the broadcast of the embeddings from their owner (spread
-  over the layers). The simulator runs one image per rank at a time (`encoder_ranks` in the
+  its curve is the single-GPU ViT plus the broadcast of the embeddings (and of Qwen3-VL's
+  DeepStack features, one tensor of the same size per tap) from their owner (spread over the
+  layers). The simulator runs one image per rank at a time (`encoder_ranks` in the
   curve set's model description; `encoder_dp.RoundTwsrft`).
 - ``"replicate"`` (the engine's reference mode): every rank encodes every image with the whole
   ViT, so its curve is the single-GPU ViT and there is one encoder queue.
 - ``"weights"``: the ViT sharded like the decoder (heads, MLP width and the merger split over
-  the ranks, two all-reduces per block and one after the merger); every rank works on the same
-  image, so there is one encoder queue.
+  the ranks, two all-reduces per block and one after each merger, DeepStack's included); every
+  rank works on the same image, so there is one encoder queue.
 
 A collective of ``S`` bytes over ``n`` ranks costs ``latency + k * S / bus_bw`` (ring
 algorithms; all-reduce k = 2(n-1)/n, all-gather (n-1)/n of the gathered bytes, broadcast 1).
@@ -139,16 +140,17 @@ class TensorParallelRoofline(Roofline):
         m, wide = p / s.merge ** 2, s.vision_embed * s.merge ** 2
         if self.mode == "replicate":
             return super().encoder_layer(patches, sms)
-        if self.mode == "data":  # + the broadcast of the embeddings from their owner
-            extra = self.broadcast(m * s.vision_out * self.b)
+        mergers = 1 + s.vision_deepstack  # the final one and the DeepStack ones (Qwen3-VL)
+        if self.mode == "data":  # + the broadcast of the embeddings (and features) from their owner
+            extra = self.broadcast(mergers * m * s.vision_out * self.b)
             return super().encoder_layer(patches, sms) + extra / s.vision_depth
-        # weights: the merger's two GEMMs split too (column, then row + all-reduce); the rest
-        # as on one GPU (its merger removed)
+        # weights: each merger's two GEMMs split too (column, then row + all-reduce); the rest
+        # as on one GPU (its mergers removed)
         whole = self._gemm(m, wide, wide, sms) + self._gemm(m, wide, s.vision_out, sms)
         split = (self._gemm(m, wide, wide // self.tp, sms) +
                  self._gemm(m, wide // self.tp, s.vision_out, sms) +
                  self.all_reduce(m * s.vision_out * self.b))
-        return super().encoder_layer(patches, sms) + (split - whole) / s.vision_depth
+        return super().encoder_layer(patches, sms) + mergers * (split - whole) / s.vision_depth
 
 
 def tensor_parallel_curves(config: Any = None, device: str | DevicePreset = "H200", *,

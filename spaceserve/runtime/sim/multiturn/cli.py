@@ -13,13 +13,14 @@ import dataclasses
 import json
 import time
 
+from spaceserve.models.presets import PRESETS as MODELS
 from spaceserve.runtime.policy.analytic.model import analytic_curves
 from spaceserve.runtime.policy.contention import Contention
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.sim.config import SimConfig
 from spaceserve.runtime.sim.multiturn.workload import MultiTurn, sweep_multiturn, table
 from spaceserve.runtime.sim.sweep.rates import capacity_rate
-from spaceserve.runtime.sim.workload import Workload
+from spaceserve.runtime.sim.workload import Workload, resolution_tokens
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -42,15 +43,18 @@ def main(args: argparse.Namespace, modes: list[str]) -> int:
         raise SystemExit("--workload multiturn simulates one GPU (--gpus 1)")
     try:
         curves = CurveSet.load(args.curves) if args.curves is not None else \
-            analytic_curves(device=args.device)
+            analytic_curves(MODELS[args.model], device=args.device)
         if args.contention is not None:
             curves = curves.with_contention(Contention.flat(args.contention))
     except (OSError, ValueError) as exc:
         raise SystemExit(f"spaceserve sim: {exc}") from None
+    vision = MODELS[args.model].vision  # image sizes -> tokens under --model's preprocessing
+    per_image = resolution_tokens(vision.patch_size, vision.merge, vision.min_pixels,
+                                  vision.max_pixels)
     mt = MultiTurn(0.0, args.duration, turns=args.turns, think_s=args.think,
                    image_reuse=args.image_reuse, image_mix=args.mix,
                    text_tokens=args.text_tokens, output_tokens=args.output_tokens,
-                   burstiness=args.burstiness)
+                   burstiness=args.burstiness, tokens_per_image=per_image)
     base = SimConfig(static_encoder_sms=args.static_encoder_sms, tpot_factor=args.tpot_factor,
                      prefill_on=args.prefill_on, encoder_policy=args.encoder_policy,
                      background=args.batch, background_context=args.context,
@@ -62,7 +66,8 @@ def main(args: argparse.Namespace, modes: list[str]) -> int:
                      max_held=args.max_held, host_s=args.host_ms / 1e3,
                      sis_host_s=args.sis_host_ms / 1e3)
     cap = capacity_rate(curves, Workload(0.0, args.duration, image_mix=args.mix,
-                                         text_tokens=args.text_tokens))
+                                         text_tokens=args.text_tokens,
+                                         tokens_per_image=per_image))
     if args.rates:
         rates = sorted(float(r) for r in args.rates.split(","))
     else:  # around the rate whose first turns alone keep encode + prefill busy

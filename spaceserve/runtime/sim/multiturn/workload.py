@@ -52,6 +52,8 @@ class MultiTurn:
     block_size: int = 16  # prefix caching reuses whole KV blocks
     burstiness: float = 1.0
     seed: int = 0
+    # LLM tokens per resolution under the model's preprocessing (None: `RESOLUTIONS`, Qwen2-VL's)
+    tokens_per_image: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.conversation_rate < 0 or not self.duration_s > 0:
@@ -61,7 +63,7 @@ class MultiTurn:
             raise ValueError("turns, text_tokens, output_tokens and block_size must be >= 1")
         if self.think_s < 0 or not 0 <= self.image_reuse <= 1:
             raise ValueError("think_s must be >= 0 and image_reuse in [0, 1]")
-        unknown = set(self.image_mix) - set(RESOLUTIONS)
+        unknown = set(self.image_mix) - set(self.tokens_per_image or RESOLUTIONS)
         if unknown or not self.image_mix or sum(self.image_mix.values()) <= 0:
             raise ValueError(f"image_mix: unknown resolutions {sorted(unknown)} or no weight")
 
@@ -102,7 +104,7 @@ def next_turn(conv: Conversation, mt: MultiTurn, rid: int, now: float, caching: 
     seen = sum(conv.images)
     res = conv.new_images[conv.turn]
     if res is not None:
-        conv.images.append(RESOLUTIONS[res])
+        conv.images.append((mt.tokens_per_image or RESOLUTIONS)[res])
     conv.text += mt.text_tokens
     req = Request(rid, now, sum(conv.images), conv.text, mt.output_tokens, "image",
                   res or "reuse")

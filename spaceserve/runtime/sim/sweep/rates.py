@@ -28,7 +28,7 @@ from spaceserve.runtime.sim.cluster import SimResult, simulate
 from spaceserve.runtime.sim.engine import MODES, SimConfig
 from spaceserve.runtime.sim.metrics import request_record, summarize
 from spaceserve.runtime.sim.sweep.tune import BEST, TUNE_BUDGETS, best_rows
-from spaceserve.runtime.sim.workload import RESOLUTIONS, Workload
+from spaceserve.runtime.sim.workload import Workload
 
 THROUGHPUTS = ("duration_s", "request_throughput", "output_throughput",
                "served_output_throughput")
@@ -44,7 +44,7 @@ def capacity_rate(curves: CurveSet, workload: Workload, num_gpus: int = 1,
     per_image = 0.0
     ranks = int(curves.model.get("encoder_ranks", 1))
     for res, weight in mix.items():
-        tokens = RESOLUTIONS[res]
+        tokens = workload.tokens(res)
         t = curves.encoder(4 * tokens, curves.encoder_depth, n, corun) / ranks
         t += curves.prefill(tokens + workload.text_tokens, 0, n, corun)
         per_image += weight / total * t

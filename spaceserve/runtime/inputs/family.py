@@ -1,0 +1,78 @@
+"""Which model family a checkpoint is, and what its inputs differ in.
+
+The family is the checkpoint's ``config.json`` ``model_type`` (``qwen2_vl``, ``qwen2_5_vl``,
+``qwen3_vl``). Images go through the checkpoint's own image processor in every family (Qwen3-VL
+uses Qwen2-VL's with 16-px patches and mean/std 0.5, as its ``preprocessor_config.json`` says);
+videos differ: Qwen2-VL and Qwen2.5-VL sample them as `frames.VideoSampling` does, Qwen3-VL as
+`frames_qwen3.Qwen3VideoSampling` does (its own sampling and resize rule, and a timestamp before
+every temporal patch in the prompt). `chat_template` finds a checkpoint's template where the
+tokenizer did not load one (``chat_template.jinja`` / ``chat_template.json``, the processor's
+files), else the family's shape (`QWEN3_VL_CHAT_TEMPLATE`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from spaceserve.runtime.inputs.media.frames import VideoSampling
+from spaceserve.runtime.inputs.media.frames_qwen3 import Qwen3VideoSampling
+
+FAMILY_SAMPLING: dict[str, type[VideoSampling]] = {
+    "qwen2_vl": VideoSampling,
+    "qwen2_5_vl": VideoSampling,
+    "qwen3_vl": Qwen3VideoSampling,
+}
+
+# Qwen3-VL's chat turns: no default system message (Qwen2-VL's template adds one), a media part
+# as <|vision_start|><|image_pad|><|vision_end|> (or <|video_pad|>), the text parts as written.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+FAMILY_TEMPLATES = {"qwen3_vl": QWEN3_VL_CHAT_TEMPLATE}
+
+
+def model_family(path: str | os.PathLike) -> str | None:
+    """The ``model_type`` of a local checkpoint's ``config.json`` (None: no readable config)."""
+    file = os.path.join(os.fspath(path), "config.json")
+    try:
+        with open(file) as f:
+            kind = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
+
+
+def sampling_class(family: str | None) -> type[VideoSampling]:
+    """The video settings class of a family (Qwen2-VL's for an unknown one)."""
+    return FAMILY_SAMPLING.get(family or "", VideoSampling)
+
+
+def chat_template(path: str | os.PathLike, family: str | None) -> str | None:
+    """The chat template of a checkpoint whose tokenizer has none: its ``chat_template.jinja``
+    or ``chat_template.json`` (``{"chat_template": ...}``), else its family's, else None."""
+    root = os.fspath(path)
+    try:
+        with open(os.path.join(root, "chat_template.jinja")) as f:
+            return f.read()
+    except OSError:
+        pass
+    try:
+        with open(os.path.join(root, "chat_template.json")) as f:
+            found: Any = json.load(f).get("chat_template")
+        if isinstance(found, str):
+            return found
+    except (OSError, ValueError, AttributeError):
+        pass
+    return FAMILY_TEMPLATES.get(family or "")
+
+
+__all__ = ["FAMILY_SAMPLING", "FAMILY_TEMPLATES", "QWEN3_VL_CHAT_TEMPLATE", "chat_template",
+           "model_family", "sampling_class"]
