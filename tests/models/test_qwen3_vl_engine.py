@@ -1,0 +1,63 @@
+"""Qwen3-VL through the engine: greedy tokens equal transformers' for text, one image, two
+images of different sizes and a timestamped video, in temporal, temporal-chunked and spatial
+modes, with chunked prefill cutting through the media tokens, under preemption, and with a
+prefix-cache hit on the second turn (the cached prefix's KV already holds the DeepStack adds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spaceserve import Engine, SamplingParams
+
+from . import qwen3_ref as ref
+
+GREEDY = SamplingParams(max_tokens=ref.STEPS, temperature=0.0, ignore_eos=True)
+FAST = dict(device="cpu", attention_backend="torch", block_size=4, num_kv_blocks=64,
+            encoder_window_s=1e-9)
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    torch.set_num_threads(1)
+    path, hf = ref.build(tmp_path_factory.mktemp("qwen3vl_engine"), tied=False)
+    prompts = ref.prompts(hf.config)
+    return path, hf, prompts, [ref.hf_greedy(hf, p) for p in prompts]
+
+
+def _tokens(outs) -> list[list[int]]:
+    assert [o.error for o in outs] == [None] * len(outs)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("mode, extra", [
+    ("temporal", {}),
+    ("temporal-chunked", {}),
+    ("spatial", {}),
+    ("spatial", dict(max_num_batched_tokens=8)),  # prefill chunks cut through media tokens
+    ("temporal", dict(max_num_batched_tokens=8, num_kv_blocks=14)),  # + preemption
+])
+def test_engine_greedy_equals_transformers(case, mode, extra):
+    path, _, prompts, expected = case
+    engine = Engine.from_pretrained(path, mode=mode, **{**FAST, **extra})
+    outs = engine.generate(prompts, GREEDY)
+    assert _tokens(outs) == expected
+    if "num_kv_blocks" in extra:
+        assert sum(o.metrics.num_preemptions for o in outs) > 0, "no preemption happened"
+    engine.check_idle()
+
+
+def test_second_turn_hits_the_prefix_cache(case):
+    path, hf, prompts, expected = case
+    engine = Engine.from_pretrained(path, **FAST)
+    for first, out in zip(prompts[1:], expected[1:], strict=True):  # image, images, video
+        assert _tokens(engine.generate([first], GREEDY)) == [out]
+        second = dict(first, prompt_token_ids=first["prompt_token_ids"] + out + [60, 61])
+        before = engine.counters()["prefix_cache_hit_tokens"]
+        got = _tokens(engine.generate([second], GREEDY))
+        hit = engine.counters()["prefix_cache_hit_tokens"] - before
+        media = [i for i, t in enumerate(first["prompt_token_ids"])
+                 if t in (hf.config.image_token_id, hf.config.video_token_id)]
+        assert hit > media[-1], "the cached prefix does not cover the media tokens"
+        assert got == [ref.hf_greedy(hf, second)]
+    engine.check_idle()
