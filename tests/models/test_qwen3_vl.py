@@ -132,3 +132,17 @@ def test_head_rms_norm_on_the_kernels_within_budget(heads, d):
         assert_within_budget(recs, budget)
         assert got.shape == (t, heads, d)
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_shapes_are_transformers_and_random_weights_build(ckpts, tied):
+    from spaceserve.models import from_config, weight_shapes
+
+    _, hf = ckpts[tied]
+    want = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    if tied:  # transformers' state dict lists the tied head; the checkpoint does not
+        want.pop("lm_head.weight")
+    assert weight_shapes(hf.config) == want
+    model = from_config(hf.config, attention_backend="torch", device="cpu")
+    assert model.num_deepstack == 2
+    assert (model.language.lm_head is model.language.embed) == tied
