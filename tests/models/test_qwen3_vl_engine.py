@@ -61,3 +61,19 @@ def test_second_turn_hits_the_prefix_cache(case):
         assert hit > media[-1], "the cached prefix does not cover the media tokens"
         assert got == [ref.hf_greedy(hf, second)]
     engine.check_idle()
+
+
+def test_encoder_cache_entries_hold_every_feature(case):
+    """With the prefix cache off, a repeated image or video takes its rows - embeddings and
+    DeepStack features - from the encoder cache alone, and the tokens stay transformers'."""
+    path, hf, prompts, expected = case
+    engine = Engine.from_pretrained(path, enable_prefix_caching=False, **FAST)
+    assert _tokens(engine.generate(prompts, GREEDY)) == expected
+    jobs = engine.counters()["encoder_jobs"]
+    widths = {e.tensor.shape[1] for e in engine.encoder_cache._lru.values()}
+    assert widths == {3 * hf.config.text_config.hidden_size}
+    hits = engine.counters()["encoder_cache_hits"]
+    assert _tokens(engine.generate(prompts[::-1], GREEDY)) == expected[::-1]
+    assert engine.counters()["encoder_jobs"] == jobs  # no encoder pass the second time
+    assert engine.counters()["encoder_cache_hits"] - hits == 4  # 1 + 2 images, 1 video
+    engine.check_idle()
