@@ -146,3 +146,24 @@ def test_weight_shapes_are_transformers_and_random_weights_build(ckpts, tied):
     model = from_config(hf.config, attention_backend="torch", device="cpu")
     assert model.num_deepstack == 2
     assert (model.language.lm_head is model.language.embed) == tied
+
+
+def test_triton_backend_matches_torch_within_budget(ckpts, ours):
+    """The whole Qwen3-VL path on SpaceServe's kernels (interpreted): encoder rows with their
+    DeepStack features and a prefill over them, every launch under the stage's budget."""
+    path, hf = ckpts[False]
+    tri = from_pretrained(path, attention_backend="triton", dtype=torch.float32, device="cpu")
+    p = {"prompt_token_ids": ref.prompt_ids(hf.config, [("image", (1, 4, 4))])}
+    pv, grid = ref.pixels([[1, 4, 4]], 6)
+    ids = torch.tensor(p["prompt_token_ids"])
+    outs = []
+    for model, budget in ((ours[False], None), (tri, 3)):
+        with record_launches() as recs:
+            rows = model.encode_images(pv, grid, num_sms=budget)
+            positions, delta = model.mrope_positions(ids, grid)
+            logits = PagedRun(model).step(ids, positions=positions, delta=delta,
+                                          image_embeds=rows, num_sms=budget)
+        outs.append((rows, logits, recs))
+    assert_within_budget(outs[1][2], 3)
+    assert_close(outs[1][0], outs[0][0].double())
+    assert_close(outs[1][1], outs[0][1].double())
