@@ -70,8 +70,9 @@ def test_encoder_cache_entries_hold_every_feature(case):
     engine = Engine.from_pretrained(path, enable_prefix_caching=False, **FAST)
     assert _tokens(engine.generate(prompts, GREEDY)) == expected
     jobs = engine.counters()["encoder_jobs"]
-    widths = {e.tensor.shape[1] for e in engine.encoder_cache._lru.values()}
-    assert widths == {3 * hf.config.text_config.hidden_size}
+    tokens = (6) + (6 + 8) + 12  # one image, two images, a 3-patch 4x4 video
+    row = 3 * hf.config.text_config.hidden_size * 4  # embeddings + 2 taps, fp32
+    assert engine.encoder_cache.bytes_cached == tokens * row
     hits = engine.counters()["encoder_cache_hits"]
     assert _tokens(engine.generate(prompts[::-1], GREEDY)) == expected[::-1]
     assert engine.counters()["encoder_jobs"] == jobs  # no encoder pass the second time
