@@ -60,7 +60,7 @@ def default_dir() -> Path:
     return cache_root() / f"tiny-qwen2-vl-v{TINY_VERSION}"
 
 
-def build_tokenizer(vocab_size: int):
+def _build_tokenizer(vocab_size: int):
     """The tiny byte-level BPE tokenizer (Qwen-VL special tokens, chat template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -85,7 +85,7 @@ def _write(path: Path, seed: int, vocab_size: int) -> None:
         Qwen2VLImageProcessorPil,
     )
 
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = _build_tokenizer(vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = Qwen2VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -145,11 +145,11 @@ def install_once(target: Path, want: dict, write: Callable[[Path], None], *,
     return target
 
 
-QWEN3_TINY_VERSION = 1
 # -- the tiny Qwen3-VL (``--model tiny-qwen3-vl``): patch 16 with temporal patch 2 and merge 2,
 # a 4x4 learned position table, two DeepStack taps (vision layers 0 and 1) over a 3-layer
 # decoder, GQA (4 query / 2 KV heads), an explicit head_dim (32, not hidden / heads) with
 # interleaved M-RoPE, tied or untied word embeddings; transformers loads it back.
+QWEN3_TINY_VERSION = 1
 # Pixel budget of its image processor: 4 to 64 LLM tokens per image (32x32 px each).
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 4 * 32 * 32, 64 * 32 * 32
 QWEN3_VIDEO = {"size": {"shortest_edge": 4 * 32 * 32, "longest_edge": 16 * 32 * 32},
@@ -188,7 +188,7 @@ def _write_qwen3(path: Path, seed: int, vocab_size: int, *, tied: bool = True) -
         Qwen2VLImageProcessorPil,
     )
 
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = _build_tokenizer(vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = qwen3_tiny_config(ids, len(tokenizer), tied=tied)
     torch.manual_seed(seed)

@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from spaceserve.models.tiny import build_tokenizer
+from spaceserve.models.tiny import _build_tokenizer
 from spaceserve.runtime.engine.outputs import Detokenizer, held_prefix, make_decoder
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return build_tokenizer(512)
+    return _build_tokenizer(512)
 
 
 def random_ids(rng: random.Random, n: int, vocab: int = 512) -> list[int]:
