@@ -167,3 +167,19 @@ def test_triton_backend_matches_torch_within_budget(ckpts, ours):
     assert_within_budget(outs[1][2], 3)
     assert_close(outs[1][0], outs[0][0].double())
     assert_close(outs[1][1], outs[0][1].double())
+
+
+def test_model_tiny_qwen3_vl_names_resolve_to_built_checkpoints(tmp_path, monkeypatch):
+    import json
+
+    from spaceserve.models.tiny import resolve_model
+
+    monkeypatch.setenv("SPACESERVE_CACHE", str(tmp_path))
+    path = resolve_model("tiny-qwen3-vl-untied")
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl" and config["tie_word_embeddings"] is False
+    stamp = (path / "spaceserve_tiny.json").stat().st_mtime_ns
+    assert resolve_model("tiny-qwen3-vl-untied") == path  # built once, then reused
+    assert (path / "spaceserve_tiny.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="tiny-qwen3-vl"):
+        resolve_model(str(tmp_path / "nowhere"))
