@@ -45,9 +45,9 @@ class Qwen3LanguageModel(LanguageModel):
         super().__init__(config, *args, **kwargs)
         rope = dict(getattr(config, "rope_parameters", None) or {})
         section = list(rope.get("mrope_section", [24, 20, 20]))
-        if rope.get("mrope_interleaved", True):
-            self.section_index = interleaved_section_index(section, self.head_dim // 2) \
-                .to(self.device)
+        # always interleaved, as transformers' Qwen3-VL (its `mrope_interleaved` is not read)
+        self.section_index = interleaved_section_index(section, self.head_dim // 2) \
+            .to(self.device)
         weight = args[0]
         self.qk_norms = [(weight(f"layers.{i}.self_attn.q_norm.weight"),
                           weight(f"layers.{i}.self_attn.k_norm.weight"))
