@@ -14,6 +14,7 @@ parallelism) with Qwen3's differences and DeepStack.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,14 +42,14 @@ class Qwen3LanguageModel(LanguageModel):
 
     qkv_bias = False
 
-    def __init__(self, config: Any, *args: Any, num_deepstack: int = 0, **kwargs: Any) -> None:
-        super().__init__(config, *args, **kwargs)
+    def __init__(self, config: Any, weight: Callable[[str], Tensor], *args: Any,
+                 num_deepstack: int = 0, **kwargs: Any) -> None:
+        super().__init__(config, weight, *args, **kwargs)
         rope = dict(getattr(config, "rope_parameters", None) or {})
         section = list(rope.get("mrope_section", [24, 20, 20]))
         # always interleaved, as transformers' Qwen3-VL (its `mrope_interleaved` is not read)
         self.section_index = interleaved_section_index(section, self.head_dim // 2) \
             .to(self.device)
-        weight = args[0]
         self.qk_norms = [(weight(f"layers.{i}.self_attn.q_norm.weight"),
                           weight(f"layers.{i}.self_attn.k_norm.weight"))
                          for i in range(self.num_layers)]
