@@ -1,6 +1,6 @@
-"""Qwen2-VL and Qwen2.5-VL on SpaceServe kernels: loading, stage entry points, attention
-backends, planner; `presets` holds the published models' shapes, `tiny` the `--model tiny`
-checkpoint builder.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (`qwen3_vl/`) on SpaceServe kernels: loading, stage
+entry points, attention backends, planner; `presets` holds the published models' shapes,
+`tiny` the `--model tiny` / `--model tiny-qwen3-vl` checkpoint builders.
 
 The names below are imported on first use, so that `spaceserve.models.presets` (pure Python,
 read by the runtime's policy and the simulator) does not pull in torch."""
@@ -39,6 +39,10 @@ _EXPORTS = {
     "LanguageModel": "spaceserve.models.qwen2_vl_text",
     "EncoderJob": "spaceserve.models.qwen2_vl_vision",
     "VisionEncoder": "spaceserve.models.qwen2_vl_vision",
+    "Qwen3VL": "spaceserve.models.qwen3_vl.model",
+    "Qwen3LanguageModel": "spaceserve.models.qwen3_vl.text",
+    "DeepStackJob": "spaceserve.models.qwen3_vl.vision",
+    "Qwen3VisionEncoder": "spaceserve.models.qwen3_vl.vision",
 }
 
 __all__ = sorted(_EXPORTS)

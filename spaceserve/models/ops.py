@@ -60,6 +60,13 @@ class TorchOps:
         out = weight * h.to(x.dtype)
         return out if residual is None else (out, summed)
 
+    def head_rms_norm(self, x: Tensor, weight: Tensor, eps: float, *,
+                      num_sms: int | None = None) -> Tensor:
+        """RMSNorm of every head of x ``[T, H, D]`` by one weight ``[D]`` (Qwen3's per-head
+        q/k norm): the row norm over ``[T * H, D]`` rows, so both op sets share it."""
+        t, n, d = x.shape
+        return self.rms_norm(x.reshape(t * n, d), weight, eps, num_sms=num_sms).view(t, n, d)
+
     def layer_norm(self, x: Tensor, weight: Tensor, bias: Tensor, eps: float, *,
                    num_sms: int | None = None) -> Tensor:
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)

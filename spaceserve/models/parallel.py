@@ -161,7 +161,7 @@ def text_shard(name: str, shape: tuple[int, ...], text_config: Any, tp: TensorPa
     h = int(text_config.hidden_size)
     nq = int(text_config.num_attention_heads)
     nkv = int(text_config.num_key_value_heads or nq)
-    d = h // nq
+    d = int(getattr(text_config, "head_dim", None) or h // nq)
     split = tp.heads(nq, nkv)
     q = slice(split.q_start * d, (split.q_start + split.q_heads) * d)
     kv = slice(split.kv_start * d, (split.kv_start + split.kv_heads) * d)

@@ -32,6 +32,7 @@ class Qwen2VL:
     # variants override these).
     vision_class: type[VisionEncoder] = VisionEncoder
     vision_out_field = "hidden_size"
+    language_class: type[LanguageModel] = LanguageModel
 
     def __init__(self, config: Any, weight: Callable[[str], Tensor], *,
                  attention_backend: str | AttentionBackend = "triton",
@@ -56,9 +57,14 @@ class Qwen2VL:
         media = [t for t in (img, vid) if t is not None]
         rows = {t: weight("language.embed_tokens.weight", rows=(t, t + 1)) for t in media} \
             if self.tp.size > 1 else None
-        self.language = LanguageModel(tcfg, lambda n: weight("language." + n), head, img,
-                                      self.ops, self.backend, device, dtype, tp=self.tp,
-                                      comm=comm, video_token_id=vid, media_token_rows=rows)
+        self.language = self.language_class(
+            tcfg, lambda n: weight("language." + n), head, img, self.ops, self.backend, device,
+            dtype, tp=self.tp, comm=comm, video_token_id=vid, media_token_rows=rows,
+            **self.language_kwargs())
+
+    def language_kwargs(self) -> dict[str, Any]:
+        """Extra keyword arguments of `language_class` (architecture variants)."""
+        return {}
 
     @property
     def attention_backend(self) -> str:

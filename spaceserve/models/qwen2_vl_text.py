@@ -66,6 +66,8 @@ class LanguageModel:
     (and video) token id to its full embedding row (needed only when the vocabulary is split:
     a generated media token is plain text and embeds as its own row)."""
 
+    qkv_bias = True  # Qwen2's q/k/v projections have biases (Qwen3's do not)
+
     def __init__(self, config: Any, weight: Callable[[str], Tensor], lm_head: Tensor,
                  image_token_id: int, ops: TorchOps, backend: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, *, tp: TensorParallel | None = None,
@@ -87,7 +89,7 @@ class LanguageModel:
         self.hidden = int(config.hidden_size)
         self.total_heads = int(config.num_attention_heads)
         self.total_kv_heads = int(config.num_key_value_heads or self.total_heads)
-        self.head_dim = self.hidden // self.total_heads
+        self.head_dim = int(getattr(config, "head_dim", None) or self.hidden // self.total_heads)
         if self.total_heads % self.total_kv_heads:
             raise ValueError(f"num_attention_heads={self.total_heads} is not a multiple of "
                              f"num_key_value_heads={self.total_kv_heads}")
@@ -132,17 +134,40 @@ class LanguageModel:
         for i in range(self.num_layers):
             p = f"layers.{i}."
             qkv_w = torch.cat([weight(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            qkv_b = torch.cat([weight(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            qkv_b = torch.cat([weight(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) \
+                if self.qkv_bias else None
             gate_up = torch.cat([weight(p + "mlp.gate_proj.weight"),
                                  weight(p + "mlp.up_proj.weight")])
             self.layers.append((
-                weight(p + "input_layernorm.weight"), qkv_w.contiguous(), qkv_b.contiguous(),
+                weight(p + "input_layernorm.weight"), qkv_w.contiguous(),
+                None if qkv_b is None else qkv_b.contiguous(),
                 weight(p + "self_attn.o_proj.weight"),
                 weight(p + "post_attention_layernorm.weight"),
                 gate_up.contiguous(), weight(p + "mlp.down_proj.weight"),
             ))
         self.norm = weight("norm.weight")
         self.lm_head = lm_head
+
+    @property
+    def embed_width(self) -> int:
+        """Width of one media token's encoder row (`image_embeds`): the hidden size."""
+        return self.hidden
+
+    def split_media(self, input_ids: Tensor, image_embeds: Tensor | None
+                    ) -> tuple[Tensor | None, Any]:
+        """(rows spliced in at the embeddings, what `after_layer` adds later); Qwen2-VL
+        splices every row in and adds nothing later."""
+        return image_embeds, None
+
+    def after_layer(self, i: int, h: Tensor, residual: Tensor | None, extra: Any
+                    ) -> tuple[Tensor, Tensor | None]:
+        """Hook after decoder layer `i` given `split_media`'s extra (none in Qwen2-VL)."""
+        return h, residual
+
+    def qk_norm(self, i: int, q: Tensor, k: Tensor, num_sms: int | None
+                ) -> tuple[Tensor, Tensor]:
+        """Hook on layer `i`'s q ``[T, Hq, D]`` and k before the rotary (none in Qwen2-VL)."""
+        return q, k
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """Zeroed paged caches for every layer (plus the scratch block) in the model dtype on
@@ -211,7 +236,8 @@ class LanguageModel:
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self.rotary_tables(ctx.positions)
-        h = self.embed_tokens(input_ids, image_embeds, comm, num_sms=num_sms)
+        spliced, extra = self.split_media(input_ids, image_embeds)
+        h = self.embed_tokens(input_ids, spliced, comm, num_sms=num_sms)
         residual = None
         for i, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down) in enumerate(self.layers):
             if residual is None:
@@ -222,6 +248,7 @@ class LanguageModel:
             q = qkv[:, : hq * d].view(t, hq, d)
             k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
             v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
+            q, k = self.qk_norm(i, q, k, num_sms)
             q, k = ops.rotary(q, k, cos, sin, num_sms=num_sms)
             be.store_kv(k, v, kv_cache.k[i], kv_cache.v[i], ctx, num_sms=num_sms)
             o = be.paged_attention(q, kv_cache.k[i], kv_cache.v[i], ctx, num_sms=num_sms)
@@ -230,11 +257,16 @@ class LanguageModel:
             x, residual = ops.rms_norm(h, ln2, self.eps, residual=residual, num_sms=num_sms)
             h = comm.all_reduce(ops.gated_mlp(x, gate_up, down, num_sms=num_sms),
                                 num_sms=num_sms)
+            if extra is not None:
+                h, residual = self.after_layer(i, h, residual, extra)
         sel = ctx.logits_indices
         if sel.numel() == 0:
             return h.new_empty(0, self.vocab_size)
-        x, _ = ops.rms_norm(h.index_select(0, sel), self.norm, self.eps,
-                            residual=residual.index_select(0, sel), num_sms=num_sms)
+        if residual is None:  # the last layer's hook folded the residual in
+            x = ops.rms_norm(h.index_select(0, sel), self.norm, self.eps, num_sms=num_sms)
+        else:
+            x, _ = ops.rms_norm(h.index_select(0, sel), self.norm, self.eps,
+                                residual=residual.index_select(0, sel), num_sms=num_sms)
         logits = ops.linear(x, self.lm_head, num_sms=num_sms)
         if self.tp.size == 1:
             return logits

@@ -1,4 +1,5 @@
-"""A tiny random-weight Qwen2-VL checkpoint, built offline, for demos, tests and benchmarks.
+"""Tiny random-weight Qwen2-VL and Qwen3-VL checkpoints, built offline, for demos, tests and
+benchmarks (``--model tiny``, ``--model tiny-qwen3-vl``; the Qwen2-VL one is described here).
 
 `spaceserve serve --model tiny` and the serving benchmark run on it on a fresh machine with no
 hub access: the tokenizer is a byte-level BPE trained here on a few sentences (special tokens
@@ -15,7 +16,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 TINY_VERSION = 2
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
@@ -46,14 +49,19 @@ _CORPUS = (
 )
 
 
+def cache_root() -> Path:
+    """Where tiny checkpoints live: ``$SPACESERVE_CACHE`` or ``~/.cache/spaceserve``."""
+    return Path(os.environ.get("SPACESERVE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "spaceserve"))
+
+
 def default_dir() -> Path:
-    """Where `tiny` lives: ``$SPACESERVE_CACHE`` or ``~/.cache/spaceserve``."""
-    root = os.environ.get("SPACESERVE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "spaceserve")
-    return Path(root) / f"tiny-qwen2-vl-v{TINY_VERSION}"
+    """Where `tiny` lives (under `cache_root`)."""
+    return cache_root() / f"tiny-qwen2-vl-v{TINY_VERSION}"
 
 
 def _build_tokenizer(vocab_size: int):
+    """The tiny byte-level BPE tokenizer (Qwen-VL special tokens, chat template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -105,8 +113,15 @@ def build_tiny_checkpoint(path: str | os.PathLike | None = None, *, seed: int = 
                           vocab_size: int = 512, force: bool = False) -> Path:
     """Build (or reuse) the tiny checkpoint at `path` (default: `default_dir()`); returns it."""
     target = Path(path) if path is not None else default_dir()
-    stamp = target / "spaceserve_tiny.json"
     want = {"version": TINY_VERSION, "seed": seed, "vocab_size": vocab_size}
+    return install_once(target, want, lambda tmp: _write(tmp, seed, vocab_size), force=force)
+
+
+def install_once(target: Path, want: dict, write: Callable[[Path], None], *,
+                 force: bool = False) -> Path:
+    """Write a checkpoint with ``write(tmp_dir)`` and install it at `target` by an atomic
+    rename, stamped with `want`; a target already stamped `want` is reused as it is."""
+    stamp = target / "spaceserve_tiny.json"
     if not force and stamp.is_file():
         try:
             if json.loads(stamp.read_text()) == want:
@@ -116,7 +131,7 @@ def build_tiny_checkpoint(path: str | os.PathLike | None = None, *, seed: int = 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
-        _write(tmp, seed, vocab_size)
+        write(tmp)
         (tmp / stamp.name).write_text(json.dumps(want))
         if target.exists():
             shutil.rmtree(target, ignore_errors=True)
@@ -130,12 +145,96 @@ def build_tiny_checkpoint(path: str | os.PathLike | None = None, *, seed: int = 
     return target
 
 
+# -- the tiny Qwen3-VL (``--model tiny-qwen3-vl``): patch 16 with temporal patch 2 and merge 2,
+# a 4x4 learned position table, two DeepStack taps (vision layers 0 and 1) over a 3-layer
+# decoder, GQA (4 query / 2 KV heads), an explicit head_dim (32, not hidden / heads) with
+# interleaved M-RoPE, tied or untied word embeddings; transformers loads it back.
+QWEN3_TINY_VERSION = 1
+# Pixel budget of its image processor: 4 to 64 LLM tokens per image (32x32 px each).
+QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 4 * 32 * 32, 64 * 32 * 32
+QWEN3_VIDEO = {"size": {"shortest_edge": 4 * 32 * 32, "longest_edge": 16 * 32 * 32},
+               "fps": 2.0, "min_frames": 2, "max_frames": 8, "patch_size": 16,
+               "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+               "image_std": [0.5, 0.5, 0.5]}
+
+
+def qwen3_tiny_config(ids: dict[str, int], vocab_size: int, *, tied: bool) -> Any:
+    """The tiny Qwen3VLConfig (`ids`: the special tokens' ids)."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, max_position_embeddings=4096,
+                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                         initializer_range=0.3, tie_word_embeddings=tied,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                          "mrope_section": [6, 5, 5],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=64, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1], patch_size=16,
+                           temporal_patch_size=2, spatial_merge_size=2, initializer_range=0.3),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=tied)
+
+
+def _write_qwen3(path: Path, seed: int, vocab_size: int, *, tied: bool = True) -> None:
+    """Write the tiny checkpoint into the existing directory `path`."""
+    import torch
+    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tokenizer = _build_tokenizer(vocab_size)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = qwen3_tiny_config(ids, len(tokenizer), tied=tied)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # the default init leaves norms at 1 and biases at 0: vary them
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    GenerationConfig(eos_token_id=ids["<|im_end|>"], bos_token_id=ids["<|endoftext|>"]
+                     ).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
+                             image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                             min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS
+                             ).save_pretrained(path)
+    (path / "video_preprocessor_config.json").write_text(json.dumps(
+        {"video_processor_type": "Qwen3VLVideoProcessor", **QWEN3_VIDEO}, indent=2))
+
+
+def qwen3_dir(tied: bool = True) -> Path:
+    """Where ``tiny-qwen3-vl`` (tied) / ``tiny-qwen3-vl-untied`` live, beside ``tiny``."""
+    name = "tiny-qwen3-vl" if tied else "tiny-qwen3-vl-untied"
+    return cache_root() / f"{name}-v{QWEN3_TINY_VERSION}"
+
+
+def build_tiny_qwen3_checkpoint(path: str | os.PathLike | None = None, *, seed: int = 0,
+                                vocab_size: int = 512, tied: bool = True,
+                                force: bool = False) -> Path:
+    """Build (or reuse) the tiny Qwen3-VL checkpoint at `path` (default `qwen3_dir`)."""
+    target = Path(path) if path is not None else qwen3_dir(tied)
+    want = {"model": "qwen3_vl", "version": QWEN3_TINY_VERSION, "seed": seed,
+            "vocab_size": vocab_size, "tied": tied}
+    return install_once(target, want, lambda tmp: _write_qwen3(tmp, seed, vocab_size, tied=tied),
+                        force=force)
+
+
 def resolve_model(model: str) -> Path:
-    """`--model` value to a checkpoint directory: ``tiny`` builds/reuses the tiny one."""
+    """`--model` value to a checkpoint directory: ``tiny`` builds/reuses the tiny Qwen2-VL
+    one, ``tiny-qwen3-vl`` (``-untied``) the tiny Qwen3-VL one."""
     if model == "tiny":
         return build_tiny_checkpoint()
+    if model in ("tiny-qwen3-vl", "tiny-qwen3-vl-untied"):
+        return build_tiny_qwen3_checkpoint(tied=not model.endswith("untied"))
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(f"--model {model!r}: not a checkpoint directory (no config.json); "
-                         "pass a local directory or 'tiny'")
+                         "pass a local directory, 'tiny' or 'tiny-qwen3-vl'")
     return path

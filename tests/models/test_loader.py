@@ -84,7 +84,7 @@ def test_unsupported_architecture_raises(tmp_path):
     with pytest.raises(ValueError, match="llama.*LlamaForCausalLM.*not supported"):
         from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not supported"):
-        from_config({"model_type": "qwen3_vl"})
+        from_config({"model_type": "glm4v"})
 
 
 def test_missing_files_and_tensors_raise(tmp_path, checkpoints):

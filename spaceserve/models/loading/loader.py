@@ -1,6 +1,7 @@
-"""Building Qwen2-VL and Qwen2.5-VL: from a local checkpoint directory, from a state dict, or
-with random weights from a config (benchmarks). Configs are transformers' own `Qwen2VLConfig` /
-`Qwen2_5_VLConfig`; the architecture follows the config's ``model_type``.
+"""Building Qwen2-VL, Qwen2.5-VL and Qwen3-VL: from a local checkpoint directory, from a state
+dict, or with random weights from a config (benchmarks). Configs are transformers' own
+`Qwen2VLConfig` / `Qwen2_5_VLConfig` / `Qwen3VLConfig`; the architecture follows the config's
+``model_type``.
 
 Every builder takes ``tp=TensorParallel(rank, size)`` and a `comm` (`parallel.Communicator`) to
 build one rank's shard of a tensor-parallel model: a checkpoint is then read slice by slice
@@ -31,10 +32,14 @@ from spaceserve.models.parallel import Communicator, TensorParallel, check_text_
 from spaceserve.models.qwen2_5_vl import Qwen25VL
 from spaceserve.models.qwen2_5_vl_vision import vision_weight_shapes
 from spaceserve.models.qwen2_vl import Qwen2VL
+from spaceserve.models.qwen3_vl.model import Qwen3VL
+from spaceserve.models.qwen3_vl.text import text_weight_shapes
+from spaceserve.models.qwen3_vl.vision import vision_weight_shapes as qwen3_vision_shapes
 
 Tensor = torch.Tensor
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-MODEL_CLASSES: dict[str, type[Qwen2VL]] = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen25VL}
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+MODEL_CLASSES: dict[str, type[Qwen2VL]] = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen25VL,
+                                           "qwen3_vl": Qwen3VL}
 __all__ = ["SUPPORTED_MODEL_TYPES", "canonical_name", "config_class", "from_config",
            "from_pretrained", "from_state_dict", "random_state_dict", "weight_shapes"]
 
@@ -57,9 +62,10 @@ def _resolve_device(device: Any) -> torch.device:
 
 def config_class(model_type: str) -> Any:
     """transformers' config class of a supported `model_type`."""
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
-    return Qwen2_5_VLConfig if model_type == "qwen2_5_vl" else Qwen2VLConfig
+    return {"qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig}.get(model_type,
+                                                                           Qwen2VLConfig)
 
 
 def _as_config(config: Any) -> Any:
@@ -158,9 +164,12 @@ def _qwen2_vl_vision_shapes(v: Any) -> dict[str, tuple[int, ...]]:
 
 
 def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """Names (transformers' hub layout) and shapes of every Qwen2-VL / Qwen2.5-VL weight."""
+    """Names (transformers' hub layout) and shapes of every Qwen2-VL / Qwen2.5-VL / Qwen3-VL
+    weight."""
     config = _as_config(config)
     v, t = config.vision_config, config.text_config
+    if config.model_type == "qwen3_vl":
+        return {**qwen3_vision_shapes(v), **text_weight_shapes(config)}
     if config.model_type == "qwen2_5_vl":
         shapes = vision_weight_shapes(v)
     else:

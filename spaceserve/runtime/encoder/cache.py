@@ -3,11 +3,13 @@ encoder.
 
 Entries are keyed by a media item's key (`MultiModalData.item_key`: its content hash - decoded
 pixels plus processor settings - and a video's frame spacing) and hold its ``[tokens, hidden]``
-embeddings on the runner's device. A request holds a reference on each entry it uses until it
-ends; an entry with references is pinned. Unreferenced entries are evicted least recently used
-first whenever room is needed under `capacity_bytes`; an entry that does not fit beside the
-pinned ones lives only as long as its requests (it is then dropped, not cached). Capacity 0
-turns caching off: every item is encoded and its entry belongs to its request alone.
+embeddings on the runner's device (Qwen3-VL: ``[tokens, (1 + taps) * hidden]``, the embeddings
+and every DeepStack feature under the one key, so a hit skips the whole encoder). A request
+holds a reference on each entry it uses until it ends; an entry with references is pinned.
+Unreferenced entries are evicted least recently used first whenever room is needed under
+`capacity_bytes`; an entry that does not fit beside the pinned ones lives only as long as its
+requests (it is then dropped, not cached). Capacity 0 turns caching off: every item is encoded
+and its entry belongs to its request alone.
 
 `MediaTracker` is what the encoder stages share: per request, which items are needed (those
 with a token at or after the first token to compute; items whose tokens are all in the prefix

@@ -277,7 +277,7 @@ class EncoderMethods:
                 if buf.is_cuda:
                     buf.record_stream(torch.cuda.current_stream(buf.device))
             else:
-                buf = torch.empty((tokens, model.language.hidden), dtype=model.dtype,
+                buf = torch.empty((tokens, model.language.embed_width), dtype=model.dtype,
                                   device=self.local.device)
             self.comms["decoder"].broadcast(buf, owner, num_sms=budget)
             self._shared.add(key)

@@ -152,7 +152,7 @@ class WorkerState:
                 if src == self.rank:
                     buf = self.embeds_of(key).contiguous()
                 else:
-                    buf = torch.empty((tokens, model.language.hidden), dtype=model.dtype,
+                    buf = torch.empty((tokens, model.language.embed_width), dtype=model.dtype,
                                       device=self.runner.device)
                 comm.broadcast(buf, src, num_sms=cmd.num_sms)
                 self._done_encoding(key, buf)

@@ -73,8 +73,9 @@ class ModelRunner(Protocol):
 
     def encode(self, mms: Sequence[MultiModalData], *, num_sms: int | None = None
                ) -> list[torch.Tensor]:
-        """Image embeddings, one ``[mm.num_tokens, hidden]`` tensor per request, in order, each
-        launch under `num_sms` SMs."""
+        """Image embeddings, one ``[mm.num_tokens, width]`` tensor per request, in order, each
+        launch under `num_sms` SMs (width: the hidden size; Qwen3-VL appends its DeepStack
+        features, ``(1 + taps) * hidden``)."""
         ...
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -105,5 +106,6 @@ class PreemptibleEncoder(Protocol):
         ...
 
     def finish_encode(self, job: Any, *, num_sms: int | None = None) -> torch.Tensor:
-        """The embeddings ``[mm.num_tokens, hidden]`` of a job advanced to its last layer."""
+        """The rows ``[mm.num_tokens, width]`` of a job advanced to its last layer (as
+        `encode`'s)."""
         ...

@@ -1,0 +1,82 @@
+"""The tiny Qwen3-VL checkpoint and the reference prompts its parity tests share: text, one
+image, two images of different sizes, and a video whose temporal patches are separated by
+timestamp text (as Qwen3-VL's processor lays them out), with transformers' greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PATCH_DIM = 3 * 2 * 16 * 16
+STEPS = 6
+TEXT = [25, 27, 29, 31, 33, 44]  # above the special tokens' ids
+
+
+def build(root: Path, *, tied: bool) -> tuple[Path, Any]:
+    """(checkpoint dir, transformers' model loaded back from it, fp32, eval, no EOS stop)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from spaceserve.models.tiny import build_tiny_qwen3_checkpoint
+
+    path = build_tiny_qwen3_checkpoint(root / ("tied" if tied else "untied"), tied=tied)
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return path, hf
+
+
+def pixels(grid: list[list[int]], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = sum(t * h * w for t, h, w in grid)
+    return torch.randn(n, PATCH_DIM, generator=g), torch.tensor(grid)
+
+
+def prompt_ids(config: Any, items: list[tuple[str, tuple[int, int, int]]]) -> list[int]:
+    """Text, then each item: an image as ``<vs> pads <ve>``, a video as one
+    ``<timestamp tokens> <vs> pads <ve>`` per temporal patch; a word after each item."""
+    img, vid = config.image_token_id, config.video_token_id
+    vs, ve = config.vision_start_token_id, config.vision_end_token_id
+    ids = [25, 27, 29]
+    for j, (kind, (t, h, w)) in enumerate(items):
+        if kind == "image":
+            ids += [vs] + [img] * (h * w // 4) + [ve]
+        else:
+            for f in range(t):
+                ids += [40 + f, 41, vs] + [vid] * (h * w // 4) + [ve]
+        ids.append(50 + j)
+    return ids + [44]
+
+
+def prompts(config: Any) -> list[dict]:
+    """Engine prompts: text; one image; two images of different sizes; a 3-patch video."""
+    one_pv, one_grid = pixels([[1, 4, 6]], 1)
+    two_pv, two_grid = pixels([[1, 4, 6], [1, 8, 4]], 2)
+    vid_pv, vid_grid = pixels([[3, 4, 4]], 3)
+    return [
+        {"prompt_token_ids": list(TEXT)},
+        {"prompt_token_ids": prompt_ids(config, [("image", (1, 4, 6))]),
+         "pixel_values": one_pv, "image_grid_thw": one_grid},
+        {"prompt_token_ids": prompt_ids(config, [("image", (1, 4, 6)), ("image", (1, 8, 4))]),
+         "pixel_values": two_pv, "image_grid_thw": two_grid},
+        {"prompt_token_ids": prompt_ids(config, [("video", (3, 4, 4))]),
+         "pixel_values_videos": vid_pv, "video_grid_thw": vid_grid},
+    ]
+
+
+def hf_kwargs(config: Any, prompt: dict) -> dict:
+    ids = torch.tensor([prompt["prompt_token_ids"]])
+    types = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types)
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        if key in prompt:
+            kw[key] = prompt[key]
+    return kw
+
+
+def hf_greedy(hf: Any, prompt: dict, steps: int = STEPS) -> list[int]:
+    """transformers' greedy tokens for one prompt alone."""
+    kw = hf_kwargs(hf.config, prompt)
+    with torch.no_grad():
+        out = hf.generate(**kw, max_new_tokens=steps, do_sample=False)
+    return out[0, kw["input_ids"].shape[1]:].tolist()
