@@ -68,9 +68,9 @@ def verdict(curves: Any, duration_s: float = DURATION_S) -> list[dict[str, Any]]
                      "ratio": ratio, "best_temporal_knobs": res["best-temporal"][0]["knobs"],
                      "seconds": time.perf_counter() - t0,
                      "figures": {f"spatial_over_best_temporal_{name}": round(ratio, 4)},
-                     "headline": f"SLO {name} ({text}) at {rate:g} img/s on the measured curves: "
-                     f"spatial {spatial:.2f} vs best-temporal {best:.2f} img/s within SLO "
-                     f"({ratio:.3f}x; modelled)"})
+                     "headline": f"SLO {name} ({text}) at {rate:g} img/s on the "
+                     f"{curves.source} curves: spatial {spatial:.2f} vs best-temporal "
+                     f"{best:.2f} img/s within SLO ({ratio:.3f}x; modelled)"})
     return rows
 
 
