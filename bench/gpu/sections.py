@@ -95,8 +95,9 @@ def pytest_section(budget_s: float, *args: str, timeout_s: int = GPU_TEST_TIMEOU
 # budget and keeps what it measured: kernel-suite -10 (its graph-timed kernels overlap kernels
 # and paged-attention), models -10 (its decode step is engine-step's, in the engine),
 # vit-attention -10 (also in the kernel suite and models' vision pass), gpu-tests, paged-attention,
-# kernels, qwen25-vision and autotune -5 each. The end-to-end sections (engine-step, colocation,
-# serving) run right after the kernels they stand on, before the per-component ones.
+# kernels, qwen25-vision and autotune -5 each; verdict's 20 s (the simulator on the measured
+# curves, CPU only) came from kernel-suite (40 -> 20 s). The end-to-end sections (engine-step,
+# colocation, serving) run right after the kernels they stand on, before the per-component ones.
 SECTIONS: dict[str, Section] = {
     "warmup": Section(70, "bench.gpu.warmup:run", dry="bench.gpu.warmup:dry_run",
                       dry_budget_s=15, help="compile every launcher's shapes into the run's "
@@ -126,9 +127,13 @@ SECTIONS: dict[str, Section] = {
                       help="Qwen2-VL-7B vision pass and decode step vs transformers"),
     "vit-attention": Section(20, "bench.kernels.vit_attention:run", help="ViT varlen attention"),
     "qwen25-vision": Section(20, "bench.kernels.qwen25_vision:run", help="Qwen2.5-VL-7B ViT vs HF"),
-    "kernel-suite": Section(40, "bench.kernel_suite.section:run",
+    "kernel-suite": Section(20, "bench.kernel_suite.section:run",
                             dry="bench.kernel_suite.section:dry_run", dry_budget_s=12,
                             help="the pytest-benchmark kernel suite's GPU profile (graph-timed, "
                             "7B shapes first); its JSON and plot go into the archive"),
     "autotune": Section(30, "bench.kernels.autotune:run", help="measured curves, tuned configs"),
+    "verdict": Section(20, "bench.gpu.verdict:run", dry="bench.gpu.verdict:dry_run",
+                       dry_budget_s=10, help="the measured curves (autotune's) copied up, the "
+                       "hardware facts that decide sharing, and the simulator's spatial vs "
+                       "best-temporal on them (modelled)"),
 }

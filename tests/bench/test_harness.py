@@ -127,9 +127,10 @@ def test_registered_sections() -> None:
     """Warm-up first, then in order of value; the budgets fit one 9-minute call."""
     assert list(harness.SECTIONS) == [
         "warmup", "facts", "gpu-tests", "paged-attention", "kernels", "engine-step", "colocation",
-        "serving", "models", "vit-attention", "qwen25-vision", "kernel-suite", "autotune"]
+        "serving", "models", "vit-attention", "qwen25-vision", "kernel-suite", "autotune",
+        "verdict"]  # after autotune: it judges on the curves autotune measured
     assert sum(s.budget_s for s in harness.SECTIONS.values()) <= harness.DEFAULT_TOTAL_S <= 530
-    for name in ("engine-step", "colocation", "serving"):  # their new rows show in a dry run
+    for name in ("engine-step", "colocation", "serving", "verdict"):  # rows in a dry run
         assert harness.SECTIONS[name].dry is not None, name
     import importlib
 

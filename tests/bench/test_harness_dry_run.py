@@ -173,6 +173,11 @@ def test_dry_run_runs_every_section_within_90_s(whole_run) -> None:
                  and r["mode"] == "spatial"]
         assert mem["graph_bytes"] == {} and mem["kv_block_bytes"] > 0
         assert all(isinstance(r["graph_timed"], list) for r in serving["rows"])
+    verdict = sections["verdict"]
+    if verdict["status"] == "ok":  # the simulator on the (stand-in) curves, its ratio stated
+        assert {"spatial_over_best_temporal_A", "spatial_over_best_temporal_B",
+                "decode_sms_for_90pct"} <= set(verdict["figures"])
+        assert any("best-temporal" in h for h in verdict["headlines"])
     assert "SpaceServe GPU harness summary" in (out / "harness.log").read_text()
     assert archived(out, "summary.json")["sections"][0]["name"] == "warmup"
     assert archived(out, "facts.json")["status"] == "done"

@@ -129,6 +129,8 @@ class SpaceInferenceScheduler:
         self._sat_cache: dict[tuple, int] = {}
         self._cap_cache: dict[tuple, tuple[int, bool]] = {}
         self._tpot_cache: dict[tuple, float] = {}
+        self._slo_key: tuple | None = None
+        self._slo_target = math.inf
 
     # -- predictions -------------------------------------------------------------------------
     def tpot_target(self, batch: int, context: float) -> float:
@@ -146,8 +148,12 @@ class SpaceInferenceScheduler:
 
     def slo_target(self) -> float:
         """The goodput objective's decode bound: ``decode_margin`` x the decode SLO."""
-        bound = decode_bound_s(self.slo)
-        return float("inf") if bound is None else self.decode_margin * bound
+        key = (self.slo, self.decode_margin)
+        if self._slo_key != key:  # computed once (decide asks several times a round)
+            bound = decode_bound_s(self.slo)
+            self._slo_key, self._slo_target = key, (float("inf") if bound is None
+                                                    else self.decode_margin * bound)
+        return self._slo_target
 
     def predict_tpot(self, state: SisState, encoder_sms: int) -> float:
         """Decode step time with `encoder_sms` given to a busy encoder (0: whole device; every

@@ -27,7 +27,6 @@ from spaceserve.runtime.policy.sis_state import SisState
 
 CACHE_LIMIT = 100_000  # entries per split's table before it is cleared
 _third = itemgetter(2)
-_key = attrgetter("patches", "layers_left")
 _fields = attrgetter("patches", "layers_left", "prefill_tokens", "age_s", "requests")
 
 
@@ -118,11 +117,12 @@ class StateView:
     def __init__(self, state: SisState, table: WorkTable) -> None:
         self.state, self.table = state, table
         encode = state.encode
-        self.keys = list(map(_key, encode))
         if encode:
-            patches, _, tokens, ages, requests = zip(*map(_fields, encode), strict=True)
+            patches, layers, tokens, ages, requests = zip(*map(_fields, encode), strict=True)
+            self.keys = list(zip(patches, layers, strict=True))
         else:
             patches = tokens = ages = requests = ()
+            self.keys = []
         self.tokens, self.ages, self.requests = list(tokens), list(ages), list(requests)
         self.total_requests = sum(requests)
         self.ready = list(state.prefill)

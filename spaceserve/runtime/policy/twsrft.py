@@ -51,10 +51,10 @@ import math
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Protocol
 
 from spaceserve.checks import require_choice, require_int, require_number
 from spaceserve.runtime.modes import ENCODER_POLICIES
-from spaceserve.runtime.policy.curves import CurveSet
 
 Cost = Callable[[int, int], float]
 POLICIES = ENCODER_POLICIES
@@ -100,8 +100,17 @@ class _Job:
         return sum(p for _, p in self.images)
 
 
-def curve_cost(curves: CurveSet, sms: int | Callable[[], int], corun: bool = True) -> Cost:
-    """A cost model from resource-utility curves at a fixed (or current) encoder SM count."""
+class EncoderCurve(Protocol):
+    """What TWSRFT's cost model reads of a `CurveSet` (typed by shape, so the scheduler does
+    not import the curves)."""
+
+    def encoder(self, patches: float, layers: float, sms: float,
+                corun: bool | float = False) -> float: ...
+
+
+def curve_cost(curves: EncoderCurve, sms: int | Callable[[], int], corun: bool = True) -> Cost:
+    """A cost model from resource-utility curves (a `CurveSet`) at a fixed (or current)
+    encoder SM count."""
 
     def cost(patches: int, layers: int) -> float:
         n = sms() if callable(sms) else sms

@@ -1,11 +1,12 @@
 """Discrete-event simulation of SpaceServe's schedulers on resource-utility curves.
 
 The simulator drives the real `TwsrftScheduler` and `SpaceInferenceScheduler`, and in the
-time-multiplexed modes the engine's own `Scheduler` and `BlockManager`, so its figures are the
-engine's schedule on the curves.
+time-multiplexed and co-located modes the engine's own `Scheduler` and `BlockManager`, so its
+figures are the engine's schedule on the curves (`tests/runtime/sim/test_fidelity.py`).
 
 engine.py (`Simulator`: the event loop, co-located lanes), stepped.py (the time-multiplexed
-modes' step loop, the engine's), sis_window.py (SIS's whole-GPU window), config.py
+modes' step loop, the engine's), spatial_loop.py (the co-located modes' step, the engine's:
+two lanes), sis_window.py (SIS's whole-GPU window with a data-parallel encoder), config.py
 (`SimConfig`, host-time charges), op.py (lane latencies), workload.py (arrivals), metrics.py,
 cluster.py and router.py (several GPUs behind a router), sweep/ (rate sweeps, best-temporal,
 figures), multiturn/ (the multi-turn workload), cli.py (`spaceserve sim`).

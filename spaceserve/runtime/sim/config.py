@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from spaceserve.runtime.modes import MODES, OBJECTIVES, PLACEMENTS, SIS_ACTIONS, TEMPORAL_MODES
 from spaceserve.runtime.policy.curves import CurveSet
@@ -140,3 +141,18 @@ def chunked_window_s(curves: CurveSet, c: SimConfig, budget: int | None = None) 
     step = curves.mixed_step(batch, ctx, max(0, budget - batch), c.background_context,
                              curves.num_sms) + c.host_s
     return max(MIN_WINDOW_S, c.decode_margin * bound - step)
+
+
+def engine_objects() -> SimpleNamespace:
+    """The engine's scheduler objects the simulator's step loops run (stepped.py,
+    spatial_loop.py): imported on first use, as they pull in torch, which `spaceserve sim
+    --help` must not; handed to the loops so they stay shallow in the import graph."""
+    from spaceserve.runtime.core.block_manager import BlockManager
+    from spaceserve.runtime.core.request import Request, Status
+    from spaceserve.runtime.core.sampling_params import SamplingParams
+    from spaceserve.runtime.core.scheduler import Scheduler
+    from spaceserve.runtime.spatial.batch_split import split_batch
+
+    return SimpleNamespace(BlockManager=BlockManager, Request=Request, Status=Status,
+                           SamplingParams=SamplingParams, Scheduler=Scheduler,
+                           split_batch=split_batch)

@@ -13,8 +13,8 @@ Modes:
 - ``temporal-chunked``: the same step loop, the encoder running TWSRFT-ordered layer chunks for
   one time window (``window_s``, default 20 ms) per step instead of whole passes (stepped.py);
 - ``spatial-static``: a fixed split, encoder + prefill on ``static_encoder_sms``, decode on the
-  rest, concurrently;
-- ``spatial``: SIS picks the split (and prefill placement) each scheduling round;
+  rest, concurrently: the engine's co-located step (spatial_loop.py);
+- ``spatial``: the same step, SIS picking the split (and prefill placement) every step;
 - ``shared``: both stages on all SMs without a partition; while both run, decode gets
   ``shared_decode_share`` of the SMs' throughput (default half: the block scheduler interleaves
   them fairly, an optimistic view) with co-running contention.
@@ -49,10 +49,12 @@ from spaceserve.runtime.sim.config import (
     SimConfig,
     chunked_window_s,
     default_allowed,
+    engine_objects,
     sim_policy,
 )
 from spaceserve.runtime.sim.op import Op, lane_latencies
 from spaceserve.runtime.sim.sis_window import dispatch_sis_window
+from spaceserve.runtime.sim.spatial_loop import SpatialLoop
 from spaceserve.runtime.sim.stepped import StepLoop
 from spaceserve.runtime.sim.workload import Request
 
@@ -89,9 +91,12 @@ class Simulator:
         kw = dict(policy=policy, window_s=window, max_wait_s=c.max_wait_s, clock=clock,
                   token_budget=c.token_budget, deadline_s=deadline, overdue_s=self.policy.overdue_s)
         ranks = int(self.curves.model.get("encoder_ranks", 1))  # a data-parallel encoder
-        self.loop = StepLoop(self, policy, deadline) if temporal else None
+        stepped = c.mode in ("spatial", "spatial-static") and ranks == 1  # the engine's step
+        engine = engine_objects() if temporal or stepped else None
+        self.loop = StepLoop(self, policy, deadline, engine) if temporal else \
+            SpatialLoop(self, engine) if stepped else None
         if self.loop is not None:  # the engine's stage: None for temporal's FIFO passes
-            self.sched = self.loop.twsrft if c.mode == "temporal-chunked" else None
+            self.sched = self.loop.twsrft if c.mode != "temporal" else None
         elif ranks == 1:
             self.sched = TwsrftScheduler(self.curves.encoder_depth, cost, **kw)
         else:

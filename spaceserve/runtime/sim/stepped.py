@@ -32,42 +32,37 @@ from spaceserve.runtime.sim.workload import PATCHES_PER_TOKEN, Request
 TOKEN = 1  # every simulated draw: never a stop token (requests end by length)
 
 
-def batch_seconds(curves: CurveSet, batch: Any, sms: int) -> float:
-    """Whole-GPU seconds of one engine step: the decode step of its single-token sequences at
-    their mean context, plus each prefill chunk's marginal cost over the smallest prefill pass
-    (which streams the weights the decode step streams anyway); a step without decodes pays
-    its first chunk whole (`CurveSet.mixed_step` for one chunk)."""
+def batch_seconds(curves: CurveSet, batch: Any, sms: int, corun: bool | int = False,
+                  side: str = "decoder") -> float:
+    """Seconds of one engine step on `sms` SMs (`corun`: the other side's SMs while it runs
+    beside, False alone; `side`: whose contention a prefill chunk pays): the decode step of its
+    single-token sequences at their mean context, plus each prefill chunk's marginal cost over
+    the smallest prefill pass (which streams the weights the decode step streams anyway); a step
+    without decodes pays its first chunk whole (`CurveSet.mixed_step` for one chunk)."""
     nd = batch.num_decodes
     ctx = sum(batch.num_cached[:nd]) / nd + 1 if nd else 0.0
-    t = curves.decode(nd, ctx, sms) if nd else 0.0
+    t = curves.decode(nd, ctx, sms, corun) if nd else 0.0
     tokens0 = curves.prefill_curve.grid["tokens"][0]
     for n, c in zip(batch.num_new[nd:], batch.num_cached[nd:], strict=True):
-        whole = curves.prefill(n, c, sms, False, "decoder")
-        t += whole if t == 0.0 else max(0.0, whole - curves.prefill(tokens0, c, sms, False,
-                                                                       "decoder"))
+        whole = curves.prefill(n, c, sms, corun, side)
+        t += whole if t == 0.0 else max(0.0, whole - curves.prefill(tokens0, c, sms, corun,
+                                                                       side))
     return t
 
 
 class StepLoop:
     """The engine's step loop for one simulated GPU (a `Simulator`) in a time-multiplexed
-    mode. The engine's scheduler objects are imported here: they pull in torch, which
-    `spaceserve sim --help` must not."""
+    mode. `engine` holds the engine's scheduler objects (`config.engine_objects`)."""
 
-    def __init__(self, sim: Any, policy: str, deadline_s: float | None) -> None:
-        from spaceserve.runtime.core.block_manager import BlockManager
-        from spaceserve.runtime.core.request import Request as CoreRequest
-        from spaceserve.runtime.core.request import Status
-        from spaceserve.runtime.core.sampling_params import SamplingParams
-        from spaceserve.runtime.core.scheduler import Scheduler
-
-        self._request, self._params, self._finished = CoreRequest, SamplingParams, \
-            Status.FINISHED
+    def __init__(self, sim: Any, policy: str, deadline_s: float | None, engine: Any) -> None:
+        self._request, self._params, self._finished = engine.Request, engine.SamplingParams, \
+            engine.Status.FINISHED
         c, curves = sim.config, sim.curves
         self.sim, self.curves, self.total = sim, curves, curves.num_sms
-        self.bm = BlockManager(c.kv_blocks, c.block_size)
-        self.sched = Scheduler(self.bm, max_num_seqs=c.max_num_seqs,
-                               max_num_batched_tokens=c.max_num_batched_tokens,
-                               max_model_len=1 << 40, is_ready=self._ready)
+        self.bm = engine.BlockManager(c.kv_blocks, c.block_size)
+        self.sched = engine.Scheduler(self.bm, max_num_seqs=c.max_num_seqs,
+                                      max_num_batched_tokens=c.max_num_batched_tokens,
+                                      max_model_len=1 << 40, is_ready=self._ready)
         self.chunked = c.mode == "temporal-chunked"
         self.window_s = sim.window_s
         self.core: dict[int, Any] = {}  # sim rid -> the scheduler's request
@@ -232,8 +227,12 @@ class StepLoop:
                     self.encoded.add(req.rid)
                     self.held.add(req.rid)
             return
-        batch = op.payload
         self.num_steps += 1
+        self.account(op.payload)
+
+    def account(self, batch: Any) -> None:
+        """A batch's tokens were drawn now: advance its requests (first tokens, tokens)."""
+        sim = self.sim
         drawn = batch.drawn_reqs
         finished = self.sched.update(batch, [TOKEN] * len(drawn), sim.now)
         del finished  # every drawn request was live (steps are not pipelined)

@@ -5,5 +5,6 @@ the other), encoder_stage.py (`SpatialEncoderStage`: TWSRFT-ordered, preemptible
 boundaries), launches.py (cooperative and threaded encoder launches), partition.py
 (`PartitionSet`: one partition per split and the whole device), green_context.py (CUDA green
 contexts through cuda.bindings), partition_probe.py (a split's SMs checked when it is made),
-split_set.py (the split set chosen at start-up).
+split_set.py (the split set chosen at start-up), batch_split.py (a step's batch cut into its
+decodes and its prefill chunks).
 """

@@ -44,6 +44,7 @@ from spaceserve.runtime.core.scheduler import Scheduler
 from spaceserve.runtime.policy.model_curves import load_curves
 from spaceserve.runtime.policy.scheduling import SchedulingPolicy
 from spaceserve.runtime.policy.sis import SisState, SpaceInferenceScheduler, Split
+from spaceserve.runtime.spatial.batch_split import split_batch
 from spaceserve.runtime.spatial.encoder_stage import SpatialEncoderStage
 from spaceserve.runtime.spatial.partition import Partition, PartitionSet
 from spaceserve.runtime.spatial.split_set import encoder_split_set, engine_policy, make_partitions
@@ -53,29 +54,6 @@ CONTEXT_BUCKET = 64  # SIS sees the mean decode context rounded to this
 # decode batch. Two matches the runner planner's double-buffered pinned staging, whose reuse
 # waits for the copy that last read the buffer (queued behind encoder work on that stream).
 MAX_COMPUTE_PREFILLS = 2
-
-
-def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, ScheduledBatch | None]:
-    """(decode part, prefill part) of a batch; either is None when empty."""
-    nd, n = batch.num_decodes, batch.num_seqs
-    dec = pre = None
-    copies = batch.block_copies  # copy on write happens only to decoding requests' blocks
-    if nd:
-        dec = ScheduledBatch(batch.reqs[:nd], batch.num_cached[:nd], batch.num_new[:nd],
-                             batch.need_logits[:nd], batch.sample_reqs[:nd], nd, nd,
-                             batch.preempted, block_copies=copies, pending=batch.pending,
-                             grown=batch.grown, admissions=batch.admissions,
-                             forks=[f for f in batch.forks if f[0] < nd],
-                             partition=batch.partition)
-    if n > nd:
-        pre = ScheduledBatch(batch.reqs[nd:], batch.num_cached[nd:], batch.num_new[nd:],
-                             batch.need_logits[nd:], batch.sample_reqs[nd:], 0,
-                             batch.num_tokens - nd, [] if dec else batch.preempted,
-                             block_copies=[] if dec else copies, grown=batch.grown,
-                             admissions=batch.admissions,
-                             forks=[(i - nd, c) for i, c in batch.forks if i >= nd],
-                             partition=batch.partition)
-    return dec, pre
 
 
 @dataclass

@@ -40,7 +40,7 @@ def test_engine_and_simulator_schedule_alike(slo, objective) -> None:
     for name in ("allowed", "objective", "slo", "decode_margin", "comfort_factor",
                  "tpot_factor", "total"):
         assert getattr(a, name) == getattr(b, name), name
-    x, y = eng.spatial.stage.sched.scheds[0], sim.sched  # the engine's: one queue per rank
+    x, y = eng.spatial.stage.sched.scheds[0], sim.sched.scheds[0]  # one queue per rank
     for name in ("deadline_s", "window_s", "max_wait_s", "token_budget", "policy"):
         assert getattr(x, name) == getattr(y, name), name
     assert x.deadline_s == (None if "ttft" not in slo else pytest.approx(1.8))
@@ -83,7 +83,7 @@ def test_time_multiplexed_baselines_get_the_same_encoder_scheduling() -> None:
     engine; temporal runs the engine's whole FIFO passes."""
     curves = load_curves(None, NullModelRunner())
     slo = Slo.parse("ttft:2000,itl:21")
-    spatial = Simulator(curves, SimConfig(mode="spatial", slo=slo)).sched
+    spatial = Simulator(curves, SimConfig(mode="spatial", slo=slo)).sched.scheds[0]
     cfg = SimConfig(mode="temporal-chunked", slo=slo)
     chunked = Simulator(curves, cfg).sched.scheds[0]
     temporal = Simulator(curves, SimConfig(mode="temporal", slo=slo))

