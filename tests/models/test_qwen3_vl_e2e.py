@@ -134,3 +134,22 @@ def test_timestamped_video_positions_equal_get_rope_index(case) -> None:
     theirs, their_delta = hf.model.get_rope_index(ids, hf_in["mm_token_type_ids"],
                                                   video_grid_thw=hf_in["video_grid_thw"])
     assert torch.equal(ours, theirs[:, 0]) and int(delta) == int(their_delta)
+
+
+def test_one_source_of_processor_settings(case) -> None:
+    """The tiny checkpoint's processor files, as the input side loads them, and the model's
+    `image_processor` give Qwen3-VL's settings (`qwen3_vl.processing`): patch 16, temporal
+    patch 2, merge 2, mean and std 0.5; videos are sampled the Qwen3-VL way."""
+    path, _, pre, _ = case
+    from spaceserve.models import from_pretrained
+    from spaceserve.models.qwen3_vl.processing import processor_settings
+    from spaceserve.runtime.inputs.media.frames_qwen3 import Qwen3VideoSampling
+
+    want = processor_settings()
+    assert want == {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+    model = from_pretrained(path, attention_backend="torch", dtype=torch.float32, device="cpu")
+    assert isinstance(pre.video_sampling, Qwen3VideoSampling)
+    for proc in (pre.image_processor, pre.video_sampling, model.image_processor()):
+        got = {k: getattr(proc, k) for k in want}
+        assert {k: list(v) if isinstance(v, tuple) else v for k, v in got.items()} == want, proc

@@ -288,3 +288,33 @@ def test_a_video_fits_the_context(frames: int, h: int, w: int) -> None:
     assert 384 * _tokens(big, 720, 1280, 768) > 1024 >= 384 * _tokens(big.within_tokens(1024),
                                                                     720, 1280, 768)
     assert VideoSampling().within_tokens(1000).max_video_tokens == 1000
+
+
+def test_missing_processor_fields_are_qwen3s_and_a_wrong_patch_is_refused(qwen3_dir,
+                                                                         tmp_path) -> None:
+    """A Qwen3-VL ``preprocessor_config.json`` without patch geometry or normalisation gets
+    Qwen3-VL's (not the Qwen2-VL processor's 14-px patches and CLIP mean); a processor whose
+    patch size is not config.json's vision_config's is refused by name."""
+    import shutil
+
+    from spaceserve.runtime.inputs.prompt_encoder import PromptEncoder
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(qwen3_dir, root)
+    cfg = json.loads((root / "preprocessor_config.json").read_text())
+    for key in ("patch_size", "merge_size", "image_mean", "image_std"):
+        cfg.pop(key)
+    (root / "preprocessor_config.json").write_text(json.dumps(cfg))
+    (root / "video_preprocessor_config.json").write_text(json.dumps({"fps": 2}))
+    (root / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {
+        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2}}))
+    enc = PromptEncoder.from_pretrained(root)
+    for proc in (enc.image_processor, enc.video_sampling):
+        assert (proc.patch_size, proc.merge_size) == (16, 2)
+        assert list(proc.image_mean) == list(proc.image_std) == [0.5] * 3
+    shutil.copy(qwen3_dir / "preprocessor_config.json", root)  # it says patch_size 16
+    (root / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {
+        "patch_size": 14}}))
+    with pytest.raises(ValueError, match="patch_size=16, but config.json's vision_config has "
+                                         "patch_size=14"):
+        PromptEncoder.from_pretrained(root)
