@@ -227,6 +227,10 @@ def build_tiny_qwen3_checkpoint(path: str | os.PathLike | None = None, *, seed: 
                         force=force)
 
 
+# The `--model` names the tiny checkpoints are built under (`resolve_model`).
+TINY_MODELS = ("tiny", "tiny-qwen3-vl", "tiny-qwen3-vl-untied")
+
+
 def resolve_model(model: str) -> Path:
     """`--model` value to a checkpoint directory: ``tiny`` builds/reuses the tiny Qwen2-VL
     one, ``tiny-qwen3-vl`` (``-untied``) the tiny Qwen3-VL one."""

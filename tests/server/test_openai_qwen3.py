@@ -113,3 +113,17 @@ def test_openai_client_answers_with_media_token_usage(qwen3, client, kind: str) 
     # the answer is the engine's own greedy answer to the same prompt
     out = engine.generate([prompt], SamplingParams(ignore_eos=True, **PARAMS))[0]
     assert r.choices[0].token_ids == out.token_ids and r.choices[0].message.content == out.text
+
+
+def test_bench_serve_takes_the_tiny_qwen3_vl_name() -> None:
+    """`spaceserve bench serve --model tiny-qwen3-vl` is accepted (as `spaceserve serve`
+    takes it) and its modelled prediction stands for Qwen3-VL-8B."""
+    from spaceserve.bench.modelled import target_config
+    from spaceserve.bench.serve import build_parser, check_model_args
+
+    for name in ("tiny-qwen3-vl", "tiny-qwen3-vl-untied"):
+        check_model_args(build_parser().parse_args(["--model", name]))
+        config, label = target_config(name)
+        assert config.model_type == "qwen3_vl" and label.startswith("Qwen3-VL-8B")
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        check_model_args(build_parser().parse_args(["--model", "tiny-qwen3"]))
