@@ -83,22 +83,27 @@ def image_processor_defaults(path: str | os.PathLike, family: str | None) -> dic
     return {k: v for k, v in settings.items() if k not in written}
 
 
+class ProcessorMismatch(ValueError):
+    """A checkpoint's processor files disagree with its model (`check_geometry`): loading
+    stops here rather than falling back to a processor that cannot take media."""
+
+
 # (processor field, vision_config field)
 GEOMETRY = (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
             ("merge_size", "spatial_merge_size"))
 
 
 def check_geometry(path: str | os.PathLike, *processors: Any) -> None:
-    """ValueError naming the field when an image processor's or video sampling's patch
-    geometry is not the vision tower's (``config.json``'s ``vision_config``): the prompt's
-    token counts would not be what the encoder returns. Fields either side lacks are not
-    compared."""
+    """ProcessorMismatch (a ValueError) naming the field when an image processor's or video
+    sampling's patch geometry is not the vision tower's (``config.json``'s
+    ``vision_config``): the prompt's token counts would not be what the encoder returns.
+    Fields either side lacks are not compared."""
     vision = _vision_config(path)
     for proc in processors:
         for ours, theirs in GEOMETRY:
             want, got = vision.get(theirs), getattr(proc, ours, None)
             if isinstance(want, int) and isinstance(got, int) and want != got:
-                raise ValueError(
+                raise ProcessorMismatch(
                     f"{os.fspath(path)}: the {type(proc).__name__} has {ours}={got}, but "
                     f"config.json's vision_config has {theirs}={want}; fix the checkpoint's "
                     "preprocessor_config.json / video_preprocessor_config.json")
@@ -129,5 +134,6 @@ def chat_template(path: str | os.PathLike, family: str | None) -> str | None:
 
 
 __all__ = ["FAMILY_SAMPLING", "FAMILY_TEMPLATES", "GEOMETRY", "QWEN3_VL_CHAT_TEMPLATE",
+           "ProcessorMismatch",
            "chat_template", "check_geometry", "image_processor_defaults", "model_family",
            "sampling_class"]

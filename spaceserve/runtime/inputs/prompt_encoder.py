@@ -81,7 +81,7 @@ class PromptEncoder:
         checkpoint's ``chat_template.jinja`` / ``.json`` or its family's
         (`family.chat_template`). Fields the processor files leave out take the family's
         settings (`family.image_processor_defaults`); a patch geometry other than the vision
-        tower's is a ValueError (`family.check_geometry`)."""
+        tower's is a `family.ProcessorMismatch` (`family.check_geometry`)."""
         from transformers import AutoImageProcessor, AutoTokenizer
 
         path = os.fspath(path)

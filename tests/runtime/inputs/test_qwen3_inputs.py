@@ -315,6 +315,7 @@ def test_missing_processor_fields_are_qwen3s_and_a_wrong_patch_is_refused(qwen3_
     shutil.copy(qwen3_dir / "preprocessor_config.json", root)  # it says patch_size 16
     (root / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {
         "patch_size": 14}}))
-    with pytest.raises(ValueError, match="patch_size=16, but config.json's vision_config has "
-                                         "patch_size=14"):
-        PromptEncoder.from_pretrained(root)
+    for load in (PromptEncoder.from_pretrained, load_processor):  # the server's, the engine's
+        with pytest.raises(ValueError, match="patch_size=16, but config.json's vision_config "
+                                             "has patch_size=14"):
+            load(str(root))
