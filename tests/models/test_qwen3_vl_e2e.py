@@ -1,7 +1,8 @@
 """Qwen3-VL end to end on the tiny checkpoint: chat messages through SpaceServe's input path
 (runtime/inputs: template, image processor, timestamped video) into the engine give
 transformers' greedy tokens, where transformers' ``Qwen3VLProcessor`` built its inputs from the
-same messages, media and checkpoint directory.
+same messages, media and checkpoint directory (the video also in temporal-chunked mode and
+in spatial mode with prefill chunks cutting through its patches).
 
 transformers' video processor resizes with torchvision, which this environment lacks: its video
 half here is `qwen3_ref.HFVideos` (transformers' sampling, size rule, patch order and metadata;
@@ -96,8 +97,14 @@ def _hf_inputs(case, kind: str) -> tuple[list[dict], dict]:
     return ours, {k: v for k, v in enc.items() if k != "video_metadata"}
 
 
-@pytest.mark.parametrize("kind", ["image", "video"])
-def test_chat_to_engine_greedy_equals_transformers(case, kind: str) -> None:
+@pytest.mark.parametrize("kind, mode, extra", [
+    ("image", "temporal", {}),
+    ("video", "temporal", {}),
+    ("video", "temporal-chunked", {}),
+    ("video", "spatial", {"max_num_batched_tokens": 8}),  # prefill chunks cut through patches
+])
+def test_chat_to_engine_greedy_equals_transformers(case, kind: str, mode: str,
+                                                   extra: dict) -> None:
     path, hf, pre, _ = case
     messages, hf_in = _hf_inputs(case, kind)
     prompt = pre.prepare(messages, ImageLimits(), VideoLimits())
@@ -113,8 +120,9 @@ def test_chat_to_engine_greedy_equals_transformers(case, kind: str) -> None:
     with torch.no_grad():
         out = hf.generate(**hf_in, max_new_tokens=STEPS, do_sample=False)
     expected = out[0, hf_in["input_ids"].shape[1]:].tolist()
-    engine = Engine.from_pretrained(path, device="cpu", attention_backend="torch",
-                                    block_size=4, num_kv_blocks=64)
+    engine = Engine.from_pretrained(path, mode=mode, device="cpu", attention_backend="torch",
+                                    block_size=4, num_kv_blocks=64, encoder_window_s=1e-9,
+                                    **extra)
     got = engine.generate([prompt], GREEDY)[0]
     assert got.error is None and got.token_ids == expected
     engine.check_idle()
