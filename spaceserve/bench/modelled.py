@@ -30,6 +30,10 @@ def target_config(model: str) -> tuple[Any, str]:
     if is_random_model(model):
         return random_config(model), model.removesuffix("-random")
     path = Path(model).expanduser()
+    if model.startswith("tiny-qwen3-vl"):
+        from spaceserve.runtime.policy.analytic.model import qwen3_vl_8b_config
+
+        return qwen3_vl_8b_config(), "Qwen3-VL-8B (what the tiny model stands in for)"
     if model != "tiny" and (path / "config.json").is_file():
         from transformers import AutoConfig
 

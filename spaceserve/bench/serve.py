@@ -66,6 +66,7 @@ from spaceserve.bench.report.tables import (
 from spaceserve.bench.schedule import CUT, run_one
 from spaceserve.bench.workload import ServeWorkload, parse_mix
 from spaceserve.cli_args import HelpFormatter
+from spaceserve.models.tiny import TINY_MODELS
 from spaceserve.runtime.engine.args import (
     SM_BUDGET_FIELDS,
     add_engine_args,
@@ -196,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     p.add_argument("--backend", choices=("inprocess", "http"), default="inprocess",
                    help="where requests go: engines in this process, or a server over HTTP")
-    p.add_argument("--model", default="tiny", help="checkpoint directory, 'tiny', or a "
-                   f"random-weight model: {', '.join(RANDOM_MODELS)}")
+    p.add_argument("--model", default="tiny", help="checkpoint directory, 'tiny', "
+                   f"'tiny-qwen3-vl', or a random-weight model: {', '.join(RANDOM_MODELS)}")
     p.add_argument("--llm-layers", type=int,
                    help="random-weight models: LLM layers to keep (default: all)")
     p.add_argument("--sim", action="store_true",
@@ -251,10 +252,11 @@ def check_model_args(args: argparse.Namespace) -> None:
     if args.llm_layers is not None:
         raise ValueError(f"--llm-layers applies to the random-weight models only "
                          f"({', '.join(RANDOM_MODELS)}), not --model {args.model!r}")
-    if args.backend == "inprocess" and args.model != "tiny" and \
+    if args.backend == "inprocess" and args.model not in TINY_MODELS and \
             not (Path(args.model).expanduser() / "config.json").is_file():
         raise ValueError(f"--model {args.model!r}: not a checkpoint directory (no config.json), "
-                         f"'tiny' or a random-weight model ({', '.join(RANDOM_MODELS)})")
+                         "'tiny', 'tiny-qwen3-vl' or a random-weight model "
+                         f"({', '.join(RANDOM_MODELS)})")
 
 
 def _where(args: argparse.Namespace) -> str:
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     modes = args.modes if args.backend == "inprocess" else [args.label]
     cut = f" (LLM cut to {args.llm_layers} layers)" if args.llm_layers else ""
-    weights = " (random weights)" if args.model == "tiny" else ""
+    weights = " (random weights)" if args.model in TINY_MODELS else ""
     head = title(args.backend, f"{args.model}{weights}{cut}", where, modes)
     print(f"serving benchmark: {head}\nrates {rates} req/s, {args.duration:g} s each, mix "
           f"{args.image_mix}, probes {args.probe_rate:g}/s, SLO {slo} ms")

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spaceserve.models.qwen3_vl.processing import processor_settings
+
 TINY_VERSION = 2
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -152,10 +154,9 @@ def install_once(target: Path, want: dict, write: Callable[[Path], None], *,
 QWEN3_TINY_VERSION = 1
 # Pixel budget of its image processor: 4 to 64 LLM tokens per image (32x32 px each).
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 4 * 32 * 32, 64 * 32 * 32
+# Patch geometry and normalisation: `qwen3_vl.processing` (the input side's, the model's).
 QWEN3_VIDEO = {"size": {"shortest_edge": 4 * 32 * 32, "longest_edge": 16 * 32 * 32},
-               "fps": 2.0, "min_frames": 2, "max_frames": 8, "patch_size": 16,
-               "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
-               "image_std": [0.5, 0.5, 0.5]}
+               "fps": 2.0, "min_frames": 2, "max_frames": 8, **processor_settings()}
 
 
 def qwen3_tiny_config(ids: dict[str, int], vocab_size: int, *, tied: bool) -> Any:
@@ -201,12 +202,12 @@ def _write_qwen3(path: Path, seed: int, vocab_size: int, *, tied: bool = True) -
     GenerationConfig(eos_token_id=ids["<|im_end|>"], bos_token_id=ids["<|endoftext|>"]
                      ).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
-                             image_mean=[0.5] * 3, image_std=[0.5] * 3,
-                             min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS
-                             ).save_pretrained(path)
+    settings = processor_settings(config.vision_config)
+    Qwen2VLImageProcessorPil(min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
+                             **settings).save_pretrained(path)
     (path / "video_preprocessor_config.json").write_text(json.dumps(
-        {"video_processor_type": "Qwen3VLVideoProcessor", **QWEN3_VIDEO}, indent=2))
+        {"video_processor_type": "Qwen3VLVideoProcessor", **QWEN3_VIDEO, **settings},
+        indent=2))
 
 
 def qwen3_dir(tied: bool = True) -> Path:
@@ -224,6 +225,10 @@ def build_tiny_qwen3_checkpoint(path: str | os.PathLike | None = None, *, seed: 
             "vocab_size": vocab_size, "tied": tied}
     return install_once(target, want, lambda tmp: _write_qwen3(tmp, seed, vocab_size, tied=tied),
                         force=force)
+
+
+# The `--model` names the tiny checkpoints are built under (`resolve_model`).
+TINY_MODELS = ("tiny", "tiny-qwen3-vl", "tiny-qwen3-vl-untied")
 
 
 def resolve_model(model: str) -> Path:

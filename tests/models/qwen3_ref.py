@@ -80,3 +80,68 @@ def hf_greedy(hf: Any, prompt: dict, steps: int = STEPS) -> list[int]:
     with torch.no_grad():
         out = hf.generate(**kw, max_new_tokens=steps, do_sample=False)
     return out[0, kw["input_ids"].shape[1]:].tolist()
+
+
+class HFVideos:
+    """transformers' ``Qwen3VLVideoProcessor`` (sampling, size rule, patch order, normalisation
+    in its fused form, metadata for the timestamps) with the one resize done by PIL: its own
+    resize needs torchvision, which the test environment lacks. Takes decoded RGB frames and
+    their frame rates (`source_fps`, one per video, set before each call)."""
+
+    def __init__(self, settings: dict) -> None:
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        self.settings = {k: v for k, v in settings.items() if k != "video_processor_type"}
+        self.vp = Qwen3VLVideoProcessor(**self.settings)
+        self.merge_size = self.settings["merge_size"]
+        self.temporal_patch_size = self.settings["temporal_patch_size"]
+        self.source_fps: list[float] = []
+
+    def __call__(self, videos: Any, **kwargs: Any) -> Any:
+        import numpy as np
+        from PIL import Image
+        from transformers.feature_extraction_utils import BatchFeature
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+        from transformers.video_utils import VideoMetadata
+
+        s, pvs, grids, metas = self.settings, [], [], []
+        p, m, tps = s["patch_size"], self.merge_size, self.temporal_patch_size
+        for frames, fps in zip(videos, self.source_fps, strict=True):
+            frames = np.asarray(frames)
+            md = VideoMetadata(total_num_frames=len(frames), fps=fps, width=frames.shape[2],
+                               height=frames.shape[1], duration=len(frames) / fps)
+            idx = self.vp.sample_frames(md)
+            md.frames_indices = idx
+            h, w = smart_resize(len(idx), frames.shape[1], frames.shape[2], temporal_factor=tps,
+                                factor=p * m, min_pixels=s["size"]["shortest_edge"],
+                                max_pixels=s["size"]["longest_edge"])
+            kept = np.stack([np.asarray(Image.fromarray(frames[i]).resize(
+                (w, h), Image.BICUBIC)) for i in idx])
+            x = torch.from_numpy(kept).permute(0, 3, 1, 2).float()
+            mean, std = (torch.tensor(s[k]).view(1, 3, 1, 1) for k in ("image_mean", "image_std"))
+            x = (x - mean * 255) / (std * 255)  # rescale and normalise fused, as transformers
+            patches, *grid = self.vp.patchify(x[None], patch_size=p, merge_size=m,
+                                              temporal_patch_size=tps)
+            pvs.append(patches[0])
+            grids.append(torch.tensor([grid]))
+            metas.append(md)
+        return BatchFeature({"pixel_values_videos": torch.cat(pvs),
+                             "video_grid_thw": torch.cat(grids), "video_metadata": metas})
+
+
+def hf_processor(path: Path) -> Any:
+    """transformers' ``Qwen3VLProcessor`` on a checkpoint directory: its tokenizer and image
+    processor as transformers loads them, `HFVideos` for the video half."""
+    import json
+
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    class Reference(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, *args: Any, **kwargs: Any) -> None:
+            return None  # accept the stand-in video processor
+
+    settings = json.loads((Path(path) / "video_preprocessor_config.json").read_text())
+    return Reference(image_processor=AutoImageProcessor.from_pretrained(path),
+                     tokenizer=AutoTokenizer.from_pretrained(path),
+                     video_processor=HFVideos(settings))

@@ -18,6 +18,7 @@ import torch
 
 from spaceserve.models.mrope import _grid_rows, mrope_positions
 from spaceserve.models.qwen2_vl import Qwen2VL
+from spaceserve.models.qwen3_vl.processing import processor_settings
 from spaceserve.models.qwen3_vl.text import Qwen3LanguageModel
 from spaceserve.models.qwen3_vl.vision import Qwen3VisionEncoder
 
@@ -58,7 +59,8 @@ class Qwen3VL(Qwen2VL):
 
     def image_processor(self, **kwargs: Any) -> Any:
         """transformers' Qwen2VLImageProcessor with this model's patch geometry (patch 16) and
-        Qwen3-VL's normalisation (mean and std 0.5)."""
-        kwargs.setdefault("image_mean", [0.5, 0.5, 0.5])
-        kwargs.setdefault("image_std", [0.5, 0.5, 0.5])
+        Qwen3-VL's normalisation (mean and std 0.5): `processing.processor_settings`, the
+        settings the input side and the tiny checkpoint's processor files use too."""
+        for key, value in processor_settings(self.config.vision_config).items():
+            kwargs.setdefault(key, value)
         return super().image_processor(**kwargs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spaceserve.runtime.inputs.family import model_family
+from spaceserve.runtime.inputs.family import ProcessorMismatch, model_family
 
 # Families whose prompts SpaceServe builds itself (`ChatPreprocessor`): Qwen3-VL's video path in
 # transformers needs torchvision, and its timestamps need the sampled frames' source times.
@@ -18,12 +18,15 @@ def _own(path: str) -> Any:
 
     try:
         return ChatPreprocessor.from_pretrained(path)
+    except ProcessorMismatch:
+        raise  # processor files that contradict the model: not a missing processor
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def load_processor(path: str) -> tuple[Any, Any]:
-    """The checkpoint's tokenizer and processor from a local directory (None when absent)."""
+    """The checkpoint's tokenizer and processor from a local directory (None when absent);
+    `family.ProcessorMismatch` when its processor files contradict its ``config.json``."""
     from transformers import AutoProcessor, AutoTokenizer
 
     tokenizer = processor = None

@@ -24,7 +24,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from spaceserve.runtime.inputs.errors import InputError, safe_detail
-from spaceserve.runtime.inputs.family import chat_template, model_family, sampling_class
+from spaceserve.runtime.inputs.family import (
+    chat_template,
+    check_geometry,
+    image_processor_defaults,
+    model_family,
+    sampling_class,
+)
 from spaceserve.runtime.inputs.media.frames import VideoSampling, video_patches
 from spaceserve.runtime.inputs.media.frames_qwen3 import timestamp_text
 from spaceserve.runtime.inputs.media.images import image_hash
@@ -73,7 +79,9 @@ class PromptEncoder:
         (``config.json``'s ``model_type``: `family.sampling_class`; see
         `VideoSampling.from_pretrained`). A tokenizer without a chat template gets the
         checkpoint's ``chat_template.jinja`` / ``.json`` or its family's
-        (`family.chat_template`)."""
+        (`family.chat_template`). Fields the processor files leave out take the family's
+        settings (`family.image_processor_defaults`); a patch geometry other than the vision
+        tower's is a `family.ProcessorMismatch` (`family.check_geometry`)."""
         from transformers import AutoImageProcessor, AutoTokenizer
 
         path = os.fspath(path)
@@ -83,8 +91,10 @@ class PromptEncoder:
             tokenizer.chat_template = chat_template(path, kind)
         image_processor = sampling = None
         if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
-            image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+            image_processor = AutoImageProcessor.from_pretrained(
+                path, local_files_only=True, **image_processor_defaults(path, kind))
             sampling = sampling_class(kind).from_pretrained(path, image_processor)
+            check_geometry(path, image_processor, sampling)
         return cls(tokenizer, image_processor, image_token_id=image_token_id,
                    video_sampling=sampling, video_token_id=video_token_id)
 

@@ -4,10 +4,10 @@ and processor compute them, and whole prompts (token ids, pixel values, grids) e
 transformers' ``Qwen3VLProcessor``'s for an image, two images of different sizes and a video.
 
 transformers' video processor resizes and converts frames with torchvision, which this
-environment lacks; the reference below runs transformers' own sampling (``sample_frames``), size
-rule (``smart_resize``), patch order (``patchify``) and normalisation (its fused form),
-timestamps and prompt expansion (``Qwen3VLProcessor``), with the one resize done by PIL, as
-SpaceServe does it.
+environment lacks; the reference (`tests.models.qwen3_ref.HFVideos`) runs transformers' own
+sampling (``sample_frames``), size rule (``smart_resize``), patch order (``patchify``) and
+normalisation (its fused form), timestamps and prompt expansion (``Qwen3VLProcessor``), with
+the one resize done by PIL, as SpaceServe does it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from spaceserve.runtime.inputs.family import model_family, sampling_class
 from spaceserve.runtime.inputs.media.frames import VideoSampling
 from spaceserve.runtime.inputs.media.frames_qwen3 import Qwen3VideoSampling
 from tests.clips import encode_clip
+from tests.models.qwen3_ref import HFVideos
 
 pytest.importorskip("av")
 
@@ -74,46 +75,6 @@ def _video_processor():
                                     if k != "video_processor_type"})
 
 
-class _RefVideos:
-    """transformers' Qwen3-VL video processing with PIL doing the resize (see the docstring)."""
-
-    def __init__(self) -> None:
-        self.vp = _video_processor()
-        self.merge_size, self.temporal_patch_size = 2, 2
-        self.source_fps: list[float] = []  # each video's frame rate (its metadata)
-
-    def __call__(self, videos, **kwargs):
-        from PIL import Image
-        from transformers.feature_extraction_utils import BatchFeature
-        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
-        from transformers.video_utils import VideoMetadata
-
-        pvs, grids, metas = [], [], []
-        for frames, fps in zip(videos, self.source_fps, strict=True):
-            frames = np.asarray(frames)
-            md = VideoMetadata(total_num_frames=len(frames), fps=fps, width=frames.shape[2],
-                               height=frames.shape[1], duration=len(frames) / fps)
-            idx = self.vp.sample_frames(md)
-            md.frames_indices = idx
-            size = VIDEO["size"]
-            h, w = smart_resize(len(idx), frames.shape[1], frames.shape[2], temporal_factor=2,
-                                factor=32, min_pixels=size["shortest_edge"],
-                                max_pixels=size["longest_edge"])
-            kept = np.stack([np.asarray(Image.fromarray(frames[i]).resize(
-                (w, h), Image.BICUBIC)) for i in idx])
-            x = torch.from_numpy(kept).permute(0, 3, 1, 2).float()
-            # rescale and normalise fused, as transformers does it (mean and std / 1/255)
-            x = (x - 127.5) / 127.5
-            patches, *grid = self.vp.patchify(x[None], patch_size=16, merge_size=2,
-                                              temporal_patch_size=2)
-            out = {"pixel_values_videos": patches[0], "video_grid_thw": torch.tensor([grid])}
-            pvs.append(out["pixel_values_videos"])
-            grids.append(out["video_grid_thw"])
-            metas.append(md)
-        return BatchFeature({"pixel_values_videos": torch.cat(pvs),
-                             "video_grid_thw": torch.cat(grids), "video_metadata": metas})
-
-
 def _reference(tokenizer, image_processor):
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
@@ -122,7 +83,7 @@ def _reference(tokenizer, image_processor):
             return None
 
     return Reference(image_processor=image_processor, tokenizer=tokenizer,
-                     video_processor=_RefVideos())
+                     video_processor=HFVideos(VIDEO))
 
 
 def _decoded(raw: bytes) -> tuple[np.ndarray, float]:
@@ -288,3 +249,34 @@ def test_a_video_fits_the_context(frames: int, h: int, w: int) -> None:
     assert 384 * _tokens(big, 720, 1280, 768) > 1024 >= 384 * _tokens(big.within_tokens(1024),
                                                                     720, 1280, 768)
     assert VideoSampling().within_tokens(1000).max_video_tokens == 1000
+
+
+def test_missing_processor_fields_are_qwen3s_and_a_wrong_patch_is_refused(qwen3_dir,
+                                                                         tmp_path) -> None:
+    """A Qwen3-VL ``preprocessor_config.json`` without patch geometry or normalisation gets
+    Qwen3-VL's (not the Qwen2-VL processor's 14-px patches and CLIP mean); a processor whose
+    patch size is not config.json's vision_config's is refused by name."""
+    import shutil
+
+    from spaceserve.runtime.inputs.prompt_encoder import PromptEncoder
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(qwen3_dir, root)
+    cfg = json.loads((root / "preprocessor_config.json").read_text())
+    for key in ("patch_size", "merge_size", "image_mean", "image_std"):
+        cfg.pop(key)
+    (root / "preprocessor_config.json").write_text(json.dumps(cfg))
+    (root / "video_preprocessor_config.json").write_text(json.dumps({"fps": 2}))
+    (root / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {
+        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2}}))
+    enc = PromptEncoder.from_pretrained(root)
+    for proc in (enc.image_processor, enc.video_sampling):
+        assert (proc.patch_size, proc.merge_size) == (16, 2)
+        assert list(proc.image_mean) == list(proc.image_std) == [0.5] * 3
+    shutil.copy(qwen3_dir / "preprocessor_config.json", root)  # it says patch_size 16
+    (root / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {
+        "patch_size": 14}}))
+    for load in (PromptEncoder.from_pretrained, load_processor):  # the server's, the engine's
+        with pytest.raises(ValueError, match="patch_size=16, but config.json's vision_config "
+                                             "has patch_size=14"):
+            load(str(root))

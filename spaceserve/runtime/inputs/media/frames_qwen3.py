@@ -26,9 +26,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from spaceserve.models.qwen3_vl.processing import IMAGE_MEAN, IMAGE_STD, PATCH_SIZE
 from spaceserve.runtime.inputs.media.frames import VideoSampling
 
-HALF = (0.5, 0.5, 0.5)
+HALF = IMAGE_MEAN  # Qwen3-VL's normalisation (`spaceserve.models.qwen3_vl.processing`)
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,9 @@ class Qwen3VideoSampling(VideoSampling):
     min_pixels: int = 128 * 32 * 32
     max_pixels: int = 768 * 32 * 32
     max_video_tokens: int = 768
-    patch_size: int = 16
-    image_mean: tuple[float, ...] = HALF
-    image_std: tuple[float, ...] = HALF
+    patch_size: int = PATCH_SIZE
+    image_mean: tuple[float, ...] = IMAGE_MEAN
+    image_std: tuple[float, ...] = IMAGE_STD
     cap_pixels_per_frame: bool = False
 
     def __post_init__(self) -> None:
