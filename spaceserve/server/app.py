@@ -34,13 +34,14 @@ import logging
 import os
 import sys
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 # starlette's Request and responses are fastapi's own; FastAPI itself, the engine and torch are
 # imported where they are used, so `spaceserve serve --help` answers at once
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from spaceserve.runtime.inputs import ChatPreprocessor, RemoteFetcher, text_byte_limit
 from spaceserve.server.flags import build_parser, engine_args
@@ -63,6 +64,7 @@ from spaceserve.server.openai.streams import (
     until_disconnect,
 )
 from spaceserve.server.settings import ServerLimits
+from spaceserve.server.transport.backpressure import SlowReaderGuard, WatchedStreamingResponse
 from spaceserve.server.transport.guard import AdmissionMiddleware, GuardLimits, release_body
 
 if TYPE_CHECKING:
@@ -92,6 +94,9 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
                                                        limits.max_body_bytes))
     app = FastAPI(title="SpaceServe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.client = client
+    # read_request's body pre-scan (token-id prompts up to the context) and parse deadline
+    app.state.scan = replace(limits.scan, max_prompt_ids=client.engine.max_model_len)
+    app.state.preprocess_timeout_s = limits.preprocess_timeout_s
     # remote media fetches: the server's own bounded pool, off the loop and the step thread
     fetcher = app.state.fetcher = RemoteFetcher(limits.remote) if limits.remote else None
     created = P.now()
@@ -173,6 +178,7 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
                     client, preprocessor, req, handle, limits.images, lambda p: sampling(req, p),
                     video_limits=limits.videos, fetcher=fetcher,
                     timeout_s=limits.preprocess_timeout_s, max_text_bytes=max_text,
+                    deadline=request.scope.get("state", {}).get("deadline"),
                     context_len=ctx, on_body_done=lambda: release_body(request.scope.get(
                         "state", {})))
                 first = await next_output(handle, gone)
@@ -190,11 +196,11 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
             if outs is not None:
                 return json_response(chat_body(req, rid, model_name, created_at, outs, texts))
             streaming = True
-            return StreamingResponse(chat_stream(req, handle, gone, first, created_at,
-                                                 model=model_name, texts=texts,
-                                                 metrics=metrics),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return WatchedStreamingResponse(
+                chat_stream(req, handle, gone, first, created_at, model=model_name,
+                            texts=texts, metrics=metrics),
+                guard=SlowReaderGuard(limits.stream, handle.pause, handle.resume),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finally:
             if not streaming:
                 gone.cancel()

@@ -24,7 +24,9 @@ from spaceserve.runtime.inputs import ImageLimits
 from spaceserve.server.media_args import add_media_args
 from spaceserve.server.replicas.args import add_data_parallel_args
 from spaceserve.server.settings import ServerLimits, ServeSettings
+from spaceserve.server.transport.backpressure import StreamLimits
 from spaceserve.server.transport.guard import GuardLimits
+from spaceserve.server.transport.prescan import ScanLimits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,8 +89,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: seconds in-flight requests may finish (new ones get "
                         "503 meanwhile) before they are ended and the server exits; a second "
                         "signal exits at once")
+    add_body_shape_args(h)
     add_data_parallel_args(p)
     return p
+
+
+def add_body_shape_args(h: Any) -> None:
+    """The flags bounding a body's structure before it is parsed (transport/prescan.py) and
+    the slow-reader bounds of streams (transport/backpressure.py)."""
+    h.add_argument("--max-messages-per-request", type=int, default=ScanLimits.max_messages,
+                   help="chat messages in one request at most (counted before the body is "
+                        "parsed); more is 400")
+    h.add_argument("--max-parts-per-message", type=int, default=ScanLimits.max_parts,
+                   help="content parts (text, images, videos) in one message at most; more is "
+                        "400")
+    h.add_argument("--stream-stall-timeout", type=float, default=StreamLimits.stall_s,
+                   help="seconds a stream's client may leave its output unread before the "
+                        "request is paused (its KV blocks freed; it resumes when the client "
+                        "reads again)")
+    h.add_argument("--stream-write-timeout", type=float, default=StreamLimits.write_timeout_s,
+                   help="seconds a stream's client may leave its output unread before the "
+                        "stream is ended with an error event")
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,10 +12,12 @@ bound (`shutdown.DrainingServer`). Nothing heavy is imported here.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from spaceserve.runtime.inputs import ImageLimits, RemotePolicy, VideoLimits, check_dir
+from spaceserve.server.transport.backpressure import StreamLimits
+from spaceserve.server.transport.prescan import ScanLimits
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,10 @@ class ServerLimits:
     videos: VideoLimits = VideoLimits()
     remote: RemotePolicy | None = None
     preprocess_timeout_s: float = 30.0
+    # the body pre-scan's bounds (messages, parts per message...; the context length is the
+    # engine's) and the slow-reader bounds of a stream
+    scan: ScanLimits = ScanLimits()
+    stream: StreamLimits = StreamLimits()
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,9 @@ class ServeSettings:
             args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
             check_dir(args.allowed_local_media_path), args.max_request_pixels), videos, remote,
             args.preprocess_timeout)
+        limits = replace(limits, scan=ScanLimits(
+            max_messages=args.max_messages_per_request, max_parts=args.max_parts_per_message),
+            stream=StreamLimits(args.stream_stall_timeout, args.stream_write_timeout))
         guard = GuardLimits(max_body_bytes=args.max_body_bytes,
                             body_budget_bytes=args.max_buffered_body_bytes,
                             body_idle_timeout_s=args.body_idle_timeout,
