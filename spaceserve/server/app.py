@@ -64,7 +64,11 @@ from spaceserve.server.openai.streams import (
     until_disconnect,
 )
 from spaceserve.server.settings import ServerLimits
-from spaceserve.server.transport.backpressure import SlowReaderGuard, WatchedStreamingResponse
+from spaceserve.server.transport.backpressure import (
+    SlowReaderGuard,
+    WatchedStreamingResponse,
+    listening_socket,
+)
 from spaceserve.server.transport.guard import AdmissionMiddleware, GuardLimits, release_body
 
 if TYPE_CHECKING:
@@ -256,7 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     server = settings.server(app, client, host=args.host, port=args.port,
                              log_level=args.log_level)
     try:
-        server.run()
+        try:  # connections with small kernel send buffers (backpressure.py)
+            sock = listening_socket(args.host, args.port,
+                                    settings.limits.stream.send_buffer_bytes)
+        except OSError as exc:
+            print(f"spaceserve serve: cannot listen on {args.host}:{args.port}: {exc}",
+                  file=sys.stderr)
+            return 1
+        server.run(sockets=[sock])
     finally:
         client.close()
         engine.close()  # partitions, and a tensor-parallel group's workers

@@ -9,7 +9,9 @@ given up: `WriteTimeout` is raised, the route's stream ends its request (the eng
 everything, the admission slot is released) and `WatchedStreamingResponse` hands the error
 event and ``[DONE]`` to the transport, waiting at most `final_wait_s` for them to leave. A
 paused stream still holds its admission slot, so ``--max-pending`` counts paused streams; the
-outputs produced before it paused wait in its queue (at most `stall_s` of them).
+outputs produced before it paused wait in its queue (at most `stall_s` of them). The kernel's
+send buffer of a connection is fixed small (`listening_socket`), so "not reading" shows within
+a few dozen KiB of output.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,9 +34,10 @@ class StreamLimits:
     """Seconds a stream's client may leave its output unread before the request is paused
     (`stall_s`) and before the stream is ended (`write_timeout_s`)."""
 
-    stall_s: float = 5.0
+    stall_s: float = 2.0
     write_timeout_s: float = 60.0
     final_wait_s: float = 1.0
+    send_buffer_bytes: int = 64 * 1024  # SO_SNDBUF of the listening socket (`listening_socket`)
 
     def __post_init__(self) -> None:
         for name in ("stall_s", "write_timeout_s", "final_wait_s"):
@@ -44,6 +48,26 @@ class StreamLimits:
             raise ValueError(f"write_timeout_s={self.write_timeout_s} must be at least "
                              f"stall_s={self.stall_s} (--stream-write-timeout >= "
                              "--stream-stall-timeout)")
+
+
+def listening_socket(host: str, port: int, send_buffer_bytes: int) -> socket.socket:
+    """The server's bound TCP socket, its connections' kernel send buffers fixed at
+    `send_buffer_bytes` (Linux doubles it) instead of auto-tuned up to megabytes: so a client
+    that stops reading blocks the stream after a few dozen KiB, not after seconds of output,
+    and `SlowReaderGuard` can pause it soon. A token stream needs far less."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so (else every
+    # response waits ~40 ms for a delayed ACK)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 class WriteTimeout(Exception):
@@ -130,4 +154,4 @@ class WatchedStreamingResponse(StreamingResponse):
 
 
 __all__ = ["SlowReaderGuard", "StreamLimits", "WatchedStreamingResponse", "WriteTimeout",
-           "timeout_event"]
+           "listening_socket", "timeout_event"]

@@ -34,7 +34,7 @@ from spaceserve.server.transport.errors import APIError
 _TOKEN = re.compile(r'[\[\]{}"]')
 _VALUE = re.compile(r"[^\s,:]")  # a scalar (number, true, false, null) in a run
 CANCEL_EVERY = 4096  # walk steps between cancel checks
-RUN_PIECE = 1 << 20  # characters of a run of scalars counted at once
+RUN_PIECE = 1 << 20  # characters of a run searched or counted by one C call
 
 
 @dataclass(frozen=True)
@@ -145,12 +145,13 @@ def scan_json(text: str, limits: ScanLimits, cancel_point: Callable[[], None] = 
     max_values = lim.values_bound()
     search, count, any_value = _TOKEN.search, text.count, _VALUE.search
     while True:
-        m = search(text, pos)
-        end = m.start() if m is not None else n
-        if end > pos and stack:
-            top = stack[-1]
-            for a in range(pos, end, RUN_PIECE):  # a long run in pieces: stop early
-                c = count(",", a, min(a + RUN_PIECE, end))
+        while True:  # to the next token, in pieces: one C call never holds the GIL for long
+            stop = min(pos + RUN_PIECE, n)
+            m = search(text, pos, stop)
+            end = m.start() if m is not None else stop
+            if end > pos and stack:
+                top = stack[-1]
+                c = count(",", pos, end)
                 if c:
                     values += c
                     top.commas += c
@@ -159,8 +160,11 @@ def scan_json(text: str, limits: ScanLimits, cancel_point: Callable[[], None] = 
                     if values > max_values:
                         raise _refuse(413, f"request body holds more than {max_values} JSON "
                                       "values")
-            if not top.any and any_value(text, pos, end):
-                top.any = True
+                if not top.any and any_value(text, pos, end):
+                    top.any = True
+            pos = end
+            if m is not None or stop >= n:
+                break
         if m is None:
             return
         steps += 1
