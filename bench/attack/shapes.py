@@ -78,20 +78,25 @@ class HealthProbe:
         return float("inf") if self.errors or not self.latencies else max(self.latencies)
 
 
-def shape_bodies(model: str) -> list[tuple[str, str, bytes, int]]:
-    """(name, path, body, status expected) of the four shapes, built as bytes (fast)."""
+def shape_bodies(model: str, scale: float = 1.0) -> list[tuple[str, str, bytes, int]]:
+    """(name, path, body, status expected) of the four shapes, built as bytes (fast); `scale`
+    shrinks every count (a unit test's small versions)."""
     m = json.dumps(model).encode()
+    big, msgs_n, parts_n = (max(2, int(k * scale)) for k in (15_000_000, 900_000, 200_000))
     hi = b'{"model":' + m + b',"max_tokens":4,"messages":[{"role":"user","content":"hi"}]'
-    zeros = hi + b',"ignored":[' + b"0," * (15_000_000 - 1) + b"0]}"
+    zeros = hi + b',"ignored":[' + b"0," * (big - 1) + b"0]}"
     msgs = b'{"model":' + m + b',"max_tokens":4,"messages":[' + \
-        b'{"role":"user","content":""},' * (900_000 - 1) + b'{"role":"user","content":""}]}'
+        b'{"role":"user","content":""},' * (msgs_n - 1) + b'{"role":"user","content":""}]}'
     parts = b'{"model":' + m + b',"max_tokens":4,"messages":[{"role":"user","content":[' + \
-        b'{"type":"text","text":""},' * (200_000 - 1) + b'{"type":"text","text":""}]}]}'
-    ids = b'{"model":' + m + b',"max_tokens":4,"prompt":[' + b"1," * (15_000_000 - 1) + b"1]}"
-    return [("a 15,000,000-element ignored list (30 MB)", "/v1/chat/completions", zeros, 413),
-            ("900,000 empty messages (28 MB)", "/v1/chat/completions", msgs, 400),
-            ("200,000 empty parts in one message (5 MB)", "/v1/chat/completions", parts, 400),
-            ("a 15,000,000-id prompt (30 MB)", "/v1/completions", ids, 400)]
+        b'{"type":"text","text":""},' * (parts_n - 1) + b'{"type":"text","text":""}]}]}'
+    ids = b'{"model":' + m + b',"max_tokens":4,"prompt":[' + b"1," * (big - 1) + b"1]}"
+    mb = lambda raw: f"{len(raw) / 1e6:.0f} MB"  # noqa: E731
+    return [(f"a {big:,}-element ignored list ({mb(zeros)})", "/v1/chat/completions", zeros,
+             413),
+            (f"{msgs_n:,} empty messages ({mb(msgs)})", "/v1/chat/completions", msgs, 400),
+            (f"{parts_n:,} empty parts in one message ({mb(parts)})", "/v1/chat/completions",
+             parts, 400),
+            (f"a {big:,}-id prompt ({mb(ids)})", "/v1/completions", ids, 400)]
 
 
 async def _post(ctx: Ctx, path: str, raw: bytes) -> tuple[int, str, float]:
@@ -203,10 +208,11 @@ async def attack_slow_readers(ctx: Ctx) -> list[Row]:
             finally:
                 for s in socks:
                     s.close()
-    ok = probe.worst < HI_LIMIT_S and health.worst < HEALTH_LIMIT_S and rss[0] < RSS_BOUND_MB \
-        and paused == n
+    # the bar of issue 37 is the "hi" and RSS; /health is reported (while the streams still
+    # read, 100 x top_logprobs 20 is a real load for a CPU server)
+    ok = probe.worst < HI_LIMIT_S and rss[0] < RSS_BOUND_MB and paused == n
     rows = [Row(f"11a {n} SSE streams (top_logprobs 20) whose clients never read",
-                f"paused; hi < {HI_LIMIT_S:g} s; /health < {HEALTH_LIMIT_S} s; RSS bounded",
+                f"all paused; hi < {HI_LIMIT_S:g} s; RSS bounded",
                 f"{paused}/{n} paused {took:.1f} s after the first opened; /health worst "
                 f"{health.worst:.3f} s; {probe.summary()}; RSS +{rss[0]:.0f} MB", ok,
                 probe.worst, rss[0])]

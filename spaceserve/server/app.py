@@ -178,13 +178,18 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
         streaming = False
         try:
             try:
-                await prepare_chat_request(
+                prep = asyncio.ensure_future(prepare_chat_request(
                     client, preprocessor, req, handle, limits.images, lambda p: sampling(req, p),
                     video_limits=limits.videos, fetcher=fetcher,
                     timeout_s=limits.preprocess_timeout_s, max_text_bytes=max_text,
                     deadline=request.scope.get("state", {}).get("deadline"),
                     context_len=ctx, on_body_done=lambda: release_body(request.scope.get(
-                        "state", {})))
+                        "state", {}))))
+                await asyncio.wait((prep, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not prep.done():  # the client went away: stop its preprocessing too
+                    prep.cancel()
+                    return Response(status_code=499)
+                prep.result()
                 first = await next_output(handle, gone)
                 handle.release_held()  # an output exists: the images are encoded
                 outs = None if first is None or req.stream else \

@@ -87,6 +87,9 @@ class Handle:
         stop = asyncio.ensure_future(self.cancelled.wait())
         try:
             await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the caller gave up (its client went away)
+            task.cancel()  # a pool job is asked to stop at its next cancel point
+            raise
         finally:
             stop.cancel()
         if task.done():
