@@ -61,6 +61,12 @@ class ServeSettings:
             args.max_image_bytes, args.max_image_pixels, args.max_images_per_request,
             check_dir(args.allowed_local_media_path), args.max_request_pixels), videos, remote,
             args.preprocess_timeout)
+        for flag, v in (("--max-messages-per-request", args.max_messages_per_request),
+                        ("--max-parts-per-message", args.max_parts_per_message),
+                        ("--stream-stall-timeout", args.stream_stall_timeout),
+                        ("--stream-write-timeout", args.stream_write_timeout)):
+            if not v > 0:
+                raise ValueError(f"{flag} {v} must be > 0")
         limits = replace(limits, scan=ScanLimits(
             max_messages=args.max_messages_per_request, max_parts=args.max_parts_per_message),
             stream=StreamLimits(args.stream_stall_timeout, args.stream_write_timeout))

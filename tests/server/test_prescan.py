@@ -135,3 +135,26 @@ def test_large_bodies_parse_on_the_pool_under_the_deadline(tiny_engine, monkeypa
     assert threads[0] == "MainThread" or not threads[0].startswith("spaceserve-prep")
     assert all(t.startswith("spaceserve-prep-light") for t in threads[1:]), threads
     client.close()
+
+
+def test_flags_set_the_bounds_and_bad_values_name_the_flag() -> None:
+    from spaceserve.server.flags import build_parser
+    from spaceserve.server.settings import ServeSettings
+
+    parse = build_parser().parse_args
+    s = ServeSettings.from_args(parse([]))
+    assert (s.limits.scan.max_messages, s.limits.scan.max_parts) == (10_000, 1_000)
+    assert (s.limits.stream.stall_s, s.limits.stream.write_timeout_s) == (2.0, 60.0)
+    s = ServeSettings.from_args(parse(["--max-messages-per-request", "7",
+                                       "--max-parts-per-message", "3",
+                                       "--stream-stall-timeout", "0.5",
+                                       "--stream-write-timeout", "9"]))
+    assert (s.limits.scan.max_messages, s.limits.scan.max_parts) == (7, 3)
+    assert (s.limits.stream.stall_s, s.limits.stream.write_timeout_s) == (0.5, 9.0)
+    for argv, needle in ((["--max-messages-per-request", "0"], "--max-messages-per-request"),
+                         (["--max-parts-per-message", "-1"], "--max-parts-per-message"),
+                         (["--stream-stall-timeout", "0"], "--stream-stall-timeout"),
+                         (["--stream-stall-timeout", "9", "--stream-write-timeout", "3"],
+                          "--stream-write-timeout >= --stream-stall-timeout")):
+        with pytest.raises(ValueError, match=needle):
+            ServeSettings.from_args(parse(argv))
