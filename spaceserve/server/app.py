@@ -10,8 +10,12 @@ server's pixel budget is taken; 503 when a bound on work in flight is reached (e
 429 carries Retry-After). Prompt rendering and media decoding run in the preprocessing pool
 (text-only requests and media-header reads in a light lane, decoding in a heavy one, under a
 per-request deadline; remote media download on the fetcher's own bounded pool meanwhile);
-the engine steps on its own thread. A client that goes away
-(non-streaming or streaming) aborts its request, which frees its KV blocks. In front of the
+the engine steps on its own thread. Every body is first pre-scanned for its structure
+(transport/prescan.py: 400 or 413 naming the bound passed), then parsed and validated in the
+light lane when over 64 KiB, under the request's deadline, which starts when its body has
+arrived. A client that goes away (while its request is preprocessed, generated or streamed)
+stops it, which frees its KV blocks; a stream whose client stops reading is paused and, after
+a write timeout, ended (transport/backpressure.py). In front of the
 routes, `guard.AdmissionMiddleware` bounds body buffering, times out stalled bodies, answers
 503 while draining and turns any unexpected exception into a JSON 500 with a request id; the
 connection cap and header timeout sit in the uvicorn protocol (`connections`), the bounded
