@@ -146,3 +146,48 @@ def test_a_deaf_stream_is_paused_and_resumes_with_the_same_text(tiny_engine) -> 
         server.should_exit = True
         thread.join(10)
         client.close()
+
+
+def test_a_write_timeout_ends_the_request_and_offers_the_error_event() -> None:
+    from spaceserve.server.transport.backpressure import WatchedStreamingResponse
+
+    ended, sent, calls = [], [], []
+
+    async def body():
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n".encode()
+        finally:
+            ended.append(True)  # the route's stream ends its request here
+
+    async def main() -> None:
+        async def send(message: dict) -> None:
+            calls.append(message)
+            if len(calls) > 3:
+                await asyncio.Event().wait()  # the client stopped reading for good
+            sent.append(message)
+
+        async def receive() -> dict:
+            await asyncio.Event().wait()
+
+        guard = SlowReaderGuard(FAST, lambda: None, lambda: None)
+        response = WatchedStreamingResponse(body(), guard=guard,
+                                            media_type="text/event-stream")
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        t0 = time.monotonic()
+        await asyncio.wait_for(response(scope, receive, send), 5)
+        assert time.monotonic() - t0 < FAST.write_timeout_s + FAST.final_wait_s + 0.5
+
+    asyncio.run(main())
+    assert ended == [True] and guard_timed_out(calls)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body",
+                                         "http.response.body"]
+
+
+def guard_timed_out(calls: list) -> bool:
+    """The last send was the final error event and [DONE] (it blocked too: the client never
+    reads)."""
+    last = calls[-1]
+    return len(calls) == 5 and not last["more_body"] and \
+        b'"code": "stream_write_timeout"' in last["body"] and last["body"].endswith(
+            b"data: [DONE]\n\n")
