@@ -18,9 +18,10 @@ def params(n: int = 1) -> SamplingParams:
     return SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True, n=n)
 
 
-def run(pause_at: int | None, *, async_scheduling: bool = True, n: int = 1
-        ) -> tuple[dict[str, list[list[int]]], Engine, dict[str, int]]:
-    eng = Engine(NullModelRunner(), EngineConfig(**CFG, async_scheduling=async_scheduling))
+def run(pause_at: int | None, *, async_scheduling: bool = True, n: int = 1,
+        mode: str = "temporal") -> tuple[dict[str, list[list[int]]], Engine, dict[str, int]]:
+    eng = Engine(NullModelRunner(), EngineConfig(**CFG, async_scheduling=async_scheduling,
+                                                 mode=mode))
     outs: dict[str, list] = {k: [] for k in PROMPTS}
     for k, ids in PROMPTS.items():
         eng.add_request({"prompt_token_ids": ids}, params(n), request_id=k,
@@ -54,6 +55,14 @@ def test_paused_request_frees_blocks_and_resumes_identically(async_scheduling: b
     assert paused == plain and all(len(t) == 24 for v in plain.values() for t in v)
     assert seen["a_blocks"] == 0 and seen["a_running"] == 0 and seen["a_waiting"] == n
     assert seen["active"] == 2
+    eng.check_idle()
+
+
+@pytest.mark.parametrize("mode", ["spatial-static", "spatial"])
+def test_pause_in_the_colocated_modes(mode: str):
+    plain, _, _ = run(None, mode=mode)
+    paused, eng, seen = run(4, mode=mode)
+    assert paused == plain and seen["a_blocks"] == 0 and seen["a_running"] == 0
     eng.check_idle()
 
 
