@@ -142,6 +142,19 @@ def test_a_deaf_stream_is_paused_and_resumes_with_the_same_text(tiny_engine) -> 
         deaf.close()
         assert done and got == want
         assert client.num_paused == 0
+        gone = socket.socket()  # a client that goes away while paused frees its slot at once
+        gone.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        gone.connect(("127.0.0.1", port))
+        gone.sendall(_request(port, body))
+        end = time.monotonic() + 30
+        while client.num_paused < 1:
+            assert time.monotonic() < end, "the stream was never paused"
+            time.sleep(0.02)
+        gone.close()
+        t0 = time.monotonic()
+        while client.num_paused or client.num_pending:
+            assert time.monotonic() - t0 < 3.0, (client.num_paused, client.num_pending)
+            time.sleep(0.02)
     finally:
         server.should_exit = True
         thread.join(10)

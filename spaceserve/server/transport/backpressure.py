@@ -141,9 +141,7 @@ class WatchedStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, self.guard.wrap(send))
         except WriteTimeout as exc:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await self._close_body()
             try:
                 await asyncio.wait_for(send({"type": "http.response.body",
                                              "body": timeout_event(str(exc)),
@@ -151,6 +149,15 @@ class WatchedStreamingResponse(StreamingResponse):
                                        self.guard.limits.final_wait_s)
             except (asyncio.TimeoutError, OSError):
                 pass
+        finally:
+            # Starlette stops iterating when the client disconnects (a paused stream's send is
+            # cancelled then): close the iterator now, so its request ends at once
+            await self._close_body()
+
+    async def _close_body(self) -> None:
+        aclose = getattr(self.body_iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 __all__ = ["SlowReaderGuard", "StreamLimits", "WatchedStreamingResponse", "WriteTimeout",
