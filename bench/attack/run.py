@@ -55,10 +55,11 @@ HI_LIMIT_S = 2.0
 
 def rss_bound_mb(body_budget: int = 64 << 20, connections: int = 1000,
                  pixels: int = 4 * 4096 * 4096) -> float:
-    """The README's bound on server RSS above idle ("Serving under attack"): bodies parsed at
-    most ~3x, each connection's buffers and small body (~208 KiB), 12 bytes per pixel of the
-    server's pixel budget (float32 pixel values of 3 channels). Defaults: the server's."""
-    return (3 * body_budget + connections * 208 * 1024 + 12 * pixels) / 2**20
+    """docs/hardening.md's bound on server RSS above idle: bodies with their text and what is
+    parsed from them at most 8x (4-byte characters), each connection's buffers and small body
+    (~208 KiB), 12 bytes per pixel of the server's pixel budget (float32 pixel values of 3
+    channels). Defaults: the server's."""
+    return (8 * body_budget + connections * 208 * 1024 + 12 * pixels) / 2**20
 
 
 RSS_BOUND_MB = round(rss_bound_mb())

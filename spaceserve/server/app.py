@@ -10,8 +10,12 @@ server's pixel budget is taken; 503 when a bound on work in flight is reached (e
 429 carries Retry-After). Prompt rendering and media decoding run in the preprocessing pool
 (text-only requests and media-header reads in a light lane, decoding in a heavy one, under a
 per-request deadline; remote media download on the fetcher's own bounded pool meanwhile);
-the engine steps on its own thread. A client that goes away
-(non-streaming or streaming) aborts its request, which frees its KV blocks. In front of the
+the engine steps on its own thread. Every body is first pre-scanned for its structure
+(transport/prescan.py: 400 or 413 naming the bound passed), then parsed and validated in the
+light lane when over 64 KiB, under the request's deadline, which starts when its body has
+arrived. A client that goes away (while its request is preprocessed, generated or streamed)
+stops it, which frees its KV blocks; a stream whose client stops reading is paused and, after
+a write timeout, ended (transport/backpressure.py). In front of the
 routes, `guard.AdmissionMiddleware` bounds body buffering, times out stalled bodies, answers
 503 while draining and turns any unexpected exception into a JSON 500 with a request id; the
 connection cap and header timeout sit in the uvicorn protocol (`connections`), the bounded
@@ -34,13 +38,14 @@ import logging
 import os
 import sys
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 # starlette's Request and responses are fastapi's own; FastAPI itself, the engine and torch are
 # imported where they are used, so `spaceserve serve --help` answers at once
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from spaceserve.runtime.inputs import ChatPreprocessor, RemoteFetcher, text_byte_limit
 from spaceserve.server.flags import build_parser, engine_args
@@ -64,6 +69,11 @@ from spaceserve.server.openai.streams import (
     until_disconnect,
 )
 from spaceserve.server.settings import ServerLimits
+from spaceserve.server.transport.backpressure import (
+    SlowReaderGuard,
+    WatchedStreamingResponse,
+    listening_socket,
+)
 from spaceserve.server.transport.guard import AdmissionMiddleware, GuardLimits, release_body
 
 if TYPE_CHECKING:
@@ -93,6 +103,9 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
                                                        limits.max_body_bytes))
     app = FastAPI(title="SpaceServe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.client = client
+    # read_request's body pre-scan (token-id prompts up to the context) and parse deadline
+    app.state.scan = replace(limits.scan, max_prompt_ids=client.engine.max_model_len)
+    app.state.preprocess_timeout_s = limits.preprocess_timeout_s
     # remote media fetches: the server's own bounded pool, off the loop and the step thread
     fetcher = app.state.fetcher = RemoteFetcher(limits.remote) if limits.remote else None
     created = P.now()
@@ -174,13 +187,19 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
         streaming = False
         try:
             try:
-                await prepare_chat_request(
+                prep = asyncio.ensure_future(prepare_chat_request(
                     client, preprocessor, req, handle, limits.images,
                     lambda p: sampling(req, p, cap),
                     video_limits=limits.videos, fetcher=fetcher,
                     timeout_s=limits.preprocess_timeout_s, max_text_bytes=max_text,
+                    deadline=request.scope.get("state", {}).get("deadline"),
                     context_len=ctx, on_body_done=lambda: release_body(request.scope.get(
-                        "state", {})))
+                        "state", {}))))
+                await asyncio.wait((prep, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not prep.done():  # the client went away: stop its preprocessing too
+                    prep.cancel()
+                    return Response(status_code=499)
+                prep.result()
                 first = await next_output(handle, gone)
                 handle.release_held()  # an output exists: the images are encoded
                 outs = None if first is None or req.stream else \
@@ -196,11 +215,11 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
             if outs is not None:
                 return json_response(chat_body(req, rid, model_name, created_at, outs, texts))
             streaming = True
-            return StreamingResponse(chat_stream(req, handle, gone, first, created_at,
-                                                 model=model_name, texts=texts,
-                                                 metrics=metrics),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return WatchedStreamingResponse(
+                chat_stream(req, handle, gone, first, created_at, model=model_name,
+                            texts=texts, metrics=metrics),
+                guard=SlowReaderGuard(limits.stream, handle.pause, handle.resume),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finally:
             if not streaming:
                 gone.cancel()
@@ -256,7 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     server = settings.server(app, client, host=args.host, port=args.port,
                              log_level=args.log_level)
     try:
-        server.run()
+        try:  # connections with small kernel send buffers (backpressure.py)
+            sock = listening_socket(args.host, args.port,
+                                    settings.limits.stream.send_buffer_bytes)
+        except OSError as exc:
+            print(f"spaceserve serve: cannot listen on {args.host}:{args.port}: {exc}",
+                  file=sys.stderr)
+            return 1
+        server.run(sockets=[sock])
     finally:
         client.close()
         engine.close()  # partitions, and a tensor-parallel group's workers

@@ -106,6 +106,11 @@ class RequestHandle(Handle):
         self.client.engine.abort(self.request_id)
         self.client.wake()
 
+    def _pause(self, paused: bool) -> None:
+        eng = self.client.engine
+        (eng.pause if paused else eng.resume)(self.request_id)
+        self.client.wake()
+
 
 class AsyncEngine(Admission):
     """See the module docstring. `max_pending` bounds requests admitted and not yet closed;
@@ -218,6 +223,8 @@ class AsyncEngine(Admission):
             ("num_requests_waiting", "Requests waiting to be scheduled.", g["waiting"]),
             ("num_requests_running", "Requests in the running batch.", g["running"]),
             ("num_requests_in_flight", "Requests admitted by the server.", g["pending"]),
+            ("num_requests_paused", "Streams paused because their client is not reading.",
+             self.num_paused),
             ("preprocess_queue_depth", "Requests waiting for preprocessing.",
              g["preprocess_light_queued"] + g["preprocess_heavy_queued"]),
             ("preprocess_pixels", "Decoded image pixels held by preprocessing.",

@@ -24,8 +24,10 @@ from spaceserve.runtime.inputs import ImageLimits
 from spaceserve.server.media_args import add_media_args
 from spaceserve.server.replicas.args import add_data_parallel_args
 from spaceserve.server.settings import ServerLimits, ServeSettings
+from spaceserve.server.transport.backpressure import StreamLimits
 from spaceserve.server.transport.connections import ConnectionLimits
 from spaceserve.server.transport.guard import GuardLimits
+from spaceserve.server.transport.prescan import ScanLimits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "503 meanwhile) before they are ended and the server exits; a second "
                         "signal exits at once")
     add_request_bounds_args(h)
+    add_body_shape_args(h)
     add_data_parallel_args(p)
     return p
 
@@ -115,6 +118,22 @@ def add_request_bounds_args(h: Any) -> None:
     h.add_argument("--trusted-proxies", default="",
                    help="comma-separated addresses or networks (10.0.0.0/8) whose "
                         "--forwarded-client-header is believed (default: none)")
+def add_body_shape_args(h: Any) -> None:
+    """The flags bounding a body's structure before it is parsed (transport/prescan.py) and
+    the slow-reader bounds of streams (transport/backpressure.py)."""
+    h.add_argument("--max-messages-per-request", type=int, default=ScanLimits.max_messages,
+                   help="chat messages in one request at most (counted before the body is "
+                        "parsed); more is 400")
+    h.add_argument("--max-parts-per-message", type=int, default=ScanLimits.max_parts,
+                   help="content parts (text, images, videos) in one message at most; more is "
+                        "400")
+    h.add_argument("--stream-stall-timeout", type=float, default=StreamLimits.stall_s,
+                   help="seconds a stream's client may leave its output unread before the "
+                        "request is paused (its KV blocks freed; it resumes when the client "
+                        "reads again)")
+    h.add_argument("--stream-write-timeout", type=float, default=StreamLimits.write_timeout_s,
+                   help="seconds a stream's client may leave its output unread before the "
+                        "stream is ended with an error event")
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -8,7 +8,8 @@ shutdown sets, and ends every live request on `abort_all`. `Handle` is one admit
 ``start`` runs its preparation in a lane of the pool and hands the prompt to ``add`` (the
 client's way to the engine), ``wait`` races anything against the server ending the request
 (`Cancelled`), pixel leases are held until its media are encoded (``hold``,
-``release_held``), and its outputs arrive on an asyncio queue (``next``).
+``release_held``), its outputs arrive on an asyncio queue (``next``), and a stream whose client
+stops reading pauses it (``pause``, ``resume``; paused requests keep their admission slots).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Handle:
         self._left = 1  # sequences whose final output has not been taken yet
         self.cancelled = asyncio.Event()
         self.cancel_reason = ""
+        self.paused = False  # its stream's client is not reading (`pause`)
         self._held: list[Any] = []  # pixel leases until the media are encoded
         self._lock = threading.Lock()  # orders adding against closing
 
@@ -85,6 +87,9 @@ class Handle:
         stop = asyncio.ensure_future(self.cancelled.wait())
         try:
             await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the caller gave up (its client went away)
+            task.cancel()  # a pool job is asked to stop at its next cancel point
+            raise
         finally:
             stop.cancel()
         if task.done():
@@ -140,12 +145,36 @@ class Handle:
             stop = self.added and not self.finished
         if stop:
             self._stop()
+        if self.paused:
+            self.paused = False
+            self.client.num_paused -= 1
         self.release_held()
         self.client._release(self)
 
     def _stop(self) -> None:
         """Stop the unfinished request where it runs (abort it)."""
         raise NotImplementedError
+
+    def pause(self) -> None:
+        """Stop generating for this request until `resume` (its stream's client is not
+        reading): where the client can (`AsyncEngine`), its sequences are preempted and hold
+        no KV blocks meanwhile; elsewhere (replicas) it goes on, and only the write timeout
+        ends it."""
+        if self.added and not self.finished and not self.closed:
+            self.client.num_paused += 1
+            self.paused = True
+            self._pause(True)
+
+    def resume(self) -> None:
+        """Undo `pause` (the client reads again)."""
+        if self.paused:
+            self.client.num_paused -= 1
+            self.paused = False
+            if not self.closed:
+                self._pause(False)
+
+    def _pause(self, paused: bool) -> None:
+        """Pause or resume the request where it runs (nothing where that is not possible)."""
 
 
 class Admission:
@@ -162,6 +191,7 @@ class Admission:
         self.pool = pool or PreprocessPool()
         self.pixels = pixels or PixelBudget(DEFAULT_PIXELS)
         self.draining = False
+        self.num_paused = 0  # admitted requests paused for a client not reading (event loop)
         self._handles: set[Handle] = set()
         self._pending = 0
         self._plock = threading.Lock()

@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from spaceserve.runtime.inputs import ImageLimits, RemotePolicy, VideoLimits, check_dir
+from spaceserve.server.transport.backpressure import StreamLimits
+from spaceserve.server.transport.prescan import ScanLimits
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,10 @@ class ServerLimits:
     # per-request bounds (openai/bounds.py); None: the engine's max_num_seqs, its KV capacity
     max_seqs_per_request: int | None = None
     max_tokens_per_request: int | None = None
+    # the body pre-scan's bounds (messages, parts per message...; the context length is the
+    # engine's) and the slow-reader bounds of a stream
+    scan: ScanLimits = ScanLimits()
+    stream: StreamLimits = StreamLimits()
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,15 @@ class ServeSettings:
             "--max-connections-per-client", args.max_connections_per_client),
                           client_header=args.forwarded_client_header,
                           trusted_proxies=parse_proxies(args.trusted_proxies))
+        for flag, v in (("--max-messages-per-request", args.max_messages_per_request),
+                        ("--max-parts-per-message", args.max_parts_per_message),
+                        ("--stream-stall-timeout", args.stream_stall_timeout),
+                        ("--stream-write-timeout", args.stream_write_timeout)):
+            if not v > 0:
+                raise ValueError(f"{flag} {v} must be > 0")
+        limits = replace(limits, scan=ScanLimits(
+            max_messages=args.max_messages_per_request, max_parts=args.max_parts_per_message),
+            stream=StreamLimits(args.stream_stall_timeout, args.stream_write_timeout))
         guard = GuardLimits(max_body_bytes=args.max_body_bytes,
                             body_budget_bytes=args.max_buffered_body_bytes,
                             body_idle_timeout_s=args.body_idle_timeout,

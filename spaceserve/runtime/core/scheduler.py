@@ -31,6 +31,9 @@ not yet in ``token_ids``; `update` later appends the drawn tokens in their place
 the requests that stop. A decode whose input token is still a placeholder is listed in
 ``ScheduledBatch.pending``: the runner takes that input from the device. A request is never
 re-admitted in the step that preempted it, so a prefill never needs a placeholder.
+
+`pause` preempts a request the same way and keeps it out of admission until `resume` (a
+stream whose client stopped reading holds no KV blocks meanwhile).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class Scheduler:
         self.prefill_tokens = 0  # tokens computed other than a decoding request's newest one
         self.num_admitted = 0  # admissions so far (a request re-taking a slot counts again)
         self._copies: list[tuple[Request, int, int]] = []  # this schedule's copies on write
+        self.paused: set[Request] = set()  # queued but not admitted until resumed
 
     def peek_cached(self, req: Request) -> int:
         """Tokens of `req` the prefix cache holds now (nothing taken; 0 with caching off)."""
@@ -170,6 +174,9 @@ class Scheduler:
         j = 0
         while j < len(waiting) and budget > 0 and self._free_rows:
             req = waiting[j]
+            if req in self.paused:
+                j += 1
+                continue
             if req.group is not None and len(req.group.unforked) >= len(self._free_rows):
                 break  # its unforked siblings need sequence slots too
             take_prefix(bm, req)
@@ -290,6 +297,21 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.insert(0, req)
 
+    def pause(self, req: Request) -> None:
+        """Hold `req` out of scheduling (nobody takes its output): a running request is
+        preempted by recompute (KV blocks freed, tokens kept, drawn again identically); it stays
+        queued, skipped by admission, until `resume`."""
+        if req.status is Status.FINISHED:
+            return
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self._preempt(req)
+        self.paused.add(req)
+
+    def resume(self, req: Request) -> None:
+        """Let a paused request be admitted again (from its place at the queue's front)."""
+        self.paused.discard(req)
+
     def update(self, batch: ScheduledBatch, sampled: list[int],
                now: float) -> list[Request]:
         """Account a step's drawn tokens (one per `batch.drawn_reqs`, in order): each takes
@@ -340,6 +362,7 @@ class Scheduler:
         """End `req` (any state): free its blocks and slot, drop it from the queues."""
         if req.status is Status.FINISHED:
             return
+        self.paused.discard(req)
         if prune:
             if req.status is Status.RUNNING:
                 self.running.remove(req)

@@ -14,8 +14,9 @@ so nothing waits for the host. A request that step n finishes has drawn one toke
 step n+1, which is dropped. The co-located modes run unpipelined (their decode step already
 overlaps the encoder's launches).
 
-Requests may be added and aborted from any thread; steps are serialised by a lock. Settings
-are in config.py, outputs in outputs.py, the front ends (`generate`, `stream`) in frontends.py.
+Requests may be added, aborted, paused and resumed (control.py) from any thread; steps are
+serialised by a lock. Settings are in config.py, outputs in outputs.py, the front ends in
+frontends.py.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from spaceserve.runtime.core.scheduler import Scheduler
 from spaceserve.runtime.encoder.cache import EncoderCache, default_capacity
 from spaceserve.runtime.encoder.chunked import encoder_cost, temporal_stage
 from spaceserve.runtime.engine.config import ATTENTION_BACKENDS, DEFAULT_GRAPH_SIZES, EngineConfig
+from spaceserve.runtime.engine.control import CONTROLS, RequestControl
 from spaceserve.runtime.engine.frontends import EngineFrontends
 from spaceserve.runtime.engine.outputs import OutputProcessor
 from spaceserve.runtime.inputs.processor import load_processor
@@ -53,7 +55,7 @@ __all__ = ["ATTENTION_BACKENDS", "DEFAULT_GRAPH_SIZES", "MODES", "Engine", "Engi
            "load_processor"]
 
 
-class Engine(EngineFrontends):
+class Engine(EngineFrontends, RequestControl):
     """Serves one model runner; see the module docstring."""
 
     def __init__(self, runner: ModelRunner, config: EngineConfig | None = None, *,
@@ -127,12 +129,12 @@ class Engine(EngineFrontends):
         self._step_lock = threading.Lock()
         self._inbox: deque[tuple[str, Any]] = deque()
         self._active: dict[str, Request] = {}
+        self._paused: set[str] = set()  # ids of paused requests (control.py)
         self._outbox: list[RequestOutput] = []
         self._driver = None  # the stream front end's driving task (frontends.py)
         self.num_steps = 0
 
-    # Requests in.
-
+    # Requests in (pause, resume: control.py).
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, sink: Callable[[RequestOutput], Any] |
                     None = None, stream: bool = False) -> str:
@@ -189,14 +191,10 @@ class Engine(EngineFrontends):
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (takes effect at the next step); False when it is not active."""
-        with self._lock:
-            if request_id not in self._active:
-                return False
-            self._inbox.append(("abort", request_id))
-            return True
+        return self._post("abort", request_id)
 
-    def has_unfinished(self) -> bool:
-        return bool(self._active)
+    def has_unfinished(self) -> bool:  # paused requests alone give a step nothing to do
+        return bool(self._inbox) or len(self._active) > len(self._paused)
 
     @property
     def num_active(self) -> int:
@@ -313,6 +311,8 @@ class Engine(EngineFrontends):
                 item.prefix_hint = self.scheduler.peek_cached(item)
                 self.encoder.submit(item, item.prefix_hint)
                 self.scheduler.add(item)
+            elif kind in CONTROLS:
+                self._apply_control(kind, item)
             else:
                 req = self._active.get(item)
                 # siblings not forked yet end with their parent (whose abort may be deferred)
@@ -338,6 +338,7 @@ class Engine(EngineFrontends):
             if self._active.get(req.request_id) is (req if group is None else group.seqs[0]) \
                     and (group is None or group.all_finished()):
                 del self._active[req.request_id]
+                self._paused.discard(req.request_id)
         self._emit(req, True)
         for child in unforked:
             self._emit(child, True)

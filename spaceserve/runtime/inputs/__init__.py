@@ -5,7 +5,7 @@ video-token expansion, as a cheap `plan` (`start_plan`, `read_media`) and a deco
 prompt_encoder.py (`PromptEncoder`: prompt text and decoded media -> token ids and pixel values;
 the engine's processor call), text.py (client text: special tokens as plain text,
 `encode_plain`; byte bounds from the context length), pool.py (`PreprocessPool`: light and heavy
-lanes, bounded queues, deadlines), errors.py (`InputError`: a ValueError with a
+lanes, bounded queues, deadlines, `cancel_point`), errors.py (`InputError`: a ValueError with a
 machine-readable `kind` and the `param` at fault), processor.py (`load_processor`: a
 checkpoint's tokenizer and processor), family.py (`model_family`: the checkpoint's
 ``model_type``, which picks its video sampling and, when its tokenizer has none, its chat
@@ -66,7 +66,12 @@ from spaceserve.runtime.inputs.media.video import (
     open_video,
     video_format_of_mime,
 )
-from spaceserve.runtime.inputs.pool import DeadlineExceeded, PreprocessPool, QueueFull
+from spaceserve.runtime.inputs.pool import (
+    DeadlineExceeded,
+    PreprocessPool,
+    QueueFull,
+    cancel_point,
+)
 from spaceserve.runtime.inputs.processor import load_processor
 from spaceserve.runtime.inputs.prompt_encoder import PromptEncoder
 from spaceserve.runtime.inputs.text import (
@@ -102,6 +107,7 @@ __all__ = [
     "VideoLimits",
     "VideoSampling",
     "address_problem",
+    "cancel_point",
     "check_dir",
     "check_text_size",
     "control_tokens",

@@ -34,7 +34,7 @@ from spaceserve.runtime.inputs.media.images import load_rgb, open_image
 from spaceserve.runtime.inputs.media.limits import ImageLimits, VideoLimits
 from spaceserve.runtime.inputs.media.urls import load_url_media, mime_source
 from spaceserve.runtime.inputs.media.video import open_video_url
-from spaceserve.runtime.inputs.pool import DeadlineExceeded
+from spaceserve.runtime.inputs.pool import DeadlineExceeded, cancel_point
 from spaceserve.runtime.inputs.prompt_encoder import PromptEncoder
 from spaceserve.runtime.inputs.text import check_text_size, mark_plain
 
@@ -240,6 +240,7 @@ class ChatPreprocessor(PromptEncoder):
         for i, ref in enumerate(plan.media):  # one full-size item alive at a time
             if deadline is not None and time.monotonic() > deadline:
                 raise DeadlineExceeded("preprocessing did not finish before its deadline")
+            cancel_point()  # its request went away: stop here
             item, plan.items[i] = plan.items[i], None
             if ref.modality == "video":
                 videos.append(item.decode(deadline))

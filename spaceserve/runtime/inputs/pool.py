@@ -7,7 +7,8 @@ cost, discounted by how long it has waited (`aging_s`: a job's cost counts half 
 waited that long, a third after twice that...), so small jobs pass big ones without starving
 them. A full queue refuses at once (`QueueFull`, with a retry hint); every job has a deadline:
 one still queued at its deadline is dropped, and the awaiting side stops waiting then
-(`DeadlineExceeded`) while a running job finishes in the background.
+(`DeadlineExceeded`); a running job is asked to stop (its caller gave up, or its deadline
+passed) and does at its next `cancel_point`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ class DeadlineExceeded(TimeoutError):
     """A job did not finish before its deadline."""
 
 
+class JobFuture(Future):
+    """A job's Future whose ``cancel()`` also asks a running job to stop (`stop`, read by
+    `cancel_point`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop = threading.Event()
+
+    def cancel(self) -> bool:
+        self.stop.set()
+        return super().cancel()
+
+
 @dataclass
 class _Job:
     fn: Callable[[], Any]
@@ -45,7 +59,19 @@ class _Job:
     deadline: float
     seq: int
     queued_at: float = field(default_factory=time.monotonic)
-    future: Future = field(default_factory=Future)
+    future: JobFuture = field(default_factory=JobFuture)
+
+
+_current = threading.local()  # the job a worker thread runs
+
+
+def cancel_point() -> None:
+    """Raise DeadlineExceeded when the pool job running on this thread was given up (its
+    deadline passed, or its caller cancelled it): long preprocessing steps call this between
+    pieces of work so a worker stops soon after its request ended. A no-op off the pool."""
+    job = getattr(_current, "job", None)
+    if job is not None and (job.future.stop.is_set() or time.monotonic() > job.deadline):
+        raise DeadlineExceeded("preprocessing was given up (deadline passed or request ended)")
 
 
 class _Lane:
@@ -93,10 +119,13 @@ class _Lane:
                     job.future.set_exception(DeadlineExceeded("preprocessing deadline passed "
                                                               "while queued"))
                     continue
+                _current.job = job
                 try:
                     job.future.set_result(job.fn())
                 except BaseException as exc:  # handed to the caller, who raises it
                     job.future.set_exception(exc)
+                finally:
+                    _current.job = None
             finally:
                 with self.cond:
                     self.running -= 1
@@ -146,7 +175,8 @@ class PreprocessPool:
                   deadline: float | None = None, on_done: Callable[[], Any] | None = None
                   ) -> Any:
         """`fn()`'s result from a worker of `lane`; DeadlineExceeded once `deadline` passes
-        (a queued job is then dropped; a running one finishes unobserved)."""
+        (a queued job is then dropped; a running one is asked to stop: `cancel_point`).
+        Cancelling the await cancels the job the same way."""
         fut = self.submit(fn, lane=lane, cost=cost, deadline=deadline, on_done=on_done)
         waiter = asyncio.wrap_future(fut)
         if deadline is None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from spaceserve.server.handles import Cancelled, QueueFull
 from spaceserve.server.openai import protocol as P
@@ -47,6 +47,7 @@ from spaceserve.server.openai.streams import (
     shutdown_error,
     until_disconnect,
 )
+from spaceserve.server.transport.backpressure import SlowReaderGuard, WatchedStreamingResponse
 from spaceserve.server.transport.errors import APIError
 from spaceserve.server.transport.guard import release_body
 
@@ -237,7 +238,8 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
                            code="queue_full") from None
         gone = asyncio.ensure_future(until_disconnect(request))
         streaming = False
-        deadline = time.monotonic() + limits.preprocess_timeout_s
+        deadline = request.scope.get("state", {}).get("deadline") or \
+            time.monotonic() + limits.preprocess_timeout_s  # from the body's arrival
         try:
             try:
                 await asyncio.gather(*(
@@ -276,9 +278,11 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
                                       "choices": body,
                                       "usage": _usage(parts, [o for outs in got for o in outs])})
             streaming = True
-            return StreamingResponse(_stream(req, rid, parts, gone, created_at),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return WatchedStreamingResponse(  # paused while the client does not read
+                _stream(req, rid, parts, gone, created_at), guard=SlowReaderGuard(
+                    limits.stream, lambda: [p.handle.pause() for p in parts],
+                    lambda: [p.handle.resume() for p in parts]),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finally:
             if not streaming:
                 gone.cancel()

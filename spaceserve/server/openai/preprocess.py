@@ -59,13 +59,17 @@ async def prepare_chat_request(client: Admission, preprocessor: Any,
                                timeout_s: float, max_text_bytes: int | None,
                                context_len: int | None,
                                video_limits: VideoLimits | None = None, fetcher: Any = None,
-                               on_body_done: Callable[[], Any] = lambda: None) -> None:
+                               on_body_done: Callable[[], Any] = lambda: None,
+                               deadline: float | None = None) -> None:
     """Preprocess `req` and add it to the engine through `handle` (`params(prompt)` gives its
     sampling parameters); APIError for what the client got wrong or the server cannot take
     now, Cancelled if the server ends the request meanwhile. http(s) media go to `fetcher`
     (refused without one). Afterwards the request's message text is dropped and
-    `on_body_done()` called (the body's memory is free)."""
-    deadline = time.monotonic() + timeout_s
+    `on_body_done()` called (the body's memory is free). `deadline` (monotonic clock; by
+    default `timeout_s` from now) is the request's, set when its body arrived: parsing took
+    part of it already."""
+    if deadline is None:
+        deadline = time.monotonic() + timeout_s
     plan = None
 
     def read_job(plan: Any) -> Any:

@@ -36,11 +36,13 @@ from spaceserve.server.openai.sampling import (
     Strict,
 )
 from spaceserve.server.transport.errors import APIError
+from spaceserve.server.transport.prescan import ScanLimits, scan_json
 
 __all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "StreamOptions"]
 _Model = Strict
 MAX_JSON_DEPTH = 32  # an OpenAI request nests about 6 deep
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # may be a lone surrogate: check it
 
 
 class ImageURL(_Model):
@@ -141,10 +143,35 @@ def check_json(data: Any) -> None:
 Req = TypeVar("Req", bound=SamplingFields)
 
 
-def parse_body(body: bytes | bytearray, model: type[Req]) -> Req:
-    """Bytes to a validated request of `model`; APIError 400 naming the first bad field."""
+def decode_body(body: bytes | bytearray) -> tuple[str, bool]:
+    """A body's JSON text (UTF-8, or UTF-16/32 as `json.loads` detects them) and whether it
+    may hold a lone surrogate (raw, or not UTF-8); a bytearray is emptied once decoded (its
+    memory is free). APIError 400 for bytes that are no text."""
+    enc = json.detect_encoding(body)
     try:
-        data = json.loads(body)
+        try:
+            text, raw_surrogates = (body.decode(enc), False) if enc == "utf-8" else \
+                (body.decode(enc, "surrogatepass"), True)
+        except UnicodeDecodeError:
+            text, raw_surrogates = body.decode(enc, "surrogatepass"), True
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if isinstance(body, bytearray):
+        body.clear()
+    return text, raw_surrogates
+
+
+def parse_body(body: bytes | bytearray, model: type[Req], scan: ScanLimits | None = None,
+               cancel_point: Callable[[], None] = lambda: None) -> Req:
+    """Bytes to a validated request of `model`, after the structural pre-scan (`scan`,
+    prescan.py; the defaults when None) bounds what parsing it may cost; APIError 400 (413)
+    naming the first bad field (the bound passed). A bytearray is emptied on the way."""
+    text, maybe_surrogates = decode_body(body)
+    scan_json(text, scan or ScanLimits(), cancel_point)
+    cancel_point()
+    maybe_surrogates = maybe_surrogates or _SURROGATE_ESCAPE.search(text) is not None
+    try:
+        data = json.loads(text)
     except RecursionError:
         raise APIError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels"
                        ) from None
@@ -155,7 +182,10 @@ def parse_body(body: bytes | bytearray, model: type[Req]) -> Req:
             raise APIError(400, f"a number in the body has more than "
                            f"{sys.get_int_max_str_digits()} digits") from None
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
-    check_json(data)
+    del text
+    if maybe_surrogates:
+        check_json(data)  # the pre-scan bounded the depth; this names a surrogate's place
+    cancel_point()
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from spaceserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("spaceserve.server")
+INLINE_PARSE_BYTES = 64 * 1024  # smaller bodies parse on the event loop (well under 10 ms)
+PARSE_BYTES_PER_PIXEL = 8  # light-lane cost of parsing a body byte, in pixels of decoding
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -53,13 +56,37 @@ async def read_body(request: Request, limit: int) -> bytearray:
 
 async def read_request(request: Request, limit: int, model: type[P.Req]) -> P.Req | None:
     """The body of `request` (at most `limit` bytes) validated as `model` (APIError 400
-    naming the first bad field); None when the client went away while sending it (answer
-    499). The raw bytes are dropped on return."""
+    naming the first bad field; 413 for a body over a pre-scan bound); None when the client
+    went away while sending it (answer 499). The request's preprocessing deadline starts when
+    its body has arrived (``scope["state"]["deadline"]``, from ``app.state.preprocess_timeout_s``)
+    and bounds its parsing too: a body over `INLINE_PARSE_BYTES` is pre-scanned, parsed and
+    validated in the light lane of the client's preprocessing pool (503 past the deadline; the
+    scan then stops), so the event loop never parses a large body. The raw bytes are dropped
+    on return."""
     try:
         body = await read_body(request, limit)
     except ClientDisconnect:
         return None
-    return P.parse_body(body, model)
+    app_state = request.app.state
+    scan = getattr(app_state, "scan", None)
+    timeout_s = getattr(app_state, "preprocess_timeout_s", None)
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    request.scope.setdefault("state", {})["deadline"] = deadline
+    pool = getattr(getattr(app_state, "client", None), "pool", None)
+    if pool is None or len(body) <= INLINE_PARSE_BYTES:
+        return P.parse_body(body, model, scan)
+    from spaceserve.runtime.inputs import DeadlineExceeded, QueueFull, cancel_point
+
+    try:
+        return await pool.run(lambda: P.parse_body(body, model, scan, cancel_point),
+                              lane="light", cost=len(body) / PARSE_BYTES_PER_PIXEL,
+                              deadline=deadline)
+    except DeadlineExceeded:
+        raise APIError(503, f"parsing the request body did not finish within {timeout_s:g} s;"
+                       " retry later", type="server_error", code="preprocess_timeout") from None
+    except QueueFull as exc:
+        raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
+                       code="queue_full", retry_after=exc.retry_after) from None
 
 
 async def until_disconnect(request: Request) -> None:
