@@ -12,6 +12,13 @@ write, ``Request.shared_tail``; the copy is in the step's ``block_copies``, whic
 applies before the forward pass). A child has its own media slots, empty: preempted and
 re-admitted, it finds its embeddings in the encoder cache, needs none (the prefix cache holds
 its media tokens) or has them encoded again.
+
+Under the fair share (fair_share.py) a group admitted while others wait reserves slots for at
+most its share of siblings; the rest are *detached* (`detach`): they leave `unforked` and queue
+as sequences of their own, each prefilling the prompt itself (its full blocks from the prefix
+cache when the first sequence committed them) and drawing its first token from its own logits,
+with the same seed (seed + index): the same tokens as a forked one. A preempted sequence of a
+group, forked or detached, is recomputed alone the same way; its siblings run on.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from spaceserve.runtime.core.block_manager import BlockManager
 from spaceserve.runtime.core.request import Request, Status
 
-__all__ = ["SequenceGroup", "fork", "fork_all", "make_group", "own_tail"]
+__all__ = ["SequenceGroup", "detach", "fork", "fork_all", "make_group", "own_tail"]
 
 
 @dataclass(eq=False)
@@ -49,7 +56,7 @@ def make_group(req: Request, n: int, seq_no: Callable[[], int]) -> SequenceGroup
         child = Request(req.request_id, seq_no(), req.prompt_ids, req.params, req.seed + i, mm,
                         arrival_time=req.arrival_time)
         child.index = i
-        child.sink, child.stream = req.sink, req.stream
+        child.sink, child.stream, child.fair_key = req.sink, req.stream, req.fair_key
         children.append(child)
     group = SequenceGroup([req, *children], list(children))
     for s in group.seqs:
@@ -73,6 +80,19 @@ def fork(parent: Request, child: Request, block_ids: list[int], serial: int) -> 
     child.synced_blocks = 0
     child.admit_serial = serial
     child.status = Status.RUNNING
+
+
+def detach(req: Request, keep: int) -> list[Request]:
+    """Leave `req`'s first `keep` unforked siblings to be forked; the others become waiting
+    sequences of their own (returned, in index order), with its stop rules and model state."""
+    group = req.group
+    group.unforked, out = group.unforked[:keep], group.unforked[keep:]
+    for child in out:
+        child.stop_ids, child.limit_len, child.min_len = req.stop_ids, req.limit_len, \
+            req.min_len
+        child.model_state = req.model_state
+        child.status = Status.WAITING
+    return out
 
 
 def fork_all(req: Request, bm: BlockManager, serial: int) -> list[Request]:

@@ -31,6 +31,9 @@ not yet in ``token_ids``; `update` later appends the drawn tokens in their place
 the requests that stop. A decode whose input token is still a placeholder is listed in
 ``ScheduledBatch.pending``: the runner takes that input from the device. A request is never
 re-admitted in the step that preempted it, so a prefill never needs a placeholder.
+
+With ``fair_share`` no request keeps more than its fair share of slots and blocks while others
+wait (fair_share.py); admission then runs in a step that preempted too, skipping the preempted.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from collections.abc import Callable, Iterable
 from spaceserve.checks import require_int
 from spaceserve.runtime.core.batch import ScheduledBatch
 from spaceserve.runtime.core.block_manager import BlockManager
-from spaceserve.runtime.core.forks import fork_all, own_tail
+from spaceserve.runtime.core.fair_share import FairShare
+from spaceserve.runtime.core.forks import detach, fork_all, own_tail
 from spaceserve.runtime.core.prefix_cache import (
     block_hashes,
     commit_upto,
@@ -63,6 +67,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         is_ready: Callable[[Request, int], bool] | None = None,
+        fair_share: bool = False,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -82,6 +87,7 @@ class Scheduler:
         self.prefill_tokens = 0  # tokens computed other than a decoding request's newest one
         self.num_admitted = 0  # admissions so far (a request re-taking a slot counts again)
         self._copies: list[tuple[Request, int, int]] = []  # this schedule's copies on write
+        self.fair = FairShare(block_manager, max_num_seqs, self) if fair_share else None
 
     def peek_cached(self, req: Request) -> int:
         """Tokens of `req` the prefix cache holds now (nothing taken; 0 with caching off)."""
@@ -120,6 +126,10 @@ class Scheduler:
         pre_n: list[int] = []
         preempted: list[Request] = []
         grown: list[Request] = []
+        fair = self.fair
+        if fair is not None:  # make room for requests under their share
+            preempted = fair.begin(running, self.waiting, len(self._free_rows), budget,
+                                   self._preempt)
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -134,8 +144,9 @@ class Scheduler:
             total = c + n
             if len(req.block_ids) * bs < total or req.shared_tail:
                 grown.append(req)
-                while not (self._own_tail(req) and bm.ensure(req.block_ids, total)):
-                    victim = running.pop()
+                while not (self._own_tail(req) and (bm.ensure(req.block_ids, total) if fair is
+                                                    None else fair.grow(req, total))):
+                    victim = running.pop() if fair is None else fair.take(running, i)
                     self._preempt(victim)
                     preempted.append(victim)
                     if victim is req:
@@ -158,7 +169,7 @@ class Scheduler:
                 pre_n.append(n)
             budget -= n
             i += 1
-        if not preempted:
+        if not preempted or fair is not None:
             self._admit(budget, dec, cached, pre, pre_n, grown)
         batch = self._batch(dec, cached, pre, pre_n, preempted)
         batch.pending, batch.grown = pending, grown
@@ -166,33 +177,42 @@ class Scheduler:
 
     def _admit(self, budget: int, dec: list[Request], cached: list[int], pre: list[Request],
                pre_n: list[int], grown: list[Request]) -> int:
-        waiting, bm = self.waiting, self.bm
-        j = 0
-        while j < len(waiting) and budget > 0 and self._free_rows:
-            req = waiting[j]
-            if req.group is not None and len(req.group.unforked) >= len(self._free_rows):
+        bm, fair = self.bm, self.fair
+        if fair is not None and self.waiting and not fair.fresh:
+            fair.refresh(self.running, self.waiting)
+        taken: dict[int, list[Request]] = {}  # id of each admitted: its detached siblings
+        for req in self.waiting if fair is None else fair.order(self.waiting):
+            if budget <= 0 or not self._free_rows:
+                break
+            if req.num_placeholders:  # preempted in this step: its draw is in flight
+                continue
+            keep = 0 if req.group is None else len(req.group.unforked)
+            if fair is not None and keep:
+                keep = min(keep, fair.sibling_allowance(req, len(self._free_rows)))
+            elif keep >= len(self._free_rows):
                 break  # its unforked siblings need sequence slots too
             take_prefix(bm, req)
             if not self.is_ready(req, req.num_computed):
                 drop_prefix(bm, req)
-                j += 1
                 continue
             known = len(req.token_ids) + req.num_placeholders
             n = min(known - req.num_computed, budget)
             if not bm.ensure(req.block_ids, req.num_computed + n):
                 drop_prefix(bm, req)
                 break
+            taken[id(req)] = detach(req, keep) if req.group is not None else []
             self.prefix_queried_tokens += known
             self.prefix_hit_tokens += req.num_computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed
-            del waiting[j]
             req.status = Status.RUNNING
             req.row = self._free_rows.pop()
             req.synced_blocks = 0
             if req.group is not None:
                 for child in req.group.unforked:
                     child.row = self._free_rows.pop()
+            if fair is not None:
+                fair.admitted(req, 1 + keep)
             self.num_admitted += 1
             req.admit_serial = self.num_admitted
             grown.append(req)
@@ -208,6 +228,9 @@ class Scheduler:
                 pre.append(req)
                 pre_n.append(n)
             budget -= n
+        if taken:  # admitted requests leave the queue; their detached siblings take their place
+            self.waiting = [s for r in self.waiting
+                            for s in (taken[id(r)] if id(r) in taken else (r,))]
         return budget
 
     def _batch(self, dec: list[Request], cached: list[int], pre: list[Request],

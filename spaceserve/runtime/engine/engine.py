@@ -114,7 +114,7 @@ class Engine(EngineFrontends):
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=info.eos_token_ids,
-            is_ready=self.encoder.ready)
+            is_ready=self.encoder.ready, fair_share=config.fair_share)
         self.sampler = Sampler(runner.device, info.vocab_size, config.max_num_seqs,
                                info.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -135,12 +135,12 @@ class Engine(EngineFrontends):
 
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, sink: Callable[[RequestOutput], Any] |
-                    None = None, stream: bool = False) -> str:
+                    None = None, stream: bool = False, fair_key: str | None = None) -> str:
         """Queue a prompt; returns its id. A bad prompt does not raise: the request ends with
-        finish reason "error" and a message. A bad `sampling_params` or a duplicate
-        `request_id` raises ValueError (caller mistakes, not request data). With ``n`` > 1 its
-        n sequences share the prompt's processing and KV blocks (forks.py); each ends with its
-        own final output (`RequestOutput.index`), and `abort` ends them all."""
+        finish reason "error" and a message. A bad `sampling_params` or `fair_key` (its user:
+        `EngineConfig.fair_share`) or a duplicate `request_id` raises ValueError. With ``n`` >
+        1 its n sequences share the prompt's processing and KV blocks (forks.py); each ends
+        with its own final output (`RequestOutput.index`), and `abort` ends them all."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
@@ -151,6 +151,8 @@ class Engine(EngineFrontends):
         rid = f"req-{seq_no}" if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id={rid!r} must be a non-empty str")
+        if fair_key is not None and not isinstance(fair_key, str):
+            raise ValueError(f"fair_key={fair_key!r} must be a str or None")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         try:
             ids, mm = process_prompt(
@@ -163,7 +165,7 @@ class Engine(EngineFrontends):
         if mm is not None and (self.encoder_cache.enabled or self.block_manager.enable_caching):
             _ = mm.content_hashes  # hashed here, on the caller's thread, not in the step loop
         req = Request(rid, seq_no, ids, params, seed, mm, arrival_time=now)
-        req.sink, req.stream = sink, stream
+        req.sink, req.stream, req.fair_key = sink, stream, fair_key
         if params.n > 1:
             make_group(req, params.n, lambda: next(self._ids))
         with self._lock:
@@ -235,8 +237,7 @@ class Engine(EngineFrontends):
                 previous, self._inflight = self._inflight, launched
                 if previous is not None:
                     self._complete(previous, count_step=False)
-                if launched is not None and (not self.config.async_scheduling
-                                             or not self._active):
+                if launched is not None and (not self.config.async_scheduling or not self._active):
                     self._inflight = None  # unpipelined, or every request of it has ended
                     self._complete(launched, count_step=False)
             out, self._outbox = self._outbox, []
