@@ -15,12 +15,13 @@ are preempted so a request under its share can be admitted:
 - **Making room** (`make_room`, at the start of a step): for each waiting request under its
   share in queue order, the sequences of the request most over its share (largest usage /
   share, then largest usage) are preempted, newest first, until the waiting request's first
-  chunk fits; a request at or under its share is never preempted for another.
+  chunk fits; a request at or under its share is never preempted for another, nor is the
+  last running sequence of a request (requests of one sequence each keep first-come
+  first-served among themselves instead of taking turns by recompute).
 - **Growth** (`sort`, `victim`): the sequences of requests at or under their share grow first;
-  when one needs a block and none is free, the victim is the not-yet-scheduled sequence of the
-  request holding the most blocks for its block share (the newest one on a tie) among those
-  over their share and the one that needs the block, not simply the newest sequence, which
-  would be the newcomer.
+  when one needs a block and none is free, the victim is a not-yet-scheduled sequence of the
+  request most over its share, else of the request running the most sequences for its block
+  share (the newest of them), not simply the newest sequence, which would be the newcomer.
 - **Admission order** (`order`): waiting requests by how much of its share their request
   holds (a newcomer: nothing), queue order among equals; a parallel-sampling group reserves
   slots for at most its share of siblings, the others queue as sequences of their own
@@ -68,7 +69,7 @@ def unit_of(req: Request) -> Hashable:
 class _Unit:
     """One request's demand, usage and share (slots, blocks)."""
 
-    __slots__ = ("user", "seqs", "want_slots", "want_blocks", "slots", "blocks",
+    __slots__ = ("user", "seqs", "want_slots", "want_blocks", "slots", "nrun", "blocks",
                  "share_slots", "share_blocks")
 
     def __init__(self, user: Hashable) -> None:
@@ -76,6 +77,7 @@ class _Unit:
         self.seqs: list[Request] = []
         self.want_slots = self.want_blocks = 0
         self.slots = 0  # sequence slots held (running sequences and reserved siblings)
+        self.nrun = 0  # running sequences
         self.blocks: set[int] = set()  # KV blocks held by its running sequences
         self.share_slots = self.share_blocks = 0.0
 
@@ -92,6 +94,12 @@ class _Unit:
         """Blocks held over the block share (what a growing sequence competes for)."""
         n = len(self.blocks)
         return n / self.share_blocks if self.share_blocks > 0 else float(n) * float("inf")
+
+    def over(self) -> bool:
+        """Over its share with more than one sequence running: its newest may be preempted
+        for another request (a request's last sequence never is: no thrashing between
+        single-sequence requests, which keep first-come first-served)."""
+        return self.nrun > 1 and self.ratio() > 1.0
 
     def under(self) -> bool:
         return self.slots < self.share_slots and len(self.blocks) < self.share_blocks
@@ -142,6 +150,7 @@ class FairShare:
             u.want_blocks += bm.blocks_for(len(req.token_ids) + req.num_placeholders + 1)
             if req.status is Status.RUNNING:
                 u.slots += 1
+                u.nrun += 1
                 u.blocks.update(req.block_ids)
         self.units = units
         for total, want, share in ((self.max_num_seqs, "want_slots", "share_slots"),
@@ -165,7 +174,7 @@ class FairShare:
     def sort(self, running: list[Request]) -> None:
         """Order `running` (stably) so the sequences of requests over their share come last:
         those at or under it grow first, and blocks are taken from the others."""
-        over = [r for r in running if (u := self.unit(r)) is not None and u.ratio() > 1.0]
+        over = [r for r in running if (u := self.unit(r)) is not None and u.over()]
         if over and len(over) < len(running):
             marked = {id(r) for r in over}
             running[:] = [r for r in running if id(r) not in marked] + over
@@ -177,7 +186,7 @@ class FairShare:
         if self.reserved and bm.num_free - (bm.blocks_for(total) - len(req.block_ids)) < \
                 self.reserved:
             u = self.unit(req)
-            if u is not None and u.ratio() > 1.0:
+            if u is not None and u.over():
                 return False
         return bm.ensure(req.block_ids, total)
 
@@ -215,20 +224,20 @@ class FairShare:
         u = self.unit(req)
         if u is not None:
             u.slots += rows
+            u.nrun += 1
             u.blocks.update(req.block_ids)
 
     def victim(self, running: Sequence[Request], start: int) -> int:
         """Index in `running` (at `start` or later: not scheduled yet) of the sequence to
         preempt for a block: the newest of the request most over its share, else of the
-        request of ``running[start]`` (which needs the block): one at or under its share is
-        never preempted for another."""
+        request running the most sequences for its block share, else (single-sequence
+        requests only: first-come first-served) the newest."""
         best, key = start, None
-        own = self.unit(running[start])
         for j in range(start, len(running)):
             u = self.unit(running[j])
-            if u is not own and u is not None and u.ratio() <= 1.0:
-                continue
-            k = (u.block_ratio(), len(u.blocks), j) if u is not None else (0.0, 0, j)
+            k: tuple = (0, 0, 0.0, 0, j)
+            if u is not None and u.nrun > 1:
+                k = (u.over(), 1, u.block_ratio(), len(u.blocks), j)
             if key is None or k >= key:
                 best, key = j, k
         return best
@@ -240,6 +249,7 @@ class FairShare:
         if u is None:
             return
         u.slots -= 1 + sum(c.row >= 0 for c in (req.group.unforked if req.group else ()))
+        u.nrun -= 1
         ref = self.bm.ref_count
         u.blocks.difference_update(b for b in req.block_ids if ref(b) == 1)
 
@@ -284,12 +294,9 @@ class FairShare:
         best, key = None, None
         for j, req in enumerate(running):
             u = self.unit(req)
-            if u is None or u is exclude:
+            if u is None or u is exclude or not u.over():
                 continue
-            r = u.ratio()
-            if r <= 1.0:
-                continue
-            k = (r, len(u.blocks), j)
+            k = (u.ratio(), len(u.blocks), j)
             if key is None or k >= key:
                 best, key = j, k
         return best

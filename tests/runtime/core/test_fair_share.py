@@ -119,7 +119,7 @@ def test_partial_preemption_keeps_seeded_outputs(mode: str) -> None:
     """Eight big requests (same seed: the same outputs) and a newcomer; preempted and
     detached sequences recompute to exactly their seed's tokens, in the pipelined temporal
     mode and the unpipelined co-located one."""
-    engine = make_engine(mode=mode, num_kv_blocks=48)
+    engine = make_engine(mode=mode, num_kv_blocks=48, max_num_seqs=16)
     try:
         big = prompt(40)
         params = SamplingParams(n=4, max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
