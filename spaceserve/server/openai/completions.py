@@ -46,6 +46,7 @@ from spaceserve.server.openai.streams import (
     shutdown_error,
     until_disconnect,
 )
+from spaceserve.server.settings import request_fair_key
 from spaceserve.server.transport.errors import APIError
 from spaceserve.server.transport.guard import release_body
 
@@ -197,6 +198,8 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
                 p.handle.close()
             raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
                            code="queue_full") from None
+        for part in parts:
+            part.handle.fair_key = request_fair_key(request, req)
         gone = asyncio.ensure_future(until_disconnect(request))
         streaming = False
         deadline = time.monotonic() + limits.preprocess_timeout_s
