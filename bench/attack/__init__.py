@@ -3,4 +3,5 @@
 - `run`: the server's lifecycle, the context and rows, the table; `main`.
 - `cases`: the attacks, one coroutine each.
 - `probe`: the "hi" probe, run in its own process.
+- `fairness`: the fair-share rows (parallel-sampling requests holding the batch, and a "hi").
 """

@@ -13,7 +13,8 @@ are preempted so a request under its share can be admitted:
   is entitled to all it needs and the rest goes to the big ones. A lone request's share is
   everything it asks for: it loses nothing.
 - **Making room** (`make_room`, at the start of a step): for each waiting request under its
-  share in queue order, the sequences of the request most over its share (largest usage /
+  share with no sequence running (a newcomer, or one whose sequences were all preempted), in
+  admission order, the sequences of the request most over its share (largest usage /
   share, then largest usage) are preempted, newest first, until the waiting request's first
   chunk fits; a request at or under its share is never preempted for another, nor is the
   last running sequence of a request (requests of one sequence each keep first-come
@@ -23,9 +24,10 @@ are preempted so a request under its share can be admitted:
   request most over its share, else of the request running the most sequences for its block
   share (the newest of them), not simply the newest sequence, which would be the newcomer.
 - **Admission order** (`order`): waiting requests by how much of its share their request
-  holds (a newcomer: nothing), queue order among equals; a parallel-sampling group reserves
-  slots for at most its share of siblings, the others queue as sequences of their own
-  (`forks.detach`).
+  holds (a newcomer: nothing), queue order among equals; in a step that preempted, only
+  requests with no sequence running are admitted (no admit-preempt ping-pong); a
+  parallel-sampling group reserves slots for at most its share of siblings, the others queue
+  as sequences of their own (`forks.detach`).
 
 Preemption is by recompute (the scheduler's `_preempt`): the blocks are freed and the tokens
 kept, and the sequence is prefilled again when re-admitted (chunked, up to
@@ -100,6 +102,11 @@ class _Unit:
         for another request (a request's last sequence never is: no thrashing between
         single-sequence requests, which keep first-come first-served)."""
         return self.nrun > 1 and self.ratio() > 1.0
+
+    def starved(self) -> bool:
+        """Under its share with no sequence running: room is made for it at once (one with
+        some running waits for free blocks, so shares near balance cause no churn)."""
+        return not self.nrun and self.under()
 
     def under(self) -> bool:
         return self.slots < self.share_slots and len(self.blocks) < self.share_blocks
@@ -256,15 +263,15 @@ class FairShare:
     def make_room(self, running: list[Request], waiting: Sequence[Request], free_rows: int,
                   budget: int, preempt: Any) -> list[Request]:
         """Preempt (`preempt(seq)`) sequences over their request's share, newest first, so
-        each waiting request under its share, in queue order, has a slot and the blocks of
-        its first chunk (at most `budget` tokens). Returns the preempted, removed from
-        `running`."""
+        each starved waiting request (`_Unit.starved`), in admission order, has a slot and
+        the blocks of its first chunk (at most `budget` tokens). Returns the preempted,
+        removed from `running`."""
         out: list[Request] = []
         bm = self.bm
         reserved = 0  # blocks of the waiting requests room was made for
         for w in self.order(waiting):
             wu = self.unit(w)
-            if wu is None or not wu.under() or w.num_placeholders:
+            if wu is None or not wu.starved() or w.num_placeholders:
                 continue
             known = len(w.token_ids) + w.num_placeholders
             need = bm.blocks_for(min(known, budget))

@@ -17,7 +17,10 @@ Under the fair share (fair_share.py) a group admitted while others wait reserves
 most its share of siblings; the rest are *detached* (`detach`): they leave `unforked` and queue
 as sequences of their own, each prefilling the prompt itself (its full blocks from the prefix
 cache when the first sequence committed them) and drawing its first token from its own logits,
-with the same seed (seed + index): the same tokens as a forked one. A preempted sequence of a
+with the same seed (seed + index): the same tokens as a forked one. When a sibling runs with
+the prompt computed, a detached one admitted later *adopts* its prompt blocks instead
+(`adopt`: a reference each, the last block copied on write) and computes only the last prompt
+token for its logits. A preempted sequence of a
 group, forked or detached, is recomputed alone the same way; its siblings run on.
 """
 
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from spaceserve.runtime.core.block_manager import BlockManager
 from spaceserve.runtime.core.request import Request, Status
 
-__all__ = ["SequenceGroup", "detach", "fork", "fork_all", "make_group", "own_tail"]
+__all__ = ["SequenceGroup", "adopt", "detach", "fork", "fork_all", "make_group", "own_tail"]
 
 
 @dataclass(eq=False)
@@ -93,6 +96,23 @@ def detach(req: Request, keep: int) -> list[Request]:
         child.model_state = req.model_state
         child.status = Status.WAITING
     return out
+
+
+def adopt(req: Request, bm: BlockManager) -> bool:
+    """A waiting sequence of a group with nothing computed or drawn takes a reference on a
+    running sibling's prompt blocks and counts all but its last prompt token as computed; the
+    block that token's K/V go into is copied before the write (``shared_tail``). False,
+    changing nothing, when no sibling has the prompt computed."""
+    group, n = req.group, req.num_prompt_tokens
+    if group is None or req.num_computed or req.num_placeholders or n < 2 or \
+            len(req.token_ids) != n:
+        return False
+    for s in group.seqs:
+        if s is not req and s.status is Status.RUNNING and s.num_computed >= n:
+            req.block_ids = bm.fork(s.block_ids[:bm.blocks_for(n)])
+            req.num_computed, req.num_hashed, req.shared_tail = n - 1, 0, True
+            return True
+    return False
 
 
 def fork_all(req: Request, bm: BlockManager, serial: int) -> list[Request]:

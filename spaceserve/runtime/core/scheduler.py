@@ -33,7 +33,8 @@ the requests that stop. A decode whose input token is still a placeholder is lis
 re-admitted in the step that preempted it, so a prefill never needs a placeholder.
 
 With ``fair_share`` no request keeps more than its fair share of slots and blocks while others
-wait (fair_share.py); admission then runs in a step that preempted too, skipping the preempted.
+wait (fair_share.py); a request with no sequence running is then admitted in a step that
+preempted too.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from spaceserve.checks import require_int
 from spaceserve.runtime.core.batch import ScheduledBatch
 from spaceserve.runtime.core.block_manager import BlockManager
 from spaceserve.runtime.core.fair_share import FairShare
-from spaceserve.runtime.core.forks import detach, fork_all, own_tail
+from spaceserve.runtime.core.forks import adopt, detach, fork_all, own_tail
 from spaceserve.runtime.core.prefix_cache import (
     block_hashes,
     commit_upto,
@@ -169,14 +170,14 @@ class Scheduler:
                 pre_n.append(n)
             budget -= n
             i += 1
-        if not preempted or fair is not None:
-            self._admit(budget, dec, cached, pre, pre_n, grown)
+        if not preempted or fair is not None:  # the fair share admits the starved then too
+            self._admit(budget, dec, cached, pre, pre_n, grown, bool(preempted))
         batch = self._batch(dec, cached, pre, pre_n, preempted)
         batch.pending, batch.grown = pending, grown
         return batch
 
     def _admit(self, budget: int, dec: list[Request], cached: list[int], pre: list[Request],
-               pre_n: list[int], grown: list[Request]) -> int:
+               pre_n: list[int], grown: list[Request], starved_only: bool = False) -> int:
         bm, fair = self.bm, self.fair
         if fair is not None and self.waiting and not fair.fresh:
             fair.refresh(self.running, self.waiting)
@@ -184,20 +185,22 @@ class Scheduler:
         for req in self.waiting if fair is None else fair.order(self.waiting):
             if budget <= 0 or not self._free_rows:
                 break
-            if req.num_placeholders:  # preempted in this step: its draw is in flight
-                continue
+            if req.num_placeholders or (starved_only and fair.unit(req) is not None
+                                        and fair.unit(req).nrun):
+                continue  # preempted in this step (its draw in flight), or not starved
             keep = 0 if req.group is None else len(req.group.unforked)
             if fair is not None and keep:
                 keep = min(keep, fair.sibling_allowance(req, len(self._free_rows)))
             elif keep >= len(self._free_rows):
                 break  # its unforked siblings need sequence slots too
-            take_prefix(bm, req)
+            if not adopt(req, bm):  # a sibling's prompt blocks, else the prefix cache's
+                take_prefix(bm, req)
             if not self.is_ready(req, req.num_computed):
                 drop_prefix(bm, req)
                 continue
             known = len(req.token_ids) + req.num_placeholders
             n = min(known - req.num_computed, budget)
-            if not bm.ensure(req.block_ids, req.num_computed + n):
+            if not (bm.ensure(req.block_ids, req.num_computed + n) and self._own_tail(req)):
                 drop_prefix(bm, req)
                 break
             taken[id(req)] = detach(req, keep) if req.group is not None else []

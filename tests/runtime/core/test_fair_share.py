@@ -11,6 +11,7 @@ from spaceserve.runtime.core.fair_share import water_fill
 from spaceserve.runtime.engine.engine import EngineConfig
 from spaceserve.runtime.inputs import process_prompt
 from spaceserve.runtime.worker.null import NullModelRunner
+from tests.runtime.engine.test_parallel_sampling import record_copies
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,21 +71,23 @@ def test_water_fill_is_max_min() -> None:
     assert water_fill(0, {"a": 3}) == {"a": 0}
 
 
+@pytest.mark.parametrize("blocks", [24, 400])  # KV blocks run out; only the slots do
 @pytest.mark.parametrize("fair", [True, False])
-def test_newcomer_is_served_beside_a_request_holding_everything(fair: bool) -> None:
-    engine = make_engine(fair_share=fair)
+def test_newcomer_is_served_beside_a_request_holding_everything(fair: bool,
+                                                                blocks: int) -> None:
+    engine = make_engine(fair_share=fair, num_kv_blocks=blocks)
     try:
         big = prompt(40)
         hi_steps, finals = run(engine, [(big, BIG, None)], warm=12)
         engine.check_idle()
         if not fair:  # first come, first served: the newcomer waits for the whole request
-            assert hi_steps is not None and hi_steps > 40
+            assert hi_steps is not None and hi_steps > 25
             return
         assert hi_steps is not None and hi_steps <= 8, hi_steps
         assert finals["hi"][0].token_ids == engine.runner.reference_generate(
             [60, 61, 62], None, HI, 0, engine.max_model_len)[0]
         check_seeded(engine, big, BIG, finals["big0"])
-        assert engine.scheduler.fair.num_preempted > 0  # room was made by preemption
+        assert finals["hi"][0].metrics.num_preemptions == 0  # the big yields, not the hi
     finally:
         engine.close()
 
@@ -92,14 +95,37 @@ def test_newcomer_is_served_beside_a_request_holding_everything(fair: bool) -> N
 def test_groups_detach_over_their_share_and_stay_seeded(monkeypatch) -> None:
     """Three n=8 requests at once: each is admitted with a share of the 8 slots (its other
     siblings detached, queued alone), one of them from a user behind a key with two requests;
-    every sequence draws its seed's tokens."""
+    detached ones adopt a running sibling's prompt blocks; every sequence draws its seed's
+    tokens."""
     from spaceserve.runtime.core import scheduler
 
     detached: list[int] = []
-    real = scheduler.detach
+    adopted: list[bool] = []
+    real, real_adopt = scheduler.detach, scheduler.adopt
     monkeypatch.setattr(scheduler, "detach",
                         lambda req, keep: detached.append(len(out := real(req, keep))) or out)
+    takers: set[int] = set()
+
+    def spy_adopt(req, bm):
+        got = real_adopt(req, bm)
+        adopted.append(got)
+        if got:
+            takers.add(id(req))
+        return got
+
+    monkeypatch.setattr(scheduler, "adopt", spy_adopt)
     engine = make_engine(num_kv_blocks=40)
+    copies = record_copies(engine)
+    execute, bm = engine.runner.execute, engine.block_manager
+
+    def writes_own_blocks(batch, **kw):  # an adopter never writes into a shared block
+        for req, c, n in zip(batch.reqs, batch.num_cached, batch.num_new, strict=True):
+            if id(req) in takers:
+                assert all(bm.ref_count(req.block_ids[p // bm.block_size]) == 1
+                           for p in range(c, c + n)), "a write into a shared block"
+        return execute(batch, **kw)
+
+    engine.runner.execute = writes_own_blocks
     try:
         bigs = [(prompt(10 + 10 * k, 5 + k), BIG, "alice" if k else None) for k in range(3)]
         bigs[2] = (bigs[2][0], SamplingParams(n=5, max_tokens=30, temperature=0.8, seed=3,
@@ -110,6 +136,8 @@ def test_groups_detach_over_their_share_and_stay_seeded(monkeypatch) -> None:
         for k, (p, params, _) in enumerate(bigs):
             check_seeded(engine, p, params, finals[f"big{k}"])
         assert sum(detached) >= 10  # siblings over a group's share queued on their own
+        assert sum(adopted) >= 5  # ... most of them on a running sibling's prompt blocks
+        assert len(copies) >= sum(adopted)  # each copies the shared partial block it writes
     finally:
         engine.close()
 
