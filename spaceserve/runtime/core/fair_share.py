@@ -71,12 +71,11 @@ def unit_of(req: Request) -> Hashable:
 class _Unit:
     """One request's demand, usage and share (slots, blocks)."""
 
-    __slots__ = ("user", "seqs", "want_slots", "want_blocks", "slots", "nrun", "blocks",
+    __slots__ = ("user", "want_slots", "want_blocks", "slots", "nrun", "blocks",
                  "share_slots", "share_blocks")
 
     def __init__(self, user: Hashable) -> None:
         self.user = user
-        self.seqs: list[Request] = []
         self.want_slots = self.want_blocks = 0
         self.slots = 0  # sequence slots held (running sequences and reserved siblings)
         self.nrun = 0  # running sequences
@@ -95,7 +94,9 @@ class _Unit:
     def block_ratio(self) -> float:
         """Blocks held over the block share (what a growing sequence competes for)."""
         n = len(self.blocks)
-        return n / self.share_blocks if self.share_blocks > 0 else float(n) * float("inf")
+        if self.share_blocks > 0:
+            return n / self.share_blocks
+        return float("inf") if n else 0.0
 
     def over(self) -> bool:
         """Over its share with more than one sequence running: its newest may be preempted
@@ -152,7 +153,6 @@ class FairShare:
                         u.want_slots += 1
                         u.want_blocks += bm.blocks_for(len(child.token_ids) + 1)
                         u.slots += child.row >= 0
-            u.seqs.append(req)
             u.want_slots += 1
             u.want_blocks += bm.blocks_for(len(req.token_ids) + req.num_placeholders + 1)
             if req.status is Status.RUNNING:
