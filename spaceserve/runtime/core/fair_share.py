@@ -24,8 +24,8 @@ are preempted so a request under its share can be admitted:
   request most over its share, else of the request running the most sequences for its block
   share (the newest of them), not simply the newest sequence, which would be the newcomer.
 - **Admission order** (`order`): waiting requests by how much of its share their request
-  holds (a newcomer: nothing), queue order among equals; in a step that preempted, only
-  requests with no sequence running are admitted (no admit-preempt ping-pong); a
+  holds (a newcomer: nothing), queue order among equals; in a step that preempted, only the
+  requests room was made for are admitted (no admit-preempt ping-pong); a
   parallel-sampling group reserves slots for at most its share of siblings, the others queue
   as sequences of their own (`forks.detach`).
 
@@ -124,6 +124,7 @@ class FairShare:
         self.fresh = False  # the shares were computed in this step
         self.num_preempted = 0  # sequences preempted to make room for a request under share
         self.reserved = 0  # free blocks kept this step for the waiting requests room was made for
+        self.chosen: set[int] = set()  # ids of the waiting requests sequences were preempted for
 
     def begin(self, running: list[Request], waiting: Sequence[Request], free_rows: int,
               budget: int, preempt: Any) -> list[Request]:
@@ -131,6 +132,7 @@ class FairShare:
         waiting requests under theirs (`make_room`) and `sort` `running`. Returns the
         preempted."""
         self.fresh, self.reserved = False, 0
+        self.chosen.clear()
         if not self.pressed(running, waiting, budget):
             return []
         self.refresh(running, waiting)
@@ -285,6 +287,7 @@ class FairShare:
                 self.preempted(victim)
                 preempt(victim)
                 self.num_preempted += 1
+                self.chosen.add(id(w))
                 free_rows += freed
                 out.append(victim)
             free_rows -= 1  # taken by `w`: the next one makes its own room

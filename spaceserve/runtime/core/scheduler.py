@@ -33,8 +33,7 @@ the requests that stop. A decode whose input token is still a placeholder is lis
 re-admitted in the step that preempted it, so a prefill never needs a placeholder.
 
 With ``fair_share`` no request keeps more than its fair share of slots and blocks while others
-wait (fair_share.py); a request with no sequence running is then admitted in a step that
-preempted too.
+wait (fair_share.py); a request sequences were preempted for is admitted in that step.
 """
 
 from __future__ import annotations
@@ -170,14 +169,14 @@ class Scheduler:
                 pre_n.append(n)
             budget -= n
             i += 1
-        if not preempted or fair is not None:  # the fair share admits the starved then too
+        if not preempted or fair is not None:  # the fair share admits those it made room for
             self._admit(budget, dec, cached, pre, pre_n, grown, bool(preempted))
         batch = self._batch(dec, cached, pre, pre_n, preempted)
         batch.pending, batch.grown = pending, grown
         return batch
 
     def _admit(self, budget: int, dec: list[Request], cached: list[int], pre: list[Request],
-               pre_n: list[int], grown: list[Request], starved_only: bool = False) -> int:
+               pre_n: list[int], grown: list[Request], chosen_only: bool = False) -> int:
         bm, fair = self.bm, self.fair
         if fair is not None and self.waiting and not fair.fresh:
             fair.refresh(self.running, self.waiting)
@@ -185,9 +184,8 @@ class Scheduler:
         for req in self.waiting if fair is None else fair.order(self.waiting):
             if budget <= 0 or not self._free_rows:
                 break
-            if req.num_placeholders or (starved_only and fair.unit(req) is not None
-                                        and fair.unit(req).nrun):
-                continue  # preempted in this step (its draw in flight), or not starved
+            if req.num_placeholders or (chosen_only and id(req) not in fair.chosen):
+                continue  # preempted in this step (its draw in flight), or not made room for
             keep = 0 if req.group is None else len(req.group.unforked)
             if fair is not None and keep:
                 keep = min(keep, fair.sibling_allowance(req, len(self._free_rows)))
