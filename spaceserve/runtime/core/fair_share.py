@@ -63,6 +63,13 @@ def water_fill(capacity: float, demands: dict[Any, float]) -> dict[Any, float]:
     return out
 
 
+def _reserved(req: Request) -> int:
+    """Slots `req` holds for unforked siblings (a group's first sequence: `forks.waiting_on`;
+    not imported, to keep this module a leaf of the scheduler)."""
+    g = req.group
+    return sum(c.row >= 0 for c in g.unforked) if g is not None and g.seqs[0] is req else 0
+
+
 def unit_of(req: Request) -> Hashable:
     """What a share belongs to: the request (all n sequences of a parallel-sampling group)."""
     return req.group if req.group is not None else req
@@ -257,7 +264,7 @@ class FairShare:
         u = self.unit(req)
         if u is None:
             return
-        u.slots -= 1 + sum(c.row >= 0 for c in (req.group.unforked if req.group else ()))
+        u.slots -= 1 + _reserved(req)
         u.nrun -= 1
         ref = self.bm.ref_count
         u.blocks.difference_update(b for b in req.block_ids if ref(b) == 1)
@@ -282,8 +289,7 @@ class FairShare:
                 if j is None:
                     return out
                 victim = running.pop(j)
-                freed = 1 + sum(c.row >= 0 for c in
-                                (victim.group.unforked if victim.group else ()))
+                freed = 1 + _reserved(victim)
                 self.preempted(victim)
                 preempt(victim)
                 self.num_preempted += 1

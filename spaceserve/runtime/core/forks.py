@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from spaceserve.runtime.core.block_manager import BlockManager
 from spaceserve.runtime.core.request import Request, Status
 
-__all__ = ["SequenceGroup", "adopt", "detach", "fork", "fork_all", "make_group", "own_tail"]
+__all__ = ["SequenceGroup", "adopt", "detach", "fork", "fork_all", "make_group", "own_tail",
+           "waiting_on"]
 
 
 @dataclass(eq=False)
@@ -48,6 +49,13 @@ class SequenceGroup:
     def started(self) -> list[Request]:
         """The sequences that run on their own (the first, and those forked)."""
         return [s for s in self.seqs if s not in self.unforked]
+
+
+def waiting_on(req: Request) -> list[Request]:
+    """The unforked siblings that wait on `req` (its group's first sequence: it reserves their
+    slots, forks them, and ends them if it ends first); none for any other sequence."""
+    group = req.group
+    return group.unforked if group is not None and group.seqs[0] is req else []
 
 
 def make_group(req: Request, n: int, seq_no: Callable[[], int]) -> SequenceGroup:
@@ -119,6 +127,8 @@ def fork_all(req: Request, bm: BlockManager, serial: int) -> list[Request]:
     """Fork `req`'s unforked siblings on its prompt blocks (admission numbers after
     `serial`); marks the holders of a shared partial last block. Returns them."""
     group = req.group
+    if group.seqs[0] is not req:  # a detached sibling: the first sequence forks the rest
+        return []
     children, group.unforked = group.unforked, []
     prompt = bm.blocks_for(req.num_prompt_tokens)
     for k, child in enumerate(children, 1):

@@ -44,7 +44,7 @@ from spaceserve.checks import require_int
 from spaceserve.runtime.core.batch import ScheduledBatch
 from spaceserve.runtime.core.block_manager import BlockManager
 from spaceserve.runtime.core.fair_share import FairShare
-from spaceserve.runtime.core.forks import adopt, detach, fork_all, own_tail
+from spaceserve.runtime.core.forks import adopt, detach, fork_all, own_tail, waiting_on
 from spaceserve.runtime.core.prefix_cache import (
     block_hashes,
     commit_upto,
@@ -186,7 +186,7 @@ class Scheduler:
                 break
             if req.num_placeholders or (chosen_only and id(req) not in fair.chosen):
                 continue  # preempted in this step (its draw in flight), or not made room for
-            keep = 0 if req.group is None else len(req.group.unforked)
+            keep = len(waiting_on(req))
             if fair is not None and keep:
                 keep = min(keep, fair.sibling_allowance(req, len(self._free_rows)))
             elif keep >= len(self._free_rows):
@@ -201,7 +201,7 @@ class Scheduler:
             if not (bm.ensure(req.block_ids, req.num_computed + n) and self._own_tail(req)):
                 drop_prefix(bm, req)
                 break
-            taken[id(req)] = detach(req, keep) if req.group is not None else []
+            taken[id(req)] = detach(req, keep) if waiting_on(req) else []
             self.prefix_queried_tokens += known
             self.prefix_hit_tokens += req.num_computed
             if req.num_cached_tokens < 0:
@@ -209,9 +209,8 @@ class Scheduler:
             req.status = Status.RUNNING
             req.row = self._free_rows.pop()
             req.synced_blocks = 0
-            if req.group is not None:
-                for child in req.group.unforked:
-                    child.row = self._free_rows.pop()
+            for child in waiting_on(req):
+                child.row = self._free_rows.pop()
             if fair is not None:
                 fair.admitted(req, 1 + keep)
             self.num_admitted += 1
@@ -296,11 +295,10 @@ class Scheduler:
             self._free_rows.append(req.row)
             req.row = -1
         req.synced_blocks = 0
-        if req.group is not None:  # the slots reserved for its unforked siblings
-            for child in req.group.unforked:
-                if child.row >= 0:
-                    self._free_rows.append(child.row)
-                    child.row = -1
+        for child in waiting_on(req):  # the slots reserved for its unforked siblings
+            if child.row >= 0:
+                self._free_rows.append(child.row)
+                child.row = -1
 
     def _preempt(self, req: Request) -> None:
         """Recompute-preemption: drop the KV blocks (those its launched steps fill stay in the

@@ -32,7 +32,7 @@ import torch
 
 from spaceserve.runtime.core.batch import ScheduledBatch
 from spaceserve.runtime.core.block_manager import BlockManager
-from spaceserve.runtime.core.forks import make_group
+from spaceserve.runtime.core.forks import make_group, waiting_on
 from spaceserve.runtime.core.memory import max_sequence_len, plan_kv_cache
 from spaceserve.runtime.core.request import Request, RequestOutput, SamplingParams, Status
 from spaceserve.runtime.core.sampling_params import check_for_model
@@ -326,7 +326,7 @@ class Engine(EngineFrontends):
         """Finish `req` for good: queues, KV blocks, embeddings, then its final output. Its
         siblings not forked yet end with it; the request is over when all its sequences are."""
         group = req.group
-        unforked = group.unforked if group is not None else []
+        unforked = list(waiting_on(req))  # only the first sequence's end ends them
         self.scheduler.finish(req, reason, error)
         self.encoder.release(req)
         req.finished_time = now
