@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from bench.attack.bounds import ATTACKS as BOUND_ATTACKS
+from bench.attack.fairness import attack_fair_share
 from bench.attack.run import HI_LIMIT_S, RSS_BOUND_MB, Ctx, Probe, Row, rss_mb, watched
 from bench.attack.shapes import ATTACKS as SHAPE_ATTACKS  # rows 10 and 11
 
@@ -383,5 +384,6 @@ ATTACKS = [("text", attack_text), ("images", attack_images), ("videos", attack_v
            ("malformed", attack_malformed), ("injection", attack_injection),
            ("leaks", attack_leaks), ("formats", attack_formats),
            ("slowloris", attack_slowloris), *BOUND_ATTACKS,  # bounds.py
-           *SHAPE_ATTACKS, ("shutdown", attack_shutdown)]
+           *SHAPE_ATTACKS, ("fairshare", attack_fair_share),
+           ("shutdown", attack_shutdown)]  # last: it ends the server
 __all__ = ["ATTACKS", "rss_mb"]

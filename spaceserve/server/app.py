@@ -68,7 +68,7 @@ from spaceserve.server.openai.streams import (
     shutdown_error,
     until_disconnect,
 )
-from spaceserve.server.settings import ServerLimits
+from spaceserve.server.settings import ServerLimits, request_fair_key
 from spaceserve.server.transport.backpressure import (
     SlowReaderGuard,
     WatchedStreamingResponse,
@@ -87,12 +87,13 @@ __all__ = ["ServerLimits", "build_parser", "build_server", "create_app", "main"]
 
 def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, model_name: str,
                limits: ServerLimits | None = None, root: str | None = None,
-               guard: GuardLimits | None = None) -> FastAPI:
+               guard: GuardLimits | None = None, fair_share_key: Any = None) -> FastAPI:
     """The FastAPI application serving `client`'s engine under the name `model_name`; the
     client is an `AsyncEngine` or anything with its surface (`handles.Admission` and the
     engine facts: `engine.max_model_len`, `alive`, `last_error`, `mode`, `metrics`,
     `gauges`), as `replicas.ReplicaClient` is. http(s) media are fetched under
-    `limits.remote` (``app.state.fetcher``; close it when done)."""
+    `limits.remote` (``app.state.fetcher``; close it when done). `fair_share_key`
+    (`settings.FairShareKey`) names each request's user for the engine's fair share."""
     from fastapi import FastAPI
 
     from spaceserve.server.openai.completions import add_completions_route
@@ -106,6 +107,7 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
     # read_request's body pre-scan (token-id prompts up to the context) and parse deadline
     app.state.scan = replace(limits.scan, max_prompt_ids=client.engine.max_model_len)
     app.state.preprocess_timeout_s = limits.preprocess_timeout_s
+    app.state.fair_share_key = fair_share_key
     # remote media fetches: the server's own bounded pool, off the loop and the step thread
     fetcher = app.state.fetcher = RemoteFetcher(limits.remote) if limits.remote else None
     created = P.now()
@@ -183,6 +185,7 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
         except QueueFull as exc:
             raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
                            code="queue_full") from None
+        handle.fair_key = request_fair_key(request, req)
         gone = asyncio.ensure_future(until_disconnect(request))
         streaming = False
         try:
@@ -250,7 +253,8 @@ def build_server(args: Any) -> tuple[Any, AsyncEngine, FastAPI, Any]:
     client = AsyncEngine(engine, max_pending=settings.max_pending, pool=settings.pool(),
                          pixels=settings.pixels(), mode_note=note)
     app = create_app(client, pre, model_name=args.served_model_name or args.model,
-                     limits=settings.limits, root=args.model, guard=settings.guard)
+                     limits=settings.limits, root=args.model, guard=settings.guard,
+                     fair_share_key=settings.fair_share_key)
     return engine, client, app, settings
 
 

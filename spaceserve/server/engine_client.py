@@ -92,7 +92,8 @@ class RequestHandle(Handle):
                 return
             try:
                 self.client.engine.add_request(prompt, sp, request_id=self.request_id,
-                                               sink=self._sink, stream=stream)
+                                               sink=self._sink, stream=stream,
+                                               fair_key=self.fair_key)
             except ValueError as exc:  # a caller mistake the engine refused (n > max_num_seqs)
                 from spaceserve.server.openai.sampling import (
                     param_of,  # pydantic: not on engine-only installs

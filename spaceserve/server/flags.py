@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "signal exits at once")
     add_request_bounds_args(h)
     add_body_shape_args(h)
+    f = p.add_argument_group("fair share (the engine's, see --no-fair-share and docs/engine.md)")
+    f.add_argument("--fair-share-key", metavar="header:NAME|user",
+                   help="share the batch and KV cache fairly per user, the user named by a "
+                        "request header (header:X-User, set by a trusted proxy) or the OpenAI "
+                        "body's `user` field (user: chosen by the client); default: per "
+                        "request")
     add_data_parallel_args(p)
     return p
 

@@ -49,6 +49,7 @@ class Handle:
         self.finished = False  # every one of its n sequences has ended (or it failed)
         self.closed = False
         self.n = 1  # sequences (``n`` > 1: parallel sampling), set by ``add``
+        self.fair_key: str | None = None  # the user it shares the fair share with (if keyed)
         self._left = 1  # sequences whose final output has not been taken yet
         self.cancelled = asyncio.Event()
         self.cancel_reason = ""

@@ -40,6 +40,44 @@ class ServerLimits:
 
 
 @dataclass(frozen=True)
+class FairShareKey:
+    """Where a request's fair-share key (the user it shares the engine's fair share with,
+    `EngineConfig.fair_share`) comes from: ``header:NAME`` (a header a trusted proxy sets)
+    or ``user`` (the OpenAI body field, chosen by the client). None: each request its own."""
+
+    source: str  # "header" or "user"
+    name: str = ""  # the header's name (lower case)
+    max_len: int = 256  # longer keys are cut (a key is a label, not data)
+
+    @classmethod
+    def parse(cls, spec: str | None) -> FairShareKey | None:
+        """``header:NAME`` or ``user`` (None or "" for none); ValueError names the flag."""
+        if not spec:
+            return None
+        if spec == "user":
+            return cls("user")
+        kind, _, name = spec.partition(":")
+        if kind != "header" or not name.strip() or any(c in name for c in " :\r\n"):
+            raise ValueError(f"--fair-share-key {spec!r} must be header:NAME (e.g. "
+                             "header:X-User) or user")
+        return cls("header", name.strip().lower())
+
+    def of(self, headers: Any, user: str | None) -> str | None:
+        """The key of a request with these headers and body `user` (None when it has none)."""
+        value = headers.get(self.name) if self.source == "header" else user
+        if not isinstance(value, str) or not value:
+            return None
+        return f"{self.source}:{value[:self.max_len]}"
+
+
+def request_fair_key(request: Any, body: Any) -> str | None:
+    """The fair-share key of an HTTP `request` with parsed `body` under the app's
+    ``state.fair_share_key`` (`FairShareKey`; none set: None, each request its own)."""
+    key = getattr(request.app.state, "fair_share_key", None)
+    return None if key is None else key.of(request.headers, getattr(body, "user", None))
+
+
+@dataclass(frozen=True)
 class ServeSettings:
     """The server's bounds from the command line (see `build_parser` in flags.py)."""
 
@@ -51,6 +89,7 @@ class ServeSettings:
     preprocess_queue: int = 256
     graceful_shutdown_s: float = 30.0
     keep_alive_s: float = 5.0
+    fair_share_key: FairShareKey | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeSettings:
@@ -97,7 +136,8 @@ class ServeSettings:
         return cls(limits, guard, ConnectionLimits(args.max_connections, args.header_timeout,
                                                    **per_client),
                    args.max_pending, args.max_preprocess_pixels, args.preprocess_queue,
-                   args.graceful_shutdown_timeout, args.keep_alive_timeout)
+                   args.graceful_shutdown_timeout, args.keep_alive_timeout,
+                   FairShareKey.parse(getattr(args, "fair_share_key", None)))
 
     def pool(self) -> Any:
         """A preprocessing pool with these queue bounds."""
@@ -122,4 +162,4 @@ class ServeSettings:
                               client, graceful_timeout_s=self.graceful_shutdown_s)
 
 
-__all__ = ["ServeSettings", "ServerLimits"]
+__all__ = ["FairShareKey", "ServeSettings", "ServerLimits", "request_fair_key"]

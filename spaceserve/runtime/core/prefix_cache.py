@@ -77,6 +77,7 @@ def drop_prefix(bm: BlockManager, req: Request) -> None:
     if req.block_ids:
         bm.free(req.block_ids)
     req.num_computed = req.num_hashed = 0
+    req.shared_tail = False  # an adopted prompt's (forks.adopt)
 
 
 def commit_upto(bm: BlockManager, req: Request, tokens: int) -> None:

@@ -323,8 +323,7 @@ class Request:
         "num_preemptions", "num_emitted", "sink", "stream", "model_state", "stop_ids",
         "limit_len", "prompt_ids", "num_placeholders", "admit_serial", "logprobs", "detok",
         "stop_reason", "min_len", "block_hashes", "num_hashed", "prefix_hint",
-        "num_cached_tokens", "index", "group", "shared_tail",
-    )
+        "num_cached_tokens", "index", "group", "shared_tail", "fair_key")
 
     def __init__(self, request_id: str, seq_no: int, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, mm: MultiModalData | None = None,
@@ -362,6 +361,7 @@ class Request:
         self.index = 0  # its choice among the request's n (parallel sampling)
         self.group: Any = None  # the `forks.SequenceGroup` of its n sequences (n > 1)
         self.shared_tail = False  # its last block is shared with a fork: copy before writing
+        self.fair_key: str | None = None  # the user it shares the batch with (fair_share.py)
         # Tokens drawn by steps not yet read back (they follow token_ids; the scheduler counts
         # them as known, the planner takes them from the device).
         self.num_placeholders = 0

@@ -2,21 +2,14 @@
 
 Every step the scheduler first continues the running requests in admission order (one token for
 a decoding request, the next prefill chunk for one still prefilling), then admits waiting
-requests first-come first-served while the token budget, the sequence slots and the KV blocks
-last. When a running request needs a KV block and none is free, the most recently admitted
-running request is preempted by recompute: its blocks are freed, its cached-token count reset,
-and it goes back to the front of the waiting queue with its prompt and generated tokens (and its
-image embeddings), to be prefilled again later. Sampling draws depend only on (seed, index), so
-recomputation reproduces the same tokens.
+requests while the token budget, the sequence slots and the KV blocks last. A running request
+that needs a KV block when none is free preempts the most recently admitted one by recompute:
+its blocks are freed and it goes back to the front of the queue with its tokens (and image
+embeddings). Draws depend only on (seed, index), so recomputation reproduces the same tokens.
 
-With prefix caching (the block manager's), a request being admitted first takes the longest
-chain of committed blocks its tokens name (`prefix_cache.block_hashes`), always leaving at least
-its last token to compute, and prefills only the rest; M-RoPE positions come from the whole
-prompt's table, so a chunk starting past the prefix gets the same positions it would have had.
-It is admitted only when its media from that point on have embeddings (`is_ready(req, start)`;
-items wholly inside the prefix need none). After every step the blocks it filled are committed
-to the cache, so they outlive it: a preempted, finished or aborted request's computed blocks
-stay for the next request with the same prefix until evicted.
+With prefix caching, a request being admitted first takes the longest chain of committed blocks
+its tokens name, leaving its last token to compute, once its media from there have embeddings
+(`is_ready`). The blocks each step filled are committed, outliving their request until evicted.
 
 Parallel sampling (``n`` > 1, forks.py): a request's first sequence is queued alone, with
 slots reserved for its siblings at admission; the step that draws its first token forks them
@@ -32,8 +25,8 @@ the requests that stop. A decode whose input token is still a placeholder is lis
 ``ScheduledBatch.pending``: the runner takes that input from the device. A request is never
 re-admitted in the step that preempted it, so a prefill never needs a placeholder.
 
-`pause` preempts a request the same way and keeps it out of admission until `resume` (a
-stream whose client stopped reading holds no KV blocks meanwhile).
+`pause` preempts a request and keeps it out of admission until `resume`. With ``fair_share``
+no request keeps more than its fair share of slots and blocks while others wait (fair_share.py).
 """
 
 from __future__ import annotations
@@ -43,7 +36,8 @@ from collections.abc import Callable, Iterable
 from spaceserve.checks import require_int
 from spaceserve.runtime.core.batch import ScheduledBatch
 from spaceserve.runtime.core.block_manager import BlockManager
-from spaceserve.runtime.core.forks import fork_all, own_tail
+from spaceserve.runtime.core.fair_share import FairShare
+from spaceserve.runtime.core.forks import adopt, detach, fork_all, own_tail, waiting_on
 from spaceserve.runtime.core.prefix_cache import (
     block_hashes,
     commit_upto,
@@ -66,6 +60,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         is_ready: Callable[[Request, int], bool] | None = None,
+        fair_share: bool = False,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -86,6 +81,7 @@ class Scheduler:
         self.num_admitted = 0  # admissions so far (a request re-taking a slot counts again)
         self._copies: list[tuple[Request, int, int]] = []  # this schedule's copies on write
         self.paused: set[Request] = set()  # queued but not admitted until resumed
+        self.fair = FairShare(block_manager, max_num_seqs, self) if fair_share else None
 
     def peek_cached(self, req: Request) -> int:
         """Tokens of `req` the prefix cache holds now (nothing taken; 0 with caching off)."""
@@ -124,6 +120,10 @@ class Scheduler:
         pre_n: list[int] = []
         preempted: list[Request] = []
         grown: list[Request] = []
+        fair = self.fair
+        if fair is not None:  # make room for requests under their share
+            preempted = fair.begin(running, self._queued(), len(self._free_rows), budget,
+                                   self._preempt)
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -138,8 +138,9 @@ class Scheduler:
             total = c + n
             if len(req.block_ids) * bs < total or req.shared_tail:
                 grown.append(req)
-                while not (self._own_tail(req) and bm.ensure(req.block_ids, total)):
-                    victim = running.pop()
+                while not (self._own_tail(req) and (bm.ensure(req.block_ids, total) if fair is
+                                                    None else fair.grow(req, total))):
+                    victim = running.pop() if fair is None else fair.take(running, i)
                     self._preempt(victim)
                     preempted.append(victim)
                     if victim is req:
@@ -162,44 +163,52 @@ class Scheduler:
                 pre_n.append(n)
             budget -= n
             i += 1
-        if not preempted:
-            self._admit(budget, dec, cached, pre, pre_n, grown)
+        if not preempted or fair is not None:  # the fair share admits those it made room for
+            self._admit(budget, dec, cached, pre, pre_n, grown, bool(preempted))
         batch = self._batch(dec, cached, pre, pre_n, preempted)
         batch.pending, batch.grown = pending, grown
         return batch
 
     def _admit(self, budget: int, dec: list[Request], cached: list[int], pre: list[Request],
-               pre_n: list[int], grown: list[Request]) -> int:
-        waiting, bm = self.waiting, self.bm
-        j = 0
-        while j < len(waiting) and budget > 0 and self._free_rows:
-            req = waiting[j]
-            if req in self.paused:
-                j += 1
-                continue
-            if req.group is not None and len(req.group.unforked) >= len(self._free_rows):
+               pre_n: list[int], grown: list[Request], chosen_only: bool = False) -> int:
+        bm, fair = self.bm, self.fair
+        if fair is not None and self.waiting and not fair.fresh:
+            fair.refresh(self.running, self._queued())
+        taken: dict[int, list[Request]] = {}  # id of each admitted: its detached siblings
+        for req in self.waiting if fair is None else fair.order(self.waiting):
+            if budget <= 0 or not self._free_rows:
+                break
+            if req.num_placeholders or req in self.paused or \
+                    (chosen_only and id(req) not in fair.chosen):
+                continue  # preempted in this step (its draw in flight), paused, or not made
+                # room for
+            keep = len(waiting_on(req))
+            if fair is not None and keep:
+                keep = min(keep, fair.sibling_allowance(req, len(self._free_rows)))
+            elif keep >= len(self._free_rows):
                 break  # its unforked siblings need sequence slots too
-            take_prefix(bm, req)
+            if not adopt(req, bm):  # a sibling's prompt blocks, else the prefix cache's
+                take_prefix(bm, req)
             if not self.is_ready(req, req.num_computed):
                 drop_prefix(bm, req)
-                j += 1
                 continue
             known = len(req.token_ids) + req.num_placeholders
             n = min(known - req.num_computed, budget)
-            if not bm.ensure(req.block_ids, req.num_computed + n):
+            if not (bm.ensure(req.block_ids, req.num_computed + n) and self._own_tail(req)):
                 drop_prefix(bm, req)
                 break
+            taken[id(req)] = detach(req, keep) if waiting_on(req) else []
             self.prefix_queried_tokens += known
             self.prefix_hit_tokens += req.num_computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed
-            del waiting[j]
             req.status = Status.RUNNING
             req.row = self._free_rows.pop()
             req.synced_blocks = 0
-            if req.group is not None:
-                for child in req.group.unforked:
-                    child.row = self._free_rows.pop()
+            for child in waiting_on(req):
+                child.row = self._free_rows.pop()
+            if fair is not None:
+                fair.admitted(req, 1 + keep)
             self.num_admitted += 1
             req.admit_serial = self.num_admitted
             grown.append(req)
@@ -215,6 +224,9 @@ class Scheduler:
                 pre.append(req)
                 pre_n.append(n)
             budget -= n
+        if taken:  # admitted requests leave the queue; their detached siblings take their place
+            self.waiting = [s for r in self.waiting
+                            for s in (taken[id(r)] if id(r) in taken else (r,))]
         return budget
 
     def _batch(self, dec: list[Request], cached: list[int], pre: list[Request],
@@ -279,11 +291,10 @@ class Scheduler:
             self._free_rows.append(req.row)
             req.row = -1
         req.synced_blocks = 0
-        if req.group is not None:  # the slots reserved for its unforked siblings
-            for child in req.group.unforked:
-                if child.row >= 0:
-                    self._free_rows.append(child.row)
-                    child.row = -1
+        for child in waiting_on(req):  # the slots reserved for its unforked siblings
+            if child.row >= 0:
+                self._free_rows.append(child.row)
+                child.row = -1
 
     def _preempt(self, req: Request) -> None:
         """Recompute-preemption: drop the KV blocks (those its launched steps fill stay in the
@@ -311,6 +322,9 @@ class Scheduler:
     def resume(self, req: Request) -> None:
         """Let a paused request be admitted again (from its place at the queue's front)."""
         self.paused.discard(req)
+
+    def _queued(self) -> list[Request]:  # the waiting requests admission may take
+        return [r for r in self.waiting if r not in self.paused] if self.paused else self.waiting
 
     def update(self, batch: ScheduledBatch, sampled: list[int],
                now: float) -> list[Request]:

@@ -22,8 +22,8 @@ from spaceserve.runtime.engine.setting import Flag
 # the engine flags of `spaceserve serve` (one engine or replicas), in its help's order
 SERVE_FIELDS = ("mode", "tensor_parallel_size", "mm_encoder_tp_mode", "max_num_seqs",
                 "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "seed",
-                "encoder_cache_bytes", "enable_prefix_caching", "slo", "encoder_window_s",
-                "encoder_policy")
+                "encoder_cache_bytes", "enable_prefix_caching", "fair_share", "slo",
+                "encoder_window_s", "encoder_policy")
 # the SM budget of the co-located modes
 SM_BUDGET_FIELDS = ("encoder_sms", "encoder_splits", "curves", "sis_objective",
                     "sis_actions", "green_contexts")

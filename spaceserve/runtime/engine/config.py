@@ -143,6 +143,12 @@ class EngineConfig:
         True, "share computed KV blocks between requests with a common prefix (automatic "
         "prefix caching)", Flag(("--no-prefix-caching",), negate=True,
                                 help="turn automatic prefix caching of KV blocks off"))
+    fair_share: bool = setting(
+        True, "while requests wait, no request (or user: the server's --fair-share-key) keeps "
+        "more than its max-min fair share of the sequence slots and KV blocks; sequences over "
+        "it are preempted (recompute) so a newcomer is admitted. A lone request loses nothing",
+        Flag(("--no-fair-share",), negate=True, help="first-come first-served batch and KV "
+             "cache (vLLM's behaviour): one request may hold them all while others wait"))
     slo: Slo | str = setting(
         DEFAULT_SLO, "latency SLO in ms requests are judged by (goodput; the server's "
         "request_slo_total) and spatial's SIS aims at: any of ttft, tpot, itl (p99 per "
@@ -199,6 +205,8 @@ class EngineConfig:
         if cache is not None and (isinstance(cache, bool) or not isinstance(cache, int)
                                   or cache < 0):
             raise ValueError(f"encoder_cache_bytes={cache!r} must be an int >= 0 or None")
+        if not isinstance(self.fair_share, bool):
+            raise ValueError(f"fair_share={self.fair_share!r} must be a bool")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a "
                              "bool")

@@ -1,5 +1,6 @@
-"""Pausing and resuming requests, a part of the `Engine` (engine.py): a request whose output
-nobody takes (a stream's client that stopped reading) should hold no KV blocks meanwhile.
+"""Aborting, failing, pausing and resuming requests, a part of the `Engine` (engine.py). A
+request whose output nobody takes (a stream's client that stopped reading) should hold no KV
+blocks meanwhile: it is paused.
 
 `pause` and `resume` may be called from any thread; like an abort they are posted to the
 engine's inbox and applied at the start of the next step (`_apply_control`), never while a
@@ -13,20 +14,45 @@ active (it counts in `num_active` and `abort` ends it) but gives a step nothing 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Any
+
+from spaceserve.runtime.core.request import Status
 
 CONTROLS = ("pause", "resume")
 
 
 class RequestControl:
-    """`Engine.pause` / `Engine.resume` (module docstring)."""
+    """`Engine.abort`, `fail_all`, `pause` and `resume` (module docstring)."""
 
     _lock: threading.Lock
+    _step_lock: threading.Lock
+    _inflight: Any
+    spatial: Any
     _inbox: deque[tuple[str, Any]]
     _active: dict[str, Any]
     _paused: set[str]
     scheduler: Any
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (takes effect at the next step); False when it is not active."""
+        return self._post("abort", request_id)
+
+    def fail_all(self, message: str) -> None:
+        """End every active request with an error (the model failed; nothing can continue)."""
+        with self._step_lock:
+            self._inflight = None  # its draws are lost with the requests
+            if self.spatial is not None:
+                self.spatial.drain()
+            now = time.monotonic()
+            with self._lock:
+                self._inbox.clear()
+                reqs = [s for r in self._active.values() for s in (r.group.seqs if r.group
+                                                                   else (r,))]
+            for req in reqs:
+                if req.status is not Status.FINISHED:
+                    self._end(req, "error", message, now)
 
     def pause(self, request_id: str) -> bool:
         """Stop scheduling a request until `resume` (module docstring); False when it is not

@@ -33,7 +33,7 @@ import torch
 
 from spaceserve.runtime.core.batch import ScheduledBatch
 from spaceserve.runtime.core.block_manager import BlockManager
-from spaceserve.runtime.core.forks import make_group
+from spaceserve.runtime.core.forks import make_group, waiting_on
 from spaceserve.runtime.core.memory import max_sequence_len, plan_kv_cache
 from spaceserve.runtime.core.request import Request, RequestOutput, SamplingParams, Status
 from spaceserve.runtime.core.sampling_params import check_for_model
@@ -116,7 +116,7 @@ class Engine(EngineFrontends, RequestControl):
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=info.eos_token_ids,
-            is_ready=self.encoder.ready)
+            is_ready=self.encoder.ready, fair_share=config.fair_share)
         self.sampler = Sampler(runner.device, info.vocab_size, config.max_num_seqs,
                                info.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -137,12 +137,12 @@ class Engine(EngineFrontends, RequestControl):
     # Requests in (pause, resume: control.py).
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, sink: Callable[[RequestOutput], Any] |
-                    None = None, stream: bool = False) -> str:
+                    None = None, stream: bool = False, fair_key: str | None = None) -> str:
         """Queue a prompt; returns its id. A bad prompt does not raise: the request ends with
-        finish reason "error" and a message. A bad `sampling_params` or a duplicate
-        `request_id` raises ValueError (caller mistakes, not request data). With ``n`` > 1 its
-        n sequences share the prompt's processing and KV blocks (forks.py); each ends with its
-        own final output (`RequestOutput.index`), and `abort` ends them all."""
+        finish reason "error" and a message. A bad `sampling_params` or `fair_key` (its user:
+        `EngineConfig.fair_share`) or a duplicate `request_id` raises ValueError. With ``n`` >
+        1 its n sequences share the prompt's processing and KV blocks (forks.py); each ends
+        with its own final output (`RequestOutput.index`), and `abort` ends them all."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
@@ -153,6 +153,8 @@ class Engine(EngineFrontends, RequestControl):
         rid = f"req-{seq_no}" if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id={rid!r} must be a non-empty str")
+        if fair_key is not None and not isinstance(fair_key, str):
+            raise ValueError(f"fair_key={fair_key!r} must be a str or None")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         try:
             ids, mm = process_prompt(
@@ -165,7 +167,7 @@ class Engine(EngineFrontends, RequestControl):
         if mm is not None and (self.encoder_cache.enabled or self.block_manager.enable_caching):
             _ = mm.content_hashes  # hashed here, on the caller's thread, not in the step loop
         req = Request(rid, seq_no, ids, params, seed, mm, arrival_time=now)
-        req.sink, req.stream = sink, stream
+        req.sink, req.stream, req.fair_key = sink, stream, fair_key
         if params.n > 1:
             make_group(req, params.n, lambda: next(self._ids))
         with self._lock:
@@ -188,10 +190,6 @@ class Engine(EngineFrontends, RequestControl):
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n}: more sequences than the engine's max_num_seqs="
                              f"{self.config.max_num_seqs}")
-
-    def abort(self, request_id: str) -> bool:
-        """Abort a request (takes effect at the next step); False when it is not active."""
-        return self._post("abort", request_id)
 
     def has_unfinished(self) -> bool:  # paused requests alone give a step nothing to do
         return bool(self._inbox) or len(self._active) > len(self._paused)
@@ -233,8 +231,7 @@ class Engine(EngineFrontends, RequestControl):
                 previous, self._inflight = self._inflight, launched
                 if previous is not None:
                     self._complete(previous, count_step=False)
-                if launched is not None and (not self.config.async_scheduling
-                                             or not self._active):
+                if launched is not None and (not self.config.async_scheduling or not self._active):
                     self._inflight = None  # unpipelined, or every request of it has ended
                     self._complete(launched, count_step=False)
             out, self._outbox = self._outbox, []
@@ -325,7 +322,7 @@ class Engine(EngineFrontends, RequestControl):
         """Finish `req` for good: queues, KV blocks, embeddings, then its final output. Its
         siblings not forked yet end with it; the request is over when all its sequences are."""
         group = req.group
-        unforked = group.unforked if group is not None else []
+        unforked = list(waiting_on(req))  # only the first sequence's end ends them
         self.scheduler.finish(req, reason, error)
         self.encoder.release(req)
         req.finished_time = now
@@ -348,21 +345,6 @@ class Engine(EngineFrontends, RequestControl):
         self._outbox.append(out)
         if req.sink is not None:
             req.sink(out)
-
-    def fail_all(self, message: str) -> None:
-        """End every active request with an error (the model failed; nothing can continue)."""
-        with self._step_lock:
-            self._inflight = None  # its draws are lost with the requests
-            if self.spatial is not None:
-                self.spatial.drain()
-            now = time.monotonic()
-            with self._lock:
-                self._inbox.clear()
-                reqs = [s for r in self._active.values() for s in (r.group.seqs if r.group
-                                                                   else (r,))]
-            for req in reqs:
-                if req.status is not Status.FINISHED:
-                    self._end(req, "error", message, now)
 
     def counters(self) -> dict[str, int]:
         """Monotonic counters: media items looked up in the encoder cache and those needing no

@@ -47,6 +47,7 @@ from spaceserve.server.openai.streams import (
     shutdown_error,
     until_disconnect,
 )
+from spaceserve.server.settings import request_fair_key
 from spaceserve.server.transport.backpressure import SlowReaderGuard, WatchedStreamingResponse
 from spaceserve.server.transport.errors import APIError
 from spaceserve.server.transport.guard import release_body
@@ -236,6 +237,8 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
                 p.handle.close()
             raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
                            code="queue_full") from None
+        for part in parts:
+            part.handle.fair_key = request_fair_key(request, req)
         gone = asyncio.ensure_future(until_disconnect(request))
         streaming = False
         deadline = request.scope.get("state", {}).get("deadline") or \

@@ -127,7 +127,8 @@ class ReplicaRequestHandle(Handle):
     async def _pump(self, prompt: Any, params: Any, stream: bool, route: Any) -> None:
         c, rid = self.client, self.request_id
         kwargs = self._kwargs = {"request_id": rid, "prompt": prompt, "params": params,
-                                 "stream": stream, "route": route, "exclude": None}
+                                 "stream": stream, "route": route, "exclude": None,
+                                 "fair_key": self.fair_key}
         del prompt
         for attempt in (1, 2):
             try:

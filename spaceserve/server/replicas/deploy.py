@@ -200,6 +200,7 @@ class DataParallelServer:
 
             settings = ServeSettings(self.limits, self.guard or GuardLimits(),
                                      ConnectionLimits())
+        self.app.state.fair_share_key = settings.fair_share_key  # each request's user
         settings.server(self.app, self.client, host=host, port=port,
                         log_level=log_level).run()
 

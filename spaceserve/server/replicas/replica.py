@@ -47,14 +47,16 @@ class EngineReplica:
         self.client = AsyncEngine(engine, max_pending=max_pending, mode_note=note)
 
     async def generate(self, request_id: str, prompt: dict[str, Any], params: Any,
-                       stream: bool, route: Any = None, exclude: Any = None
-                       ) -> AsyncIterator[tuple]:
-        """Run one request; `route` and `exclude` are for the router, unused here."""
+                       stream: bool, route: Any = None, exclude: Any = None,
+                       fair_key: str | None = None) -> AsyncIterator[tuple]:
+        """Run one request (`fair_key`: its user, for the engine's fair share); `route` and
+        `exclude` are for the router, unused here."""
         try:
             handle = self.client.reserve(request_id)
         except QueueFull as exc:
             yield ("error", 503, f"server busy: {exc}; retry later")
             return
+        handle.fair_key = fair_key
         try:
             try:
                 await handle.start(lambda: prompt, params, stream=stream)

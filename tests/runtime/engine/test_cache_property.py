@@ -2,7 +2,9 @@
 prompts and images, follow-up turns that resend a finished conversation, parallel sampling
 (n up to 3: forked sequences sharing the prompt's blocks, copy on write of the last one), aborts
 at any time, a KV cache small enough to preempt and evict constantly and an encoder cache of a
-few images, steps pipelined (temporal) or not.
+few images, steps pipelined (temporal) or not; half the runs with the fair share
+(`EngineConfig.fair_share`: over-share sequences preempted for waiting requests, groups
+detaching siblings over their share), half first-come first-served.
 
 Properties: after every step each KV block's reference count equals the number of running
 requests' block lists holding it, free blocks have none, and the prefix cache's table names only
@@ -95,7 +97,8 @@ def test_random_lifecycles_with_caching(run: int) -> None:
                   max_num_batched_tokens=rng.randint(8, 40), max_model_len=64,
                   max_held_embeddings=rng.randint(1, 4), max_images_per_prompt=2,
                   encoder_cache_bytes=rng.choice([0, 200, 600, 1 << 20]),
-                  mode=rng.choice(["temporal", "temporal", "spatial-static"]))
+                  mode=rng.choice(["temporal", "temporal", "spatial-static"]),
+                  fair_share=run % 2 == 1)
     engine = Engine(NullModelRunner(), EngineConfig(num_kv_blocks=rng.randint(30, 60) // bs + 2,
                                                     **config))
     pool = Pool(rng, gen)
@@ -137,7 +140,9 @@ def test_random_lifecycles_with_caching(run: int) -> None:
     c = engine.counters()
     assert c["prefix_cache_hit_tokens"] > 0 and c["encoder_cache_hits"] > 0
     assert engine.block_manager.num_evicted > 0, "the prefix cache never evicted"
-    assert copies or bs == 1, "no forked sequence ever copied a shared block"
+    assert copies or bs == 1 or config["fair_share"], "no forked sequence ever copied a block"
+    if config["fair_share"]:
+        assert engine.scheduler.fair.num_preempted > 0, "the fair share never preempted"
     for (rid, i), out in finals.items():
         prompt, params = submitted[rid]
         assert out.error is None, out.error
