@@ -45,6 +45,7 @@ from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import RateEstimator
 from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
 from spaceserve.runtime.policy.twsrft import Grant, TwsrftScheduler, curve_cost
+from spaceserve.runtime.sim.admission import SimAdmission
 from spaceserve.runtime.sim.config import (
     SimConfig,
     chunked_window_s,
@@ -121,6 +122,7 @@ class Simulator:
         self._open = 0
         self._decided = False  # SIS decided since the last decode step (its host time)
         self._bg_ids = itertools.count()
+        self.admission = SimAdmission(self) if c.admission == "slo" else None
         n, out = c.background, c.background_output
         for i in range(n):
             self._spawn_background(i * (out - 1) // n)
@@ -144,6 +146,8 @@ class Simulator:
         if req.kind == "background" or req.rid in self.requests:
             raise ValueError(f"req: rid {req.rid} is a background or duplicate request")
         req.gpu = self.gpu
+        if self.admission is not None and not self.admission.admit(req):
+            return  # refused: shed at arrival, never runs
         self.requests[req.rid] = req
         self._open += 1
         req.prefilled = req.cached_tokens  # a prefix-cache hit: prefill only the rest
@@ -197,7 +201,7 @@ class Simulator:
             self.advance_to(self.now + limit_s)
             return
         self.advance_to(math.inf)
-        left = [r.rid for r in self.requests.values() if r.finish is None]
+        left = [r.rid for r in self.requests.values() if r.finish is None and not r.shed]
         if left:
             raise RuntimeError(f"simulation stalled with unfinished requests {left[:10]}")
 
@@ -252,6 +256,8 @@ class Simulator:
                         patches, prompt)
 
     def _dispatch(self) -> None:
+        if self.admission is not None:
+            self.admission.check()
         if self.loop is not None:
             self.loop.dispatch()
             return
@@ -348,7 +354,8 @@ class Simulator:
             for rid in self.sched.report(g.job_id, g.layers):
                 req = self.requests[rid]
                 req.encoded_at = self.now
-                self.prefill_q.append(req)
+                if not req.shed:  # admission ended it while its job ran
+                    self.prefill_q.append(req)
         elif op.kind == "prefill":
             req: Request = op.payload  # type: ignore[no-redef]
             req.prefilled = req.prompt_tokens
