@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
 from spaceserve.runtime.modes import MODES
+from spaceserve.runtime.policy.admission import Refused, retry_seconds
 from spaceserve.runtime.policy.slo import DEFAULT_SLO
 from spaceserve.server.handles import Admission, Cancelled, Handle, QueueFull
 from spaceserve.server.metrics import ServerMetrics
@@ -93,6 +94,10 @@ class RequestHandle(Handle):
             try:
                 self.client.engine.add_request(prompt, sp, request_id=self.request_id,
                                                sink=self._sink, stream=stream)
+            except Refused as exc:  # SLO-aware admission: cannot meet its TTFT bound
+                self.client.metrics.refused()
+                raise APIError(503, str(exc), type="server_error", code="overloaded",
+                               retry_after=retry_seconds(exc.retry_after_s)) from None
             except ValueError as exc:  # a caller mistake the engine refused (n > max_num_seqs)
                 from spaceserve.server.openai.sampling import (
                     param_of,  # pydantic: not on engine-only installs
