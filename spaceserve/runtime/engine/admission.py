@@ -16,6 +16,7 @@ every first token how far the curves' prediction is from this machine's time.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any
@@ -48,6 +49,9 @@ class EngineAdmission:
         self.waiting: dict[str, Request] = {}  # admitted, no first token yet
         self.predicted: dict[str, float] = {}  # their uncalibrated wait predicted at arrival
         self.ended: dict[str, Refused] = {}  # ended while waiting, until their final output
+        self.front: dict[str, float] = {}  # request id -> when the server admitted it
+        self.offset: dict[str, float] = {}  # request id -> its wait before add_request
+        self.front_delay_s, self._front_at = 0.0, 0.0  # recent wait before add_request
         self._next_check = 0.0
         if not self.active:
             return
@@ -83,18 +87,47 @@ class EngineAdmission:
         """Refused (raised) when `req`, arriving now, cannot meet its TTFT bound; else it is
         tracked until its first token (any thread). A request whose prompt failed (`error`)
         is not priced: it ends with its error."""
-        if not self.active or error is not None:
+        if not self.active:
             return
-        now = req.arrival_time
+        now, rid = req.arrival_time, req.request_id
+        came = self.front.pop(rid, None)
+        if error is not None:
+            return
+        before = max(0.0, now - came) if came is not None else 0.0
+        if came is not None:  # what a request meets before the engine (preprocessing)
+            self.front_delay_s = 0.8 * self._front_delay(now) + 0.2 * before
+            self._front_at = now
         own = self._queued(req, now)
         queue = list(self._queue(now).values())
-        p = self.policy.check_arrival(own, queue)
+        p = self.policy.check_arrival(own, queue, before)
         if not p.admit:
             raise self.policy.refusal(p)
         with self._lock:
+            self.offset[rid] = before
             self.waiting[req.request_id] = req
             self.predicted[req.request_id] = self.policy.predict_wait(own, queue) / \
                 self.policy.scale
+
+    def note_arrival(self, request_id: str, at: float) -> None:
+        """The server admitted `request_id` at `at` (monotonic), before preprocessing it:
+        that wait counts toward its TTFT (any thread)."""
+        if self.active:
+            self.front[request_id] = at
+
+    def _front_delay(self, now: float) -> float:
+        """The recent wait before add_request, fading over a second without news."""
+        return self.front_delay_s * math.exp(-max(0.0, now - self._front_at))
+
+    def precheck(self, now: float | None = None) -> Refused | None:
+        """At the server's door, before any preprocessing: the refusal when even a request
+        with no work of its own would miss the bound behind the recent wait before the engine
+        and the engine's queue; None otherwise (any thread)."""
+        if not self.active:
+            return None
+        now = time.monotonic() if now is None else now
+        queue = list(self._queue(now).values())
+        p = self.policy.check_arrival(Queued(0.0, 0.0, now), queue, self._front_delay(now))
+        return None if p.admit else self.policy.refusal(p)  # counted by check_arrival
 
     def check(self, now: float | None = None) -> None:
         """Learn from first tokens; end the waiting requests that can no longer meet their
@@ -120,7 +153,8 @@ class EngineAdmission:
             seqs = req.group.started() if req.group is not None else (req,)
             if eng.spatial is not None and any(eng.spatial.defer_abort(s) for s in seqs):
                 continue
-            p = self.policy.check_waiting(own, values, now - req.arrival_time)
+            waited = now - req.arrival_time + self.offset.get(rid, 0.0)
+            p = self.policy.check_waiting(own, values, waited)
             if p.admit:
                 continue
             refusal = self.policy.refusal(p, waiting=True)
@@ -133,6 +167,7 @@ class EngineAdmission:
     def _forget(self, rid: str, req: Request | None) -> None:
         with self._lock:
             self.waiting.pop(rid, None)
+            self.offset.pop(rid, None)
             predicted = self.predicted.pop(rid, None)
         if req is not None and req.first_token_time is not None and predicted is not None:
             self.policy.observe(predicted, req.first_token_time - req.arrival_time)

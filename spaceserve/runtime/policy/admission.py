@@ -148,9 +148,11 @@ class AdmissionPolicy:
         # the backlog drains in real time: after (ttft - limit) a request like this fits
         return Prediction(ttft, ttft <= limit, max(0.0, ttft - limit))
 
-    def check_arrival(self, own: Queued, queue: Sequence[Queued]) -> Prediction:
-        """The verdict on a request arriving now, with `queue` (it may include `own`)."""
-        p = self._verdict(0.0, self.predict_wait(own, queue), self.admit_factor)
+    def check_arrival(self, own: Queued, queue: Sequence[Queued], waited_s: float = 0.0
+                      ) -> Prediction:
+        """The verdict on a request arriving now, with `queue` (it may include `own`), that
+        has already waited `waited_s` before reaching the queue (a server's preprocessing)."""
+        p = self._verdict(waited_s, self.predict_wait(own, queue), self.admit_factor)
         self.refused += not p.admit
         return p
 
