@@ -13,9 +13,13 @@ recently encoded), with the policy's calibration learnt from the first tokens th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from spaceserve.runtime.policy.admission import AdmissionPolicy, Prediction, Queued
-from spaceserve.runtime.routing.router import ReplicaState, RouteRequest, WorkModel
+
+# routing.router's RouteRequest, ReplicaState and WorkModel, not imported: the tracker imports
+# this module, and the router imports the curves (the import chain stays short)
+RouteRequest = ReplicaState = WorkModel = Any
 
 
 def own_work(req: RouteRequest, r: ReplicaState, model: WorkModel) -> Queued:

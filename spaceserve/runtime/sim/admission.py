@@ -45,6 +45,7 @@ class SimAdmission:
         self.waiting: dict[int, Request] = {}
         self.predicted: dict[int, float] = {}  # uncalibrated wait predicted at arrival
         self.cancel: set[int] = set()  # ended requests whose encoder job still runs
+        self.landing: set[int] = set()  # ... and may still land in the prefill queue
         self.next_check = 0.0
 
     # -- pricing -------------------------------------------------------------------------------
@@ -71,6 +72,8 @@ class SimAdmission:
     # -- the rule ------------------------------------------------------------------------------
     def admit(self, req: Request) -> bool:
         """Whether `req`, arriving now, is admitted; a refused one is marked shed."""
+        if not self.policy.active:
+            return True
         self.check()
         layers = self._layers_left()
         own = self._queued(req, layers)
@@ -84,9 +87,16 @@ class SimAdmission:
         return True
 
     def check(self) -> None:
-        """Price the waiting requests again (every `CHECK_S`); end the hopeless ones."""
+        """Before every dispatch: no ended request stays in the prefill queue. Every `CHECK_S`:
+        price the waiting requests again; end the hopeless ones."""
         sim = self.sim
-        if sim.now < self.next_check:
+        for rid in list(self.landing):  # its running job was reported: out of the queue
+            req = sim.requests[rid]
+            if req in sim.prefill_q:
+                sim.prefill_q.remove(req)
+            if req.encoded_at is not None:
+                self.landing.discard(rid)
+        if sim.now < self.next_check or not self.policy.active:
             return
         self.next_check = sim.now + CHECK_S
         for rid in list(self.cancel):
@@ -131,6 +141,7 @@ class SimAdmission:
         sim._open -= 1
         if req.patches > 0 and req.encoded_at is None and not self._cancel(req.rid):
             self.cancel.add(req.rid)
+            self.landing.add(req.rid)
         loop = sim.loop
         if loop is None:
             if req in sim.prefill_q:

@@ -122,7 +122,7 @@ class Simulator:
         self._open = 0
         self._decided = False  # SIS decided since the last decode step (its host time)
         self._bg_ids = itertools.count()
-        self.admission = SimAdmission(self) if c.admission == "slo" else None
+        self.admission = SimAdmission(self)  # SLO-aware admission (a no-op under "queue")
         n, out = c.background, c.background_output
         for i in range(n):
             self._spawn_background(i * (out - 1) // n)
@@ -146,7 +146,7 @@ class Simulator:
         if req.kind == "background" or req.rid in self.requests:
             raise ValueError(f"req: rid {req.rid} is a background or duplicate request")
         req.gpu = self.gpu
-        if self.admission is not None and not self.admission.admit(req):
+        if not self.admission.admit(req):
             return  # refused: shed at arrival, never runs
         self.requests[req.rid] = req
         self._open += 1
@@ -256,8 +256,7 @@ class Simulator:
                         patches, prompt)
 
     def _dispatch(self) -> None:
-        if self.admission is not None:
-            self.admission.check()
+        self.admission.check()
         if self.loop is not None:
             self.loop.dispatch()
             return
@@ -354,8 +353,7 @@ class Simulator:
             for rid in self.sched.report(g.job_id, g.layers):
                 req = self.requests[rid]
                 req.encoded_at = self.now
-                if not req.shed:  # admission ended it while its job ran
-                    self.prefill_q.append(req)
+                self.prefill_q.append(req)
         elif op.kind == "prefill":
             req: Request = op.payload  # type: ignore[no-redef]
             req.prefilled = req.prompt_tokens
