@@ -139,7 +139,13 @@ def gauges(url: str) -> dict[str, float]:
     g = {k.removeprefix("spaceserve:"): v for k, v in parse_gauges(text).items()}
     shed = {line.split('"')[1]: int(line.split()[-1]) for line in text.splitlines()
             if line.startswith("spaceserve:requests_shed_total{")}
-    return {**{k: g.get(k, float("nan")) for k in GAUGES}, "shed": shed}
+    # the engine's own TTFT (from add_request): the p99's histogram bucket, whole run
+    buckets = [(float(line.split('"')[1]), int(line.split()[-1])) for line in text.splitlines()
+               if line.startswith("spaceserve:time_to_first_token_seconds_bucket{")]
+    total = buckets[-1][1] if buckets else 0
+    p99_le = next((le for le, n in buckets if total and n >= 0.99 * total), float("nan"))
+    return {**{k: g.get(k, float("nan")) for k in GAUGES}, "shed": shed,
+            "engine_ttft_p99_le_s": p99_le}
 
 
 def main(argv: list[str] | None = None) -> int:
