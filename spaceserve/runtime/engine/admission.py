@@ -53,6 +53,7 @@ class EngineAdmission:
         self.offset: dict[str, float] = {}  # request id -> its wait before add_request
         self.front_delay_s, self._front_at = 0.0, 0.0  # recent wait before add_request
         self._next_check = 0.0
+        self._media = getattr(engine.encoder, "media", None)  # which requests are encoded
         if not self.active:
             return
         curves = load_curves(cfg.curves, engine.runner)
@@ -71,7 +72,9 @@ class EngineAdmission:
 
     def _queued(self, req: Request, now: float) -> Queued:
         mm = req.mm
-        encoded = mm is None or req.num_computed > 0 or req.first_token_time is not None
+        encoded = mm is None or req.num_computed > 0 or req.first_token_time is not None or (
+            self._media is not None and req.request_id in self.waiting
+            and self._media.ready(req, 0))  # embeddings held (no lookup: any thread)
         patches = 0 if encoded else int(mm.pixel_values.shape[0])
         enc = self.enc_s(patches, self.depth) if patches else 0.0
         pre = self.pre_s(max(0, req.num_prompt_tokens - req.num_computed))
