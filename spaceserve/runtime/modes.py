@@ -55,3 +55,6 @@ DRIVERS: tuple[str, ...] = ("cooperative", "thread")  # how the encoder stage is
 OBJECTIVES: tuple[str, ...] = ("goodput", "tpot")  # what SIS maximises
 SIS_ACTIONS: tuple[str, ...] = ("share", "superset")  # pure sharing; + whole-GPU encoder windows
 ENCODER_POLICIES: tuple[str, ...] = ("twsrft", "fifo")  # temporal-chunked's encoder order
+# what happens to a request that cannot meet its TTFT bound: queue it anyway (vLLM), or refuse
+# it at once with a Retry-After (SLO-aware admission, policy/admission.py)
+ADMISSIONS: tuple[str, ...] = ("queue", "slo")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
 from spaceserve.runtime.modes import MODES
+from spaceserve.runtime.policy.admission import Refused, retry_seconds
 from spaceserve.runtime.policy.slo import DEFAULT_SLO
 from spaceserve.server.handles import Admission, Cancelled, Handle, QueueFull
 from spaceserve.server.metrics import ServerMetrics
@@ -73,6 +74,17 @@ class RequestHandle(Handle):
 
     client: AsyncEngine
 
+    async def start(self, prepare: Any, params: Any, **kw: Any) -> Any:
+        """SLO-aware admission first (a 503 at the door, before any preprocessing, when even
+        an empty request would miss the TTFT bound), then `Handle.start`."""
+        adm = getattr(self.client.engine, "admission", None)
+        if adm is not None and adm.active:
+            refusal = adm.precheck()
+            if refusal is not None:
+                raise self.client.refuse(refusal)
+            adm.note_arrival(self.request_id, time.monotonic())
+        return await super().start(prepare, params, **kw)
+
     def _sink(self, out: RequestOutput) -> None:
         if out.finished:
             self.client.metrics.observe(out)
@@ -94,6 +106,8 @@ class RequestHandle(Handle):
                 self.client.engine.add_request(prompt, sp, request_id=self.request_id,
                                                sink=self._sink, stream=stream,
                                                fair_key=self.fair_key)
+            except Refused as exc:  # SLO-aware admission: cannot meet its TTFT bound
+                raise self.client.refuse(exc) from None
             except ValueError as exc:  # a caller mistake the engine refused (n > max_num_seqs)
                 from spaceserve.server.openai.sampling import (
                     param_of,  # pydantic: not on engine-only installs
@@ -138,6 +152,12 @@ class AsyncEngine(Admission):
             self.device = None
         self._thread = threading.Thread(target=self._run, name="spaceserve-engine", daemon=True)
         self._thread.start()
+
+    def refuse(self, exc: Refused) -> APIError:
+        """An SLO-aware admission refusal as the server's 503 (counted as shed)."""
+        self.metrics.refused()
+        return APIError(503, str(exc), type="server_error", code="overloaded",
+                        retry_after=retry_seconds(exc.retry_after_s))
 
     # The engine thread.
 

@@ -76,6 +76,7 @@ class ServerMetrics:
                               E2EL_BUCKETS)
         self.finished: dict[str, int] = {}
         self.http_errors: dict[int, int] = {}
+        self.shed = {"arrival": 0, "waiting": 0}  # SLO-aware admission's 503s
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -100,6 +101,14 @@ class ServerMetrics:
                 ok = reason in ("stop", "length") and self.slo.meets(
                     RequestLatency.from_metrics(m))
                 self.slo_results["met" if ok else "missed"] += 1
+            if out.extra.get("status") == 503 and "retry_after" in out.extra and out.index == 0:
+                self.shed["waiting"] += 1  # ended by admission while it waited
+
+    def refused(self) -> None:
+        """A request SLO-aware admission refused at arrival: shed, and a miss of the SLO."""
+        with self._lock:
+            self.shed["arrival"] += 1
+            self.slo_results["missed"] += 1
 
     def http_error(self, status: int) -> None:
         with self._lock:
@@ -133,6 +142,10 @@ class ServerMetrics:
                       "or missed the SLO.", f"# TYPE {p}request_slo_total counter"]
             lines += [f'{p}request_slo_total{{result="{k}"}} {v}'
                       for k, v in self.slo_results.items()]
+            lines += [f"# HELP {p}requests_shed_total Requests SLO-aware admission answered "
+                      "with 503 and Retry-After: refused at arrival, or ended while waiting "
+                      "(--admission slo).", f"# TYPE {p}requests_shed_total counter"]
+            lines += [f'{p}requests_shed_total{{when="{k}"}} {v}' for k, v in self.shed.items()]
             for name, value in (("prompt_tokens_total", self.prompt_tokens),
                                 ("generation_tokens_total", self.generation_tokens)):
                 lines += [f"# HELP {p}{name} Tokens of finished requests.",

@@ -384,3 +384,41 @@ def test_bad_engine_settings_fail_once_before_any_replica_starts() -> None:
         green._check_engine_kwargs()
     DataParallelServer(MODEL, data_parallel_size=2, device="cpu", mode="spatial",
                        green_contexts=True)._check_engine_kwargs()
+
+
+def test_the_ingress_sheds_with_503_when_no_replica_can_meet_the_bound(preprocessor) -> None:
+    """SLO-aware admission at the ingress: every replica's queue is past the TTFT bound, so
+    the request is answered 503 with Retry-After at once and never sent to a replica; a
+    replica's own refusal keeps its Retry-After through the ingress."""
+    from spaceserve.runtime.policy.admission import AdmissionPolicy
+    from spaceserve.runtime.policy.analytic.model import analytic_curves
+    from spaceserve.runtime.routing.router import RouteRequest, WorkModel
+    from spaceserve.server.app import ServerThread, create_app
+
+    tracker = ReplicaTracker(WorkModel(analytic_curves()), admission=AdmissionPolicy(
+        "ttft:1000,tpot:50", order="fifo", calibrate=False))
+    tracker.sync({"k0": {"rank": 0}, "k1": {"rank": 1}})
+    for key in ("k0", "k1"):
+        for i in range(40):
+            tracker.on_routed(key, RouteRequest(f"{key}-{i}", 2723, image_tokens=(2691,)))
+    reps = FakeReplicas(tracker)
+    client = ReplicaClient(reps, tracker, max_model_len=256, mode="temporal", num_replicas=2,
+                           image_token_id=preprocessor.image_token_id, max_pending=8)
+    app = create_app(client, preprocessor, model_name=MODEL)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with ServerThread(app) as server:
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=10)
+        took = time.monotonic() - t0
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 2
+        assert r.json()["error"]["code"] == "overloaded" and took < 1.0
+        assert reps.served == [] and tracker.admission.refused == 1
+        assert 'requests_shed_total{when="arrival"} 1' in httpx.get(server.url + "/metrics").text
+        for key in ("k0", "k1"):  # the queues drain: a replica takes requests again
+            for i in range(40):
+                tracker.on_finished(f"{key}-{i}")
+        reps.error_item = ("error", 503, "overloaded: replica refusal", None, 7)
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "7"
+        assert reps.served == ["0"]
+    client.close()

@@ -23,7 +23,7 @@ from spaceserve.runtime.engine.setting import Flag
 SERVE_FIELDS = ("mode", "tensor_parallel_size", "mm_encoder_tp_mode", "max_num_seqs",
                 "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "seed",
                 "encoder_cache_bytes", "enable_prefix_caching", "fair_share", "slo",
-                "encoder_window_s", "encoder_policy")
+                "encoder_window_s", "encoder_policy", "admission")
 # the SM budget of the co-located modes
 SM_BUDGET_FIELDS = ("encoder_sms", "encoder_splits", "curves", "sis_objective",
                     "sis_actions", "green_contexts")

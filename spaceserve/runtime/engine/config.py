@@ -15,6 +15,7 @@ from typing import Any
 from spaceserve.runtime.core.memory import GRAPH_RESERVE_BYTES
 from spaceserve.runtime.engine.setting import Flag, ms_to_s, parse_ints, s_to_ms, setting
 from spaceserve.runtime.modes import (
+    ADMISSIONS,
     DRIVERS,
     ENCODER_POLICIES,
     MODES,
@@ -161,6 +162,12 @@ class EngineConfig:
         "encoder windows, what temporal-chunked does, taken when SIS predicts more goodput; "
         "opt-in: it mispredicts under co-run contention, see docs/results/sim-sensitivity.md)",
         Flag(("--sis-actions",), choices=SIS_ACTIONS))
+    admission: str = setting(
+        "queue", "what happens to a request predicted to miss its TTFT bound: queue (admit "
+        "everything, as vLLM does) or slo (refuse it at once with 503 and a Retry-After from "
+        "the predicted drain, and end a waiting request once it can no longer meet the bound; "
+        "the prediction reads the scheduling policy's queues)",
+        Flag(("--admission",), choices=ADMISSIONS))
     sis_load: tuple[int, int] = setting(
         (32, 1152), "the decode (batch, mean context) the split set is chosen for when "
         "encoder_splits is None (the simulator's background batch)")
@@ -254,6 +261,8 @@ def check_config(cfg: Any) -> None:
                          f"{', '.join(ENCODER_POLICIES)}")
     if cfg.sis_actions not in SIS_ACTIONS:
         raise ValueError(f"sis_actions={cfg.sis_actions!r} is not one of {', '.join(SIS_ACTIONS)}")
+    if cfg.admission not in ADMISSIONS:
+        raise ValueError(f"admission={cfg.admission!r} is not one of {', '.join(ADMISSIONS)}")
     if cfg.sis_objective not in OBJECTIVES:
         raise ValueError(f"sis_objective={cfg.sis_objective!r} is not one of "
                          f"{', '.join(OBJECTIVES)}")

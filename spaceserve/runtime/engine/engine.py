@@ -40,6 +40,7 @@ from spaceserve.runtime.core.sampling_params import check_for_model
 from spaceserve.runtime.core.scheduler import Scheduler
 from spaceserve.runtime.encoder.cache import EncoderCache, default_capacity
 from spaceserve.runtime.encoder.chunked import encoder_cost, temporal_stage
+from spaceserve.runtime.engine.admission import EngineAdmission
 from spaceserve.runtime.engine.config import ATTENTION_BACKENDS, DEFAULT_GRAPH_SIZES, EngineConfig
 from spaceserve.runtime.engine.control import CONTROLS, RequestControl
 from spaceserve.runtime.engine.frontends import EngineFrontends
@@ -50,7 +51,6 @@ from spaceserve.runtime.modes import MODES, TEMPORAL_MODES
 from spaceserve.runtime.sample.sampler import Launched, Sampler
 from spaceserve.runtime.worker.protocol import ModelRunner, StepLimits
 
-# Public names of this module (the config's live in config.py, load_processor in inputs/).
 __all__ = ["ATTENTION_BACKENDS", "DEFAULT_GRAPH_SIZES", "MODES", "Engine", "EngineConfig",
            "load_processor"]
 
@@ -133,6 +133,7 @@ class Engine(EngineFrontends, RequestControl):
         self._outbox: list[RequestOutput] = []
         self._driver = None  # the stream front end's driving task (frontends.py)
         self.num_steps = 0
+        self.admission = EngineAdmission(self)  # --admission slo (admission.py)
 
     # Requests in (pause, resume: control.py).
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None, *,
@@ -142,7 +143,8 @@ class Engine(EngineFrontends, RequestControl):
         finish reason "error" and a message. A bad `sampling_params` or `fair_key` (its user:
         `EngineConfig.fair_share`) or a duplicate `request_id` raises ValueError. With ``n`` >
         1 its n sequences share the prompt's processing and KV blocks (forks.py); each ends
-        with its own final output (`RequestOutput.index`), and `abort` ends them all."""
+        with its own final output (`RequestOutput.index`), and `abort` ends them all. Under
+        ``admission="slo"`` one that cannot meet its TTFT bound raises `Refused`."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
@@ -170,6 +172,7 @@ class Engine(EngineFrontends, RequestControl):
         req.sink, req.stream, req.fair_key = sink, stream, fair_key
         if params.n > 1:
             make_group(req, params.n, lambda: next(self._ids))
+        self.admission.admit(req, error)  # SLO-aware: raises Refused, nothing queued
         with self._lock:
             if rid in self._active:
                 raise ValueError(f"request_id={rid!r} is already in use")
@@ -202,7 +205,6 @@ class Engine(EngineFrontends, RequestControl):
     def device_sms(self) -> int:
         """SMs of the runner's device (on a CPU: an H200's 132, or SPACESERVE_NUM_SMS)."""
         from spaceserve.kernels.budget import device_num_sms
-
         return int(device_num_sms(self.runner.device))
 
     def sm_split(self) -> tuple[int, int]:
@@ -219,6 +221,7 @@ class Engine(EngineFrontends, RequestControl):
         with self._step_lock:
             now = time.monotonic()
             self._drain(now)
+            self.admission.check(now)  # ends the requests that can no longer meet their SLO
             for req, msg in self.encoder.step():
                 self._end(req, "error", msg, now)
             if self.spatial is not None:
@@ -286,8 +289,7 @@ class Engine(EngineFrontends, RequestControl):
             self.num_steps += 1
 
     def _watched(self, reqs: list[Request]) -> list[Request]:
-        """The requests of a sampled batch that stream or have stop strings (cached while the
-        batch keeps its requests)."""
+        """A sampled batch's requests that stream or have stop strings (cached per batch)."""
         if reqs is not self._watch_key:
             self._watch_key = reqs
             self._watch = [r for r in reqs if r.stream or r.params.stop]
@@ -342,24 +344,24 @@ class Engine(EngineFrontends, RequestControl):
 
     def _emit(self, req: Request, finished: bool) -> None:
         out = self.outputs.make(req, finished)
+        self.admission.annotate(req, out, finished)  # ended by admission: the server's 503
         self._outbox.append(out)
         if req.sink is not None:
             req.sink(out)
 
     def counters(self) -> dict[str, int]:
-        """Monotonic counters: media items looked up in the encoder cache and those needing no
-        encoder pass, encoder jobs, prompt tokens looked up in / held by the prefix cache, and
-        tokens prefilled (every computed token but a decode's newest) - see docs/engine.md."""
+        """Monotonic counters (docs/engine.md): requests shed by admission, encoder cache
+        lookups and hits, encoder jobs, prefix cache tokens queried / hit, tokens prefilled."""
         cache, sched = self.encoder_cache, self.scheduler
-        return {"encoder_cache_queries": cache.queries, "encoder_cache_hits": cache.hits,
+        return {**self.admission.counts, "encoder_cache_queries": cache.queries,
+                "encoder_cache_hits": cache.hits,
                 "encoder_jobs": self.encoder.media.num_jobs,
                 "prefix_cache_queried_tokens": sched.prefix_queried_tokens,
                 "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
                 "prefill_tokens": sched.prefill_tokens}
 
     def check_idle(self) -> None:
-        """Raise AssertionError unless nothing (request, KV block, embedding) is held (after
-        any step in progress)."""
+        """AssertionError unless nothing (request, KV block, embedding) is held."""
         with self._step_lock:
             assert not self._active and not self._inbox, f"{len(self._active)} requests active"
             assert self._inflight is None, "a pipelined step was never read back"
@@ -371,8 +373,7 @@ class Engine(EngineFrontends, RequestControl):
                 assert self.spatial.num_inflight == 0, "a compute-partition prefill is in flight"
 
     def close(self) -> None:
-        """Stop the encoder stage's thread and release SM partitions (co-located modes); stop
-        a tensor-parallel runner's worker processes."""
+        """Stop the encoder stage's thread, release SM partitions, stop TP worker processes."""
         if self.spatial is not None:
             with self._step_lock:
                 self.spatial.close()

@@ -215,6 +215,19 @@ class TwsrftScheduler:
             return tuple(r for r, _ in job.images)
         return ()
 
+    def cancel(self, request_id: Hashable) -> bool:
+        """Drop `request_id`'s images from the jobs that are not running (admission ended the
+        request); a job left without images goes. False when nothing waiting was its."""
+        found = False
+        for job_id, job in list(self._jobs.items()):
+            if job.running or all(r != request_id for r, _ in job.images):
+                continue
+            found = True
+            job.images = [(r, p) for r, p in job.images if r != request_id]
+            if not job.images:
+                del self._jobs[job_id]
+        return found
+
     # -- policy ------------------------------------------------------------------------------
     def _key(self, job: _Job) -> tuple:
         if self.policy == "fifo":

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spaceserve.checks import require_choice
+from spaceserve.runtime.policy.admission import AdmissionPolicy, Prediction
+from spaceserve.runtime.routing.admission import admission_order, predict
 from spaceserve.runtime.routing.router import (
     POLICIES,
     ReplicaState,
@@ -57,6 +59,8 @@ class _Flight:
     prefill_s: float
     decoding: bool = False
     stream: bool = True
+    routed_at: float = 0.0  # when it was routed (admission learns from its first token)
+    predicted_s: float = 0.0  # its wait admission predicted then (uncalibrated)
 
 
 @dataclass
@@ -85,11 +89,14 @@ class ReplicaTracker:
     """See the module docstring. `model` None ranks media_aware by load alone."""
 
     def __init__(self, model: WorkModel | None = None, config: RouterConfig | None = None, *,
-                 policy: str = "media_aware", clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 policy: str = "media_aware", clock: Callable[[], float] = time.monotonic,
+                 admission: AdmissionPolicy | None = None) -> None:
         require_choice("policy", policy, POLICIES)
         self.model, self.config, self.policy, self.clock = \
             model, config or RouterConfig(), policy, clock
+        # SLO-aware admission (routing/admission.py): replicas that can meet the TTFT bound
+        # first; `shed` says when none can
+        self.admission = admission if admission is not None and admission.active else None
         self._lock = threading.RLock()
         self._replicas: dict[str, _Replica] = {}
         self._flights: dict[str, _Flight] = {}
@@ -186,8 +193,25 @@ class ReplicaTracker:
                 states = self.states(group)
                 order = rank_replicas(self.policy, req, states, self.model, self.config,
                                       turn=self._turn)
+                if self.admission is not None and req is not None and self.model is not None:
+                    order = admission_order(self.admission, req, states, self.model, order)[0]
                 out += [group[i] for i in order]
             return out
+
+    def shed(self, req: RouteRequest, keys: Sequence[str] | None = None) -> Prediction | None:
+        """Under SLO-aware admission, the refusal to answer `req` with when no replica (of
+        `keys`, default all) is predicted to meet its TTFT bound; None when one is."""
+        if self.admission is None or self.model is None:
+            return None
+        with self._lock:
+            self._promote()
+            keys = self.keys() if keys is None else list(keys)
+            states = self.states(keys)
+            verdict = admission_order(self.admission, replace(
+                req, common=self.common_keys(req)), states, self.model,
+                range(len(states)))[1]
+            self.admission.refused += verdict is not None
+            return verdict
 
     def choose(self, req: RouteRequest, keys: Sequence[str] | None = None) -> str:
         """Rank and route in one go (the simulator's call); returns the replica's key."""
@@ -205,7 +229,11 @@ class ReplicaTracker:
         with self._lock:
             self.on_finished(req.request_id)
             rep = self._replica(key)
-            flight = self._flights[req.request_id] = _Flight(key, req, 0.0, 0.0, stream=stream)
+            flight = self._flights[req.request_id] = _Flight(key, req, 0.0, 0.0, stream=stream,
+                                                             routed_at=self.clock())
+            if self.admission is not None and self.model is not None:
+                p = predict(self.admission, req, rep.state(), self.model)
+                flight.predicted_s = p.ttft_s / self.admission.scale
             self._charge(rep, flight)
             rep.routed += 1
             for h in req.image_hashes:
@@ -266,6 +294,8 @@ class ReplicaTracker:
                 return
             rep = self._replicas.get(f.key)
             f.decoding = True
+            if self.admission is not None and f.stream:  # seen, not predicted: learn from it
+                self.admission.observe(f.predicted_s, self.clock() - f.routed_at)
             if rep is not None:
                 rep.queued_encoder_s -= f.encoder_s
                 rep.queued_prefill_s -= f.prefill_s

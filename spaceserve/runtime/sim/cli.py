@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the curves' contention table (default: the curves' own)")
     # the knobs the engine shares, declared beside its config: --sis-objective, --sis-actions,
     # --slo (the window's default differs: derived from the SLO here)
-    add_engine_args(p, ("sis_objective", "sis_actions", "slo"))
+    add_engine_args(p, ("sis_objective", "sis_actions", "slo", "admission"))
     p.add_argument("--encoder-window-ms", type=float,
                    help="encoder time window: temporal-chunked's chunk between decode steps "
                         "(default: the largest whose step fits the SLO's TPOT / ITL bound "
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          max_num_seqs=args.max_num_seqs, kv_blocks=args.kv_blocks,
                          max_held=args.max_held, host_s=args.host_ms / 1e3,
-                         sis_host_s=args.sis_host_ms / 1e3)
+                         sis_host_s=args.sis_host_ms / 1e3, admission=args.admission)
         for mode in modes:  # a knob a mode refuses (prefill_on, encoder_policy) fails here
             if mode != BEST:
                 dataclasses.replace(base, mode=mode)

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from spaceserve.runtime.modes import MODES, OBJECTIVES, PLACEMENTS, SIS_ACTIONS, TEMPORAL_MODES
+from spaceserve.runtime.modes import (
+    ADMISSIONS,
+    MODES,
+    OBJECTIVES,
+    PLACEMENTS,
+    SIS_ACTIONS,
+    TEMPORAL_MODES,
+)
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import (
     SchedulingPolicy,
@@ -65,6 +72,7 @@ class SimConfig:
     background_output: int = 256  # their output length
     context_bucket: int = 64  # SIS sees the decode context rounded to this
     shared_decode_share: float = 0.5  # shared mode: decode's share of SM throughput when both run
+    admission: str = "queue"  # or "slo": the engine's SLO-aware admission (sim/admission.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,6 +90,8 @@ class SimConfig:
         if self.sis_objective not in OBJECTIVES:
             raise ValueError(f"sis_objective must be one of {OBJECTIVES}, got "
                              f"{self.sis_objective!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
         if self.sis_actions not in SIS_ACTIONS:
             raise ValueError(f"sis_actions must be one of {SIS_ACTIONS}, got "
                              f"{self.sis_actions!r}")

@@ -45,6 +45,7 @@ from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import RateEstimator
 from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
 from spaceserve.runtime.policy.twsrft import Grant, TwsrftScheduler, curve_cost
+from spaceserve.runtime.sim.admission import SimAdmission
 from spaceserve.runtime.sim.config import (
     SimConfig,
     chunked_window_s,
@@ -126,6 +127,7 @@ class Simulator:
         self._open = 0
         self._decided = False  # SIS decided since the last decode step (its host time)
         self._bg_ids = itertools.count()
+        self.admission = SimAdmission(self)  # SLO-aware admission (a no-op under "queue")
         n, out = c.background, c.background_output
         for i in range(n):
             self._spawn_background(i * (out - 1) // n)
@@ -149,6 +151,8 @@ class Simulator:
         if req.kind == "background" or req.rid in self.requests:
             raise ValueError(f"req: rid {req.rid} is a background or duplicate request")
         req.gpu = self.gpu
+        if not self.admission.admit(req):
+            return  # refused: shed at arrival, never runs
         self.requests[req.rid] = req
         self._open += 1
         req.prefilled = req.cached_tokens  # a prefix-cache hit: prefill only the rest
@@ -202,7 +206,7 @@ class Simulator:
             self.advance_to(self.now + limit_s)
             return
         self.advance_to(math.inf)
-        left = [r.rid for r in self.requests.values() if r.finish is None]
+        left = [r.rid for r in self.requests.values() if r.finish is None and not r.shed]
         if left:
             raise RuntimeError(f"simulation stalled with unfinished requests {left[:10]}")
 
@@ -257,6 +261,7 @@ class Simulator:
                         patches, prompt)
 
     def _dispatch(self) -> None:
+        self.admission.check()
         if self.loop is not None:
             self.loop.dispatch()
             return

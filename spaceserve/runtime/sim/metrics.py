@@ -52,7 +52,8 @@ def request_record(r: Request, slo: Slo | None = None) -> dict[str, Any]:
         tpot = (r.finish - r.first_token) / (r.generated - 1)
     out = {"rid": r.rid, "gpu": r.gpu, "kind": r.kind, "resolution": r.resolution,
            "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.generated,
-           "finished": r.finish is not None, "ttft": ttft, "tpot": tpot, "e2el": e2el,
+           "finished": r.finish is not None, "shed": r.shed or None, "ttft": ttft,
+           "tpot": tpot, "e2el": e2el,
            "mean_itl": sum(r.itls) / len(r.itls) if r.itls else None,
            "max_itl": max(r.itls) if r.itls else None}
     if slo is not None and served:
@@ -71,7 +72,8 @@ def summarize(requests: Iterable[Request], kinds: Sequence[str] | None = None
               ) -> dict[str, Any]:
     """Aggregate metrics over the finished requests of the given kinds (default: all)."""
     reqs = [r for r in requests if kinds is None or r.kind in kinds]
-    unfinished = sum(1 for r in reqs if r.finish is None)
+    shed = sum(1 for r in reqs if r.shed)  # refused or ended by SLO-aware admission
+    unfinished = sum(1 for r in reqs if r.finish is None) - shed
     done = [r for r in reqs if r.finish is not None]
     served = [r for r in done if r.kind != "background"]
     ttft = [r.first_token - r.arrival for r in served]
@@ -83,7 +85,7 @@ def summarize(requests: Iterable[Request], kinds: Sequence[str] | None = None
     span = end - start
     tokens = sum(r.generated for r in served)
     return {
-        "completed": len(done), "unfinished": unfinished, "served": len(served),
+        "completed": len(done), "unfinished": unfinished, "served": len(served), "shed": shed,
         "ttft": stats(ttft), "tpot": stats(tpot), "itl": stats(itl), "e2el": stats(e2el),
         "duration_s": span,
         "request_throughput": len(served) / span if span > 0 else 0.0,

@@ -127,6 +127,7 @@ class SpatialLoop(StepLoop):
     def release(self, req: Request) -> None:
         super().release(req)
         self.arrived.pop(req.rid, None)
+        self.active.pop(req.rid, None)  # ended while encoding: its grants skip it from now on
 
     # -- the host ---------------------------------------------------------------------------
     def dispatch(self) -> None:
@@ -288,6 +289,10 @@ class SpatialLoop(StepLoop):
         """Layers of the open grant, one at a time for each of its requests, until the grant
         ends or the host budget is spent (at least one), as one launch."""
         g = self._open_grant()
+        while g is not None and not any(r in self.active for r in g.live):
+            self.twsrft.report(g.grant.job_id, g.grant.layers, 0)  # its requests all ended
+            self.open = None
+            g = self._open_grant()
         if g is None:
             return False
         step_s = self.sim.config.layer_launch_s

@@ -223,7 +223,7 @@ class StepLoop:
             for req in op.payload:  # type: ignore[attr-defined]
                 self.jobs.discard(req.rid)
                 req.encoded_at = sim.now
-                if req.finish is None:
+                if req.finish is None and not req.shed:  # not ended by admission meanwhile
                     self.encoded.add(req.rid)
                     self.held.add(req.rid)
             return

@@ -78,6 +78,7 @@ class Request:
     # tokens whose K/V the prefix cache holds (prefill starts after them)
     cached_image_tokens: int = 0
     cached_tokens: int = 0
+    shed: str = ""  # SLO-aware admission: "refused" at arrival, "ended" while waiting
 
     @property
     def prompt_tokens(self) -> int:

@@ -147,7 +147,8 @@ def error_of(out: RequestOutput) -> APIError:
     status = out.extra.get("status") if out.extra else None
     if isinstance(status, int):  # the engine client's verdict (503: a replica failed)
         return APIError(status, msg, type="server_error" if status >= 500 else
-                        "invalid_request_error", param=out.extra.get("param"))
+                        "invalid_request_error", param=out.extra.get("param"),
+                        retry_after=out.extra.get("retry_after"))
     if msg.startswith("engine step failed"):
         return APIError(500, msg, type="server_error")
     return APIError(400, msg)

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
+from spaceserve.runtime.policy.admission import retry_seconds
 from spaceserve.runtime.routing.keys import route_request
 from spaceserve.server.handles import Admission, Handle
 from spaceserve.server.replicas.metrics import ReplicaSetMetrics
+from spaceserve.server.transport.errors import APIError
 
 if TYPE_CHECKING:
     from spaceserve.runtime.core.request import RequestOutput, SamplingParams
@@ -69,15 +71,17 @@ class EngineFacts:
 
 
 def error_output(request_id: str, status: int, message: str,
-                 param: str | None = None) -> RequestOutput:
+                 param: str | None = None, retry_after: float | None = None) -> RequestOutput:
     """A final output ending a request with `message`, answered with HTTP `status` (naming
-    the request field `param`, when given)."""
+    the request field `param`, and with a ``Retry-After``, when given)."""
     from spaceserve.runtime.core.request import RequestMetrics, RequestOutput
 
     now = time.monotonic()
     extra: dict[str, Any] = {"status": status}
     if param:
         extra["param"] = param
+    if retry_after is not None:
+        extra["retry_after"] = retry_after
     return RequestOutput(request_id, [], [], [], True, "error", message,
                          RequestMetrics(now, None, (), now), extra=extra)
 
@@ -104,6 +108,11 @@ class ReplicaRequestHandle(Handle):
         route = route_request(self.request_id, prompt, image_token_id=c.image_token_id,
                               merge_size=c.merge_size, block_tokens=c.block_tokens,
                               output_tokens=sp.max_tokens)
+        refusal = c.tracker.shed(route)  # SLO-aware admission: no replica can meet the bound
+        if refusal is not None:
+            c.metrics.refused()
+            raise APIError(503, str(c.tracker.admission.refusal(refusal)), type="server_error",
+                           code="overloaded", retry_after=retry_seconds(refusal.retry_after_s))
         with self._lock:
             if self.closed or self.cancelled.is_set():
                 return
@@ -170,7 +179,8 @@ class ReplicaRequestHandle(Handle):
             if item[0] == "error":
                 status, message = item[1], item[2]
                 param = item[3] if len(item) > 3 else None
-                self._put(error_output(rid, int(status), str(message), param))
+                retry = item[4] if len(item) > 4 else None  # an admission refusal's
+                self._put(error_output(rid, int(status), str(message), param, retry))
                 return
             _, label, out = item
             if self.label is None:

@@ -218,6 +218,13 @@ class DataParallelServer:
 
             check_green_contexts(config, resolve_device(self.engine_kwargs.get("device")))
 
+    def _admission(self) -> Any:
+        """The router's SLO-aware admission (`routing.admission`), as the replicas run it."""
+        from spaceserve.runtime.policy.admission import AdmissionPolicy
+
+        kw = self.engine_kwargs
+        return AdmissionPolicy(kw.get("slo"), mode=kw.get("admission", "queue"), order="fifo")
+
     def _ingress(self, path: Any) -> tuple[Any, Any]:
         """(chat preprocessor, routing tracker) of the checkpoint at `path`."""
         from spaceserve.runtime.inputs import ChatPreprocessor
@@ -225,7 +232,8 @@ class DataParallelServer:
 
         pre = ChatPreprocessor.from_pretrained(path, image_token_id=image_token_id(path))
         tracker = ReplicaTracker(work_model(path, self.engine_kwargs.get("curves")),
-                                 self.router_config, policy=self.router)
+                                 self.router_config, policy=self.router,
+                                 admission=self._admission())
         return pre, tracker
 
     def _connect(self, ray: Any) -> None:

@@ -60,8 +60,8 @@ class EngineReplica:
         try:
             try:
                 await handle.start(lambda: prompt, params, stream=stream)
-            except APIError as exc:
-                yield ("error", exc.status, exc.message, exc.param)
+            except APIError as exc:  # its 503s (SLO-aware admission) say when to retry
+                yield ("error", exc.status, exc.message, exc.param, exc.retry_after)
                 return
             except PoolFull as exc:  # its validation queue is full
                 yield ("error", 503, f"server busy: {exc}; retry later")

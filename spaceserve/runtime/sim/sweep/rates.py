@@ -10,8 +10,9 @@ The headline: find the image rate at which time-multiplexed (temporal) TPOT reac
 TPOT and p99 ITL relative to unloaded (plus TTFT, which a TPOT-first split pays for).
 
 ``best-temporal`` (tune.py) is the strongest time-multiplexed configuration found at each rate;
-every row's goodput carries the tail beside it: ``image_ttft_p99_ms``, the p99 TTFT of the
-image requests served, and ``unfinished_share``.
+every row's goodput carries the tail beside it: ``image_ttft_p99_ms`` and ``image_ttft_mean_ms``,
+the TTFT of the image requests served, ``unfinished_share`` and ``shed_share`` (the arrivals
+SLO-aware admission refused or ended, ``--admission slo``).
 """
 
 from __future__ import annotations
@@ -80,9 +81,13 @@ def _row(rate: float, results: Sequence[SimResult], slo: Slo) -> dict[str, Any]:
     image = _pooled(results, ("image",))
     good = pooled_goodput(results, slo)
     # the tail beside goodput: p99 TTFT of the image requests served, and the share of the
-    # arrivals left unfinished when the run ended (the simulator sheds none)
+    # arrivals left unfinished when the run ended, and the share SLO-aware admission shed
+    # (refused or ended waiting; misses for goodput)
+    counted = good["counted"]
     good["image_ttft_p99_ms"] = image["ttft"]["p99_ms"]
-    good["unfinished_share"] = image["unfinished"] / good["counted"] if good["counted"] else 0.0
+    good["image_ttft_mean_ms"] = image["ttft"]["mean_ms"]
+    good["unfinished_share"] = image["unfinished"] / counted if counted else 0.0
+    good["shed_share"] = image["shed"] / counted if counted else 0.0
     row = {"rate": rate, "seeds": [res.workload.seed for res in results],
            "all": _pooled(results, None), "image": image,
            "background": _pooled(results, ("background",)), "goodput": good}
@@ -175,7 +180,7 @@ def table(sweep: dict[str, list[dict[str, Any]]]) -> str:
     """A plain-text table of the sweep: latencies over every request (TTFT over the image
     and text requests), goodput over the image requests."""
     lines = [f"{'mode':<17}{'rate/s':>7}{'TPOT ms':>9}{'p99 ITL':>9}{'TTFT ms':>10}"
-             f"{'p99 TTFT':>10}{'img p99':>10}{'served':>7}{'unfin':>6}{'good/s':>8}"
+             f"{'p99 TTFT':>10}{'img p99':>10}{'served':>7}{'unfin':>6}{'shed':>6}{'good/s':>8}"
              f"{'attain':>8}  knobs"]
     for mode, rows in sweep.items():
         for r in rows:
@@ -188,6 +193,7 @@ def table(sweep: dict[str, list[dict[str, Any]]]) -> str:
                          f"{a['itl']['p99_ms']:>9.2f}{a['ttft']['mean_ms']:>10.1f}"
                          f"{a['ttft']['p99_ms']:>10.1f}{r['image']['ttft']['p99_ms']:>10.1f}"
                          f"{a['served']:>7d}{r['image']['unfinished']:>6d}"
+                         f"{r['image'].get('shed', 0):>6d}"
                          f"{g['rate_per_s']:>8.2f}{100 * g['attainment']:>7.1f}%{knobs}")
     return "\n".join(lines)
 
