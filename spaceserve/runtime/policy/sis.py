@@ -203,8 +203,11 @@ class SpaceInferenceScheduler:
         if hit is None:
             hit = self._turns_cache[key] = plan_turns(
                 self.curves, self.total, state.decode_batch, state.decode_context,
-                self.slo_target(), self.window_s, patches, prompt)
+                self.slo_target(), self._turn_window_max(), patches, prompt)
         return hit
+
+    def _turn_window_max(self) -> float:  # under a decode bound, the bound decides alone
+        return self.window_s if math.isinf(self.slo_target()) else math.inf
 
     def _stretch(self, state: SisState) -> float:
         """Wall time per second of whole-device encoder time in windows (0: no window fits)."""
