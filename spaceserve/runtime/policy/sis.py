@@ -189,30 +189,25 @@ class SpaceInferenceScheduler:
                                                self.total)
 
     def window(self, state: SisState) -> float:
-        """The whole-GPU window for `state` (`turns`): 0 if none of ``MIN_WINDOW_S`` fits."""
+        """The whole-GPU window for `state` (`turns_plan`): 0 if none of ``MIN_WINDOW_S`` fits."""
         return self.turns_plan(state).window_s
 
     def turns_plan(self, state: SisState) -> Turns:
-        """Taking turns for `state` (`sis_goodput.plan_turns`): the window (up to ``window_s``)
-        and prefill budget whose interval keeps the decode SLO's margin and sustains the most
-        of the mean arrival."""
-        patches = max(1, int(round(state.arrival_patches / 64)) * 64)
-        prompt = int(round(state.arrival_prompt / 64)) * 64
+        """Taking turns for `state` (`sis_goodput.plan_turns`): the window and prefill budget
+        that keep the decode SLO's margin and sustain the most of the mean arrival."""
+        patches, prompt = _arrival(state)
         key = (patches, prompt, state.decode_batch, state.decode_context)
         hit = self._turns_cache.get(key)
-        if hit is None:
+        if hit is None:  # under a decode bound the bound alone sizes the window
+            bound = self.slo_target()
             hit = self._turns_cache[key] = plan_turns(
-                self.curves, self.total, state.decode_batch, state.decode_context,
-                self.slo_target(), self._turn_window_max(), patches, prompt)
+                self.curves, self.total, state.decode_batch, state.decode_context, bound,
+                self.window_s if math.isinf(bound) else math.inf, patches, prompt)
         return hit
-
-    def _turn_window_max(self) -> float:  # under a decode bound, the bound decides alone
-        return self.window_s if math.isinf(self.slo_target()) else math.inf
 
     def _stretch(self, state: SisState) -> float:
         """Wall time per second of whole-device encoder time in windows (0: no window fits)."""
-        w = self.window(state)
-        return (w + self.predict_tpot(state, 0)) / w if w else 0.0
+        return (w + self.predict_tpot(state, 0)) / w if (w := self.window(state)) else 0.0
 
     def misses(self, state: SisState, encoder_sms: int) -> int:
         """Waiting requests predicted to miss their TTFT with this split (every SM: a window)."""
@@ -230,11 +225,9 @@ class SpaceInferenceScheduler:
         """(sharing, taking turns): image requests/s of the mean arrival (its ViT patches and
         prompt) sustained by the compute partition at the decode SLO's cap (encode + prefill on
         its co-running SMs), and by the whole GPU taking turns (`turns_plan`)."""
-        patches = max(1, int(round(state.arrival_patches / 64)) * 64)
-        prompt = int(round(state.arrival_prompt / 64)) * 64
-        c, cap = self.curves, self._cap(state, self.slo_target())[0]
-        share = 1.0 / (c.encoder(patches, c.encoder_depth, cap, True)
-                       + c.prefill(prompt, 0, cap, True))
+        patches, prompt = _arrival(state)
+        c, e = self.curves, self._cap(state, self.slo_target())[0]
+        share = 1.0 / (c.encoder(patches, c.encoder_depth, e, True) + c.prefill(prompt, 0, e, True))
         return share, self.turns_plan(state).rate
 
     def _regime(self, state: SisState, now: float) -> None:
@@ -242,11 +235,11 @@ class SpaceInferenceScheduler:
         turns sustains more; share again once they fall back (module docstring)."""
         if self.actions != "superset" or now - self._turns_since < self.turns_dwell_s:
             return
-        share, turns = self.capacities(state)
-        rate = state.arrival_rate
+        (share, turns), rate = self.capacities(state), state.arrival_rate
         if self.turns:  # back to sharing once the arrivals and the backlog fit it
-            flip = turns <= 0 or (rate <= self.turns_until * share and not self.predictor.misses(
-                state, self._cap(state, self.slo_target())[0]))
+            cap = self._cap(state, self.slo_target())[0]
+            flip = turns <= 0 or (rate <= self.turns_until * share
+                                  and not self.predictor.misses(state, cap))
         else:
             flip = turns > self.turns_at * share and rate >= self.turns_at * share
         if flip:
@@ -401,3 +394,7 @@ class SpaceInferenceScheduler:
             old = self.predict_tpot(state, cur.encoder_sms)
             gain = (old - new.predicted_tpot_s) / old if old > 0 else 0.0
         return gain >= self.min_gain
+
+
+def _arrival(state: SisState) -> tuple[int, int]:  # the mean arrival, in buckets of 64
+    return max(1, round(state.arrival_patches / 64) * 64), round(state.arrival_prompt / 64) * 64
