@@ -158,9 +158,9 @@ class EngineConfig:
         "goodput", "SIS maximises predicted goodput, or protects TPOT at any TTFT cost (tpot: "
         "the paper-like baseline)", Flag(("--sis-objective",), choices=OBJECTIVES))
     sis_actions: str = setting(
-        "share", "SIS's actions: share (pure sharing), or superset (sharing plus whole-GPU "
-        "encoder windows, what temporal-chunked does, taken when SIS predicts more goodput; "
-        "opt-in: it mispredicts under co-run contention, see docs/results/sim-sensitivity.md)",
+        "share", "SIS's actions: share (pure sharing), or superset (sharing, and taking turns "
+        "on the whole GPU - temporal-chunked's encoder windows and prefill budget from the "
+        "SLO - while the image arrivals outgrow what sharing sustains, with hysteresis)",
         Flag(("--sis-actions",), choices=SIS_ACTIONS))
     admission: str = setting(
         "queue", "what happens to a request predicted to miss its TTFT bound: queue (admit "

@@ -37,17 +37,17 @@ That is the ``tpot`` objective (the paper's: TPOT first, at any TTFT cost). The 
    bounds, then the most encoder SMs (the backlog drains as fast as the decode SLO allows).
 4. Hysteresis as above; a split that saves predicted misses is adopted at once.
 
-Actions (``actions``): "share" is the rule above, pure sharing. "superset" (the default) adds
-what the time-multiplexed baseline does: under pressure SIS may give the encoder the whole GPU for
-a bounded window (``encoder_sms`` = every SM, ``decoder_sms`` 0: the decoder pauses for the
-window, then runs one step on the whole device, carrying prompts' prefill chunks). The window
-is the largest, up to ``window_s``, whose decode interval (window + a whole-device step) keeps
-the decode SLO's margin; its predictions stretch every whole-device latency by
-(window + step) / window, the share of time the encoder holds the device (prefill is modelled
-as whole-device work stretched the same way). SIS takes it when
-that predicts fewer TTFT misses (then less arrival overload) than the best sharing split, so
-sharing is never predicted worse than the best time-multiplexed schedule. `action_counts`
-counts what was chosen (splits, windows, prefill placements).
+Actions (``actions``): "share" is the rule above, pure sharing. "superset" adds the
+time-multiplexed schedule as a regime: when the image arrivals outgrow ``turns_at`` x what
+sharing sustains (`capacities`: the mean arrival's encode + prefill on the compute partition at
+the decode SLO's cap; the discount is what hand-offs waiting for a starved decoder's steps cost,
+which that figure does not see) and taking turns on the whole GPU sustains more than that
+(`turns_plan`), SIS gives the encoder the whole GPU in windows (every SM, the decoder 0,
+prefill "decode"; each followed by a whole-device step carrying at most the plan's prefill
+budget) - what temporal-chunked runs - until the arrivals fall below ``turns_until`` x the
+sharing capacity and no waiting request is predicted to miss at that cap. Each change waits
+``turns_dwell_s`` (hysteresis). Window and budget keep the decode SLO's margin; where no window
+fits, SIS shares. `action_counts` counts splits, windows, placements and regime changes.
 """
 
 from __future__ import annotations
@@ -63,13 +63,11 @@ from spaceserve.checks import require_choice, require_int, require_number
 from spaceserve.runtime.modes import OBJECTIVES, SIS_ACTIONS
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import decode_bound_s
-from spaceserve.runtime.policy.sis_goodput import Forecast, GoodputPredictor
+from spaceserve.runtime.policy.sis_goodput import GoodputPredictor, Turns, plan_turns
 from spaceserve.runtime.policy.sis_state import PendingEncode, SisState
 from spaceserve.runtime.policy.slo import DEFAULT_SLO, Slo
 
 __all__ = ["PendingEncode", "SisState", "SpaceInferenceScheduler", "Split"]
-
-MIN_WINDOW_S = 0.001  # a shorter window than this is not worth pausing the decoder for
 
 
 @dataclass(frozen=True)
@@ -95,11 +93,20 @@ class SpaceInferenceScheduler:
                  objective: str = "goodput", slo: Slo | None = None,
                  decode_margin: float = 0.8, ttft_margin: float = 0.9,
                  comfort_factor: float = 2.5, actions: str = "share",
-                 window_s: float = 0.02,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 window_s: float = 0.02, turns_at: float = 0.7, turns_until: float = 0.5,
+                 turns_dwell_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         require_choice("sis actions", actions, SIS_ACTIONS)
         require_number("window_s", window_s)
+        if not 0 < turns_until <= turns_at or turns_dwell_s < 0:
+            raise ValueError("need 0 < turns_until <= turns_at, turns_dwell_s >= 0; got "
+                             f"{turns_until}, {turns_at}, {turns_dwell_s}")
         self.actions, self.window_s = actions, window_s
+        self.turns_at, self.turns_until, self.turns_dwell_s = turns_at, turns_until, turns_dwell_s
+        self.turns = False  # the superset's regime: taking turns on the whole GPU
+        self._turns_since = -math.inf
+        self.last_window_s, self.last_turn_tokens = 0.0, 0  # the last window and its budget
+        self._turns_cache: dict[tuple, Turns] = {}  # bounded: its keys are bucketed
         self.counts: Counter[str] = Counter()
         require_choice("objective", objective, OBJECTIVES)
         if not 0 < decode_margin <= 1 or not 0 < ttft_margin <= 1 or comfort_factor < 1:
@@ -182,16 +189,25 @@ class SpaceInferenceScheduler:
                                                self.total)
 
     def window(self, state: SisState) -> float:
-        """The whole-GPU window for `state`: the largest, up to ``window_s``, whose decode
-        interval (window + a whole-device step) keeps the decode SLO's margin; 0 if none of at
-        least ``MIN_WINDOW_S`` does."""
-        w = min(self.window_s, self.slo_target() - self.predict_tpot(state, 0))
-        return w if w >= MIN_WINDOW_S else 0.0
+        """The whole-GPU window for `state` (`turns_plan`): 0 if none of ``MIN_WINDOW_S`` fits."""
+        return self.turns_plan(state).window_s
+
+    def turns_plan(self, state: SisState) -> Turns:
+        """Taking turns for `state` (`sis_goodput.plan_turns`): the window and prefill budget
+        that keep the decode SLO's margin and sustain the most of the mean arrival."""
+        patches, prompt = _arrival(state)
+        key = (patches, prompt, state.decode_batch, state.decode_context)
+        hit = self._turns_cache.get(key)
+        if hit is None:  # under a decode bound the bound alone sizes the window
+            bound = self.slo_target()
+            hit = self._turns_cache[key] = plan_turns(
+                self.curves, self.total, state.decode_batch, state.decode_context, bound,
+                self.window_s if math.isinf(bound) else math.inf, patches, prompt)
+        return hit
 
     def _stretch(self, state: SisState) -> float:
         """Wall time per second of whole-device encoder time in windows (0: no window fits)."""
-        w = self.window(state)
-        return (w + self.predict_tpot(state, 0)) / w if w else 0.0
+        return (w + self.predict_tpot(state, 0)) / w if (w := self.window(state)) else 0.0
 
     def misses(self, state: SisState, encoder_sms: int) -> int:
         """Waiting requests predicted to miss their TTFT with this split (every SM: a window)."""
@@ -205,29 +221,30 @@ class SpaceInferenceScheduler:
             return view.total_requests + len(view.ready)
         return view.misses(0, p.limit, p.horizon, stretch)
 
-    def _window_forecast(self, state: SisState, best: int) -> Forecast | None:
-        """The window's forecast, or None where no window fits or where it is slower than
-        `best` encoder SMs for the largest and the smallest job and the longest prompt alike
-        (then every latency is longer in the window: it cannot drain the queue faster)."""
-        stretch = self._stretch(state)
-        if not stretch:
-            return None
-        p, load = self.predictor, 0.0
-        view, table = p.view(state), p.table
-        keys = [(view.max_patches, self.curves.encoder_depth),
-                (min(k[0] for k in view.keys), self.curves.encoder_depth)] if view.keys else []
-        prompts = [view.max_prompt] if view.max_prompt > 0 else []
-        if all(w * stretch >= b for w, b in zip(table.runs(0, keys) + table.prefills(0, prompts),
-                                                table.runs(best, keys)
-                                                + table.prefills(best, prompts), strict=True)):
-            return None
-        if state.arrival_rate > 0:
-            patches = max(1, int(round(state.arrival_patches)))
-            tokens = int(round(state.arrival_prompt))
-            per = p.table.runs(0, [(patches, self.curves.encoder_depth)])[0] \
-                + p.table.prefills(0, [tokens])[0]
-            load = state.arrival_rate * per * stretch
-        return Forecast(self.total, self.misses(state, self.total), load)
+    def capacities(self, state: SisState) -> tuple[float, float]:
+        """(sharing, taking turns): image requests/s of the mean arrival (its ViT patches and
+        prompt) sustained by the compute partition at the decode SLO's cap (encode + prefill on
+        its co-running SMs), and by the whole GPU taking turns (`turns_plan`)."""
+        patches, prompt = _arrival(state)
+        c, e = self.curves, self._cap(state, self.slo_target())[0]
+        share = 1.0 / (c.encoder(patches, c.encoder_depth, e, True) + c.prefill(prompt, 0, e, True))
+        return share, self.turns_plan(state).rate
+
+    def _regime(self, state: SisState, now: float) -> None:
+        """The superset's hysteresis: take turns while the arrivals outgrow sharing and taking
+        turns sustains more; share again once they fall back (module docstring)."""
+        if self.actions != "superset" or now - self._turns_since < self.turns_dwell_s:
+            return
+        (share, turns), rate = self.capacities(state), state.arrival_rate
+        if self.turns:  # back to sharing once the arrivals and the backlog fit it
+            cap = self._cap(state, self.slo_target())[0]
+            flip = turns <= 0 or (rate <= self.turns_until * share
+                                  and not self.predictor.misses(state, cap))
+        else:
+            flip = turns > self.turns_at * share and rate >= self.turns_at * share
+        if flip:
+            self.turns, self._turns_since = not self.turns, now
+            self.counts["regime:turns" if self.turns else "regime:share"] += 1
 
     def _saturation(self, kind: str, work: float, cap: int, cands: list[int]) -> int:
         """Fewest candidate SMs at which `work` runs within tolerance of its time at `cap`.
@@ -260,6 +277,8 @@ class SpaceInferenceScheduler:
         if not state.encode and not state.prefill:
             tpot = self.predict_tpot(state, 0)
             return Split(0, self.total, "compute", 0.0, tpot, target, tpot <= target)
+        if self.turns and self.window(state) > 0:  # the superset's regime: take turns
+            return self._place(state, self.total, max(self.slo_target(), target), True)
         cap, feasible = self._cap(state, target)
         cands = [e for e in self.allowed if e <= cap]
         enc = cands[0]
@@ -283,10 +302,6 @@ class SpaceInferenceScheduler:
         cap, ok = self._cap(state, slo)
         cands = [e for e in self.allowed if calm <= e <= cap] or [calm]
         best = p.best(state, cands)
-        if self.actions == "superset":
-            win = self._window_forecast(state, best.encoder_sms)
-            if win is not None and p.rank(win)[:2] < p.rank(best)[:2]:
-                return self.total, max(slo, target), True
         return best.encoder_sms, max(slo, target), ok
 
     def _cap(self, state: SisState, target: float) -> tuple[int, bool]:
@@ -304,6 +319,8 @@ class SpaceInferenceScheduler:
 
     def _place(self, state: SisState, enc: int, target: float, feasible: bool) -> Split:
         if enc >= self.total:  # a whole-GPU window; prompts prefill in the decode steps
+            plan = self.turns_plan(state)
+            self.last_window_s, self.last_turn_tokens = plan.window_s, plan.tokens
             tpot = self.predict_tpot(state, enc)
             return Split(enc, 0, "decode", self.predict_ttft(state, enc), tpot, target,
                          tpot <= self.slo_target())
@@ -324,6 +341,7 @@ class SpaceInferenceScheduler:
     def decide(self, state: SisState) -> Split:
         """The split to use now: `propose` filtered through hysteresis."""
         now = self.clock()
+        self._regime(state, now)
         new = self.propose(state)
         cur = self.current
         if cur is None or self._forced(cur, new, state) or self._worth(cur, new, state, now):
@@ -376,3 +394,7 @@ class SpaceInferenceScheduler:
             old = self.predict_tpot(state, cur.encoder_sms)
             gain = (old - new.predicted_tpot_s) / old if old > 0 else 0.0
         return gain >= self.min_gain
+
+
+def _arrival(state: SisState) -> tuple[int, int]:  # the mean arrival, in buckets of 64
+    return max(1, round(state.arrival_patches / 64) * 64), round(state.arrival_prompt / 64) * 64

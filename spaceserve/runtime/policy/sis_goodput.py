@@ -102,3 +102,37 @@ class GoodputPredictor:
     def calm(self, fc: Forecast) -> bool:
         """Nothing predicted late and the arrivals leave headroom: no need to grow."""
         return fc.misses == 0 and fc.load <= self.max_load
+
+
+TURN_BUDGETS = (256, 512, 1024, 2048, 4096)  # prefill tokens per whole-device step, tried
+MIN_WINDOW_S = 0.001  # a shorter window than this is not worth pausing the decoder for
+
+
+@dataclass(frozen=True)
+class Turns:
+    """Taking turns on the whole GPU (temporal-chunked's schedule): an encoder window, then a
+    whole-device decode step carrying at most `tokens` prompt tokens; `rate`: images/s of the
+    mean arrival it sustains (0: no window fits)."""
+
+    window_s: float
+    tokens: int
+    rate: float
+
+
+def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s: float,
+               window_max_s: float, patches: int, prompt: int) -> Turns:
+    """The turn-taking schedule sustaining the most arrivals within the decode bound: for each
+    prefill budget, the largest window (up to `window_max_s`) whose interval - window plus the
+    step carrying that budget - keeps `bound_s`; a cycle encodes window / (a mean image's
+    whole-device encode) images and prefills budget / (its prompt) of them."""
+    best = Turns(0.0, TURN_BUDGETS[0], 0.0)
+    enc = curves.encoder(max(1, patches), curves.encoder_depth, total)
+    for tokens in TURN_BUDGETS:
+        step = curves.mixed_step(max(1, batch), context, tokens, 0, total)
+        window = min(window_max_s, bound_s - step)
+        if window < MIN_WINDOW_S:
+            continue
+        rate = min(window / enc, tokens / max(1, prompt)) / (window + step)
+        if rate > best.rate:
+            best = Turns(window, tokens, rate)
+    return best

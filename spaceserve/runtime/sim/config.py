@@ -161,8 +161,8 @@ def engine_objects() -> SimpleNamespace:
     from spaceserve.runtime.core.request import Request, Status
     from spaceserve.runtime.core.sampling_params import SamplingParams
     from spaceserve.runtime.core.scheduler import Scheduler
-    from spaceserve.runtime.spatial.batch_split import split_batch
+    from spaceserve.runtime.spatial.batch_split import split_batch, turn_budget
 
     return SimpleNamespace(BlockManager=BlockManager, Request=Request, Status=Status,
                            SamplingParams=SamplingParams, Scheduler=Scheduler,
-                           split_batch=split_batch)
+                           split_batch=split_batch, turn_budget=turn_budget)

@@ -1,5 +1,9 @@
 """The simulator's execution of SIS's whole-GPU window (``sis_actions`` superset, spatial mode).
 
+`window_launch`: the co-located step's encoder step in a window (`spatial_loop`), what the
+engine's `SpatialEncoderStage.launch_window` runs. `dispatch_sis_window`: a data-parallel
+encoder's window on the event loop:
+
 Once the running decode step ends, encoder layers (TWSRFT's grants, cut to what is left of the
 window) run alone on every SM until the window SIS sized for the current state
 (`SpaceInferenceScheduler.window`) is spent; then one decode step runs on the whole device,
@@ -52,3 +56,30 @@ def _next_op(sim: Any) -> None:
             _next_op(sim)
         return
     sim._last_kind = "compute" if "compute" in sim.ops else "decode"
+
+
+def window_launch(loop: Any) -> bool:
+    """One window on `loop` (a `SpatialLoop`), as temporal-chunked runs it: TWSRFT grants sized
+    to what is left of SIS's window, on every SM, until their predicted time fills it (at least
+    one launch); the host then waits for the last (the decoder is paused). False when nothing
+    could launch."""
+    w, scheds = loop.sim.sis.last_window_s, loop.twsrft.scheds
+    old = [s.window_s for s in scheds]
+    spent, last = 0.0, None
+    try:
+        while spent < w or last is None:
+            for s in scheds:
+                s.window_s = max(w - spent, 1e-9)
+            item = loop._launch_layers(math.inf, True)
+            if item is None:
+                break
+            spent += item.fn(loop.total, False)
+            last = item
+    finally:
+        for s, v in zip(scheds, old, strict=True):
+            s.window_s = v
+    if last is None:
+        return False
+    loop.num_windows += 1
+    loop.blocked = last
+    return True

@@ -20,8 +20,8 @@ curves.
   layer chunks, each request's layers priced on their own, as the engine launches them) on the
   partition's encoder SMs.
 While both lanes run each op takes its co-running latency, re-evaluated as the other lane
-changes (`engine.Simulator`). SIS's whole-GPU window (``sis_actions`` superset) alternates an
-encoder step on every SM with a decode step on the whole device, as the engine's does.
+changes (`engine.Simulator`). SIS's whole-GPU windows (``sis_actions`` superset) run as the
+engine's step runs them: temporal-chunked's schedule (`sis_window.window_launch`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 from spaceserve.runtime.encoder.data_parallel import RankedTwsrft
 from spaceserve.runtime.policy.sis_state import PendingEncode, SisState
 from spaceserve.runtime.sim.op import Op
+from spaceserve.runtime.sim.sis_window import window_launch
 from spaceserve.runtime.sim.stepped import StepLoop, batch_seconds
 from spaceserve.runtime.sim.workload import Request
 
@@ -74,7 +75,8 @@ class SpatialLoop(StepLoop):
 
     def __init__(self, sim: Any, engine: Any) -> None:
         super().__init__(sim, "twsrft", None, engine)
-        self.split_batch, c, curves = engine.split_batch, sim.config, sim.curves
+        self.split_batch, self.turn_budget = engine.split_batch, engine.turn_budget
+        c, curves = sim.config, sim.curves
         self.spatial = c.mode == "spatial"
         plan = sim.policy if self.spatial else None
         self.plan = plan
@@ -154,7 +156,11 @@ class SpatialLoop(StepLoop):
         self._choose()
         if self.window and self._window_step():
             return True
-        batch = self._schedule()
+        with self.turn_budget(self.sched, self.sim.sis, self.window and not self.current):
+            batch = self._schedule()
+        if self.window and not batch and self._window_ready():  # nothing decodes: encode
+            self.encoder_turn = True
+            return window_launch(self)
         on_compute = self.placement == "compute" and self.current > 0 \
             and len(self.lane.prefills) < MAX_COMPUTE_PREFILLS
         dec, pre = self.split_batch(batch) if on_compute else ((batch or None), None)
@@ -257,17 +263,18 @@ class SpatialLoop(StepLoop):
     @property
     def num_pending(self) -> int:
         return len(self.backlog) + len(self.active)
+
     def _incomplete(self) -> int:  # encoder launches not finished
         return sum(1 for f in self.lane.flights if not f.done)
 
-    def _launch(self, budget_s: float | None = None, whole: bool = False) -> int:
+    def _launch(self, budget_s: float | None = None) -> int:
         """Launch encoder layers for about `budget_s` of host time (the driver's default
         budget without one; at least one layer); returns the launches made."""
         c = self.sim.config
         deadline = self.pc + (c.launch_budget_s if budget_s is None else budget_s)
         n = 0
-        while (self.current or whole) and not self.paused \
-                and self._incomplete() < MAX_INFLIGHT and self._launch_layers(deadline, whole):
+        while self.current and not self.paused \
+                and self._incomplete() < MAX_INFLIGHT and self._launch_layers(deadline, False):
             n += 1
             if self.pc >= deadline:
                 break
@@ -285,16 +292,16 @@ class SpatialLoop(StepLoop):
                 self.twsrft.report(grant.job_id, grant.layers, 0)
         return self.open
 
-    def _launch_layers(self, deadline: float, whole: bool) -> bool:
+    def _launch_layers(self, deadline: float, whole: bool) -> Launch | None:
         """Layers of the open grant, one at a time for each of its requests, until the grant
-        ends or the host budget is spent (at least one), as one launch."""
+        ends or the host budget is spent (at least one), as one launch (None: nothing)."""
         g = self._open_grant()
         while g is not None and not any(r in self.active for r in g.live):
             self.twsrft.report(g.grant.job_id, g.grant.layers, 0)  # its requests all ended
             self.open = None
             g = self._open_grant()
         if g is None:
-            return False
+            return None
         step_s = self.sim.config.layer_launch_s
         ran: dict[int, int] = {}
         finished: list[int] = []
@@ -320,21 +327,16 @@ class SpatialLoop(StepLoop):
         if g.done >= g.grant.layers or not g.live:
             self.twsrft.report(g.grant.job_id, g.grant.layers, 0)
             self.open = None
-        return True
+        return item
 
-    def _window_step(self) -> bool:
-        """SIS's whole-GPU window: every other step, the encoder launches on every SM for about
-        one window while the decoder pauses."""
-        if self.current or not self.num_pending:
+    def _window_ready(self) -> bool:
+        return self.current == 0 and not self.paused and self.num_pending > 0
+
+    def _window_step(self) -> bool:  # SIS's whole-GPU window: every other step the encoder's
+        if not self._window_ready():
             return False
         self.encoder_turn = not self.encoder_turn
-        if not self.encoder_turn:
-            return False
-        launched = self._launch(self.sim.sis.window_s, whole=True)
-        self.num_windows += 1
-        if not launched:
-            self._wait()
-        return True
+        return self.encoder_turn and window_launch(self)
 
     # -- splits and placement ---------------------------------------------------------------
     def _choose(self) -> None:

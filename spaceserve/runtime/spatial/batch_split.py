@@ -1,12 +1,17 @@
 """A co-located step's batch cut in two: its decodes (the decoder partition's launch) and its
 prefill chunks (launched on the compute partition beside the encoder). A leaf of the spatial
-room, so the simulator's copy of the co-located step cuts batches exactly as the engine does."""
+room, so the simulator's copy of the co-located step cuts batches exactly as the engine does;
+`turn_budget` likewise bounds a whole-GPU window's step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 from spaceserve.runtime.core.batch import ScheduledBatch
 
-__all__ = ["split_batch"]
+__all__ = ["split_batch", "turn_budget"]
 
 
 def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, ScheduledBatch | None]:
@@ -30,3 +35,16 @@ def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, Scheduled
                              forks=[(i - nd, c) for i, c in batch.forks if i >= nd],
                              partition=batch.partition)
     return dec, pre
+
+
+@contextmanager
+def turn_budget(sched: Any, sis: Any, taking_turns: bool) -> Iterator[None]:
+    """While SIS takes turns on the whole GPU, a step's prefill budget is at most its plan's
+    (``sis.last_turn_tokens``: the window's step keeps the decode SLO's margin)."""
+    cap = sched.max_num_batched_tokens
+    if taking_turns and sis is not None and sis.last_turn_tokens:
+        sched.max_num_batched_tokens = min(cap, sis.last_turn_tokens)
+    try:
+        yield
+    finally:
+        sched.max_num_batched_tokens = cap

@@ -90,6 +90,9 @@ class SpatialEncoderStage(EncoderLaunches):
             return curves.encoder(patches, layers * scale, sms, True)
 
         self.plan = plan
+        whole = partitions.total  # a whole-GPU window's layers run alone on every SM
+        self.window_cost = lambda patches, layers: curves.encoder(patches, layers * scale,
+                                                                  whole, False)
         self.ranks = int(getattr(runner, "encoder_ranks", 1)) if self.preemptible else 1
         self.sched = RankedTwsrft(
             self.ranks, self.num_layers, cost, policy=policy, window_s=window_s,

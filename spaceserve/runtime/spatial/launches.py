@@ -111,6 +111,7 @@ class EncoderLaunches:
     _encodings: dict[int, Encoding]
     _lock: threading.RLock
     _cond: threading.Condition
+    window_cost: Callable[[int, int], float]
 
     def _init_launches(self, driver: str, max_inflight: int, launch_budget_s: float,
                        event_factory: Callable[[], Any] | None) -> None:
@@ -152,6 +153,39 @@ class EncoderLaunches:
             if time.perf_counter() >= deadline:
                 break
         return n
+
+    def launch_window(self, window_s: float) -> int:
+        """SIS's whole-GPU window, as temporal-chunked runs it: TWSRFT grants sized to what is
+        left of `window_s`, on every SM, until their predicted time (`window_cost`) fills it (at
+        least one launch; the in-flight cap does not apply: the decoder is paused and the
+        caller waits for them, `wait_all`). Returns the launches made."""
+        scheds = self.sched.scheds
+        old = [s.window_s for s in scheds]
+        spent, n = 0.0, 0
+        self.whole_device = True
+        try:
+            while (spent < window_s or n == 0) and not self._paused:
+                for s in scheds:
+                    s.window_s = max(window_s - spent, 1e-9)
+                with self._lock:
+                    g = self._open_grant(0)
+                    before = [] if g is None else [(e, e.layers_done) for e in g.live]
+                if g is None or not self._launch_layers(math.inf):
+                    break
+                spent += sum(self.window_cost(e.patches, e.layers_done - k) for e, k in before)
+                n += 1
+        finally:
+            self.whole_device = False
+            for s, v in zip(scheds, old, strict=True):
+                s.window_s = v
+        return n
+
+    def wait_all(self) -> None:
+        """Block until every launch has finished (one stream: its last event)."""
+        with self._lock:
+            pending = [f.event for f in self._flights if not event_complete(f.event)]
+        if pending and hasattr(pending[-1], "synchronize"):
+            pending[-1].synchronize()
 
     def _can_launch(self, rank: int = 0) -> bool:
         part = self.partitions.current

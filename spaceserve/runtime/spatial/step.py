@@ -17,9 +17,10 @@ the decode batch under its token budget ("decode"). Then the decode step is laun
 decoder stream, the encoder stage issues its launches (cooperative driver) while that step runs
 on the device, and the step's sampled tokens are read back - a sync of the decoder stream only.
 
-SIS's whole-GPU window (``sis_actions`` superset): the full partition becomes current and steps
-alternate - an encoder step, where the decoder pauses and the encoder stage launches on every SM
-(about one window of TWSRFT grants), then an ordinary step on the whole device whose batch
+SIS's whole-GPU window (``sis_actions`` superset, taking turns): the full partition becomes
+current and steps alternate, as temporal-chunked runs them - an encoder step, where the decoder
+pauses, the encoder stage launches TWSRFT grants on every SM until SIS's window of predicted time
+is filled and the host waits for them, then an ordinary step on the whole device whose batch
 carries the prompts' prefill chunks - while SIS keeps choosing the window.
 
 A request whose prefill is in flight on the compute stream is hidden from the scheduler (it can
@@ -44,7 +45,7 @@ from spaceserve.runtime.core.scheduler import Scheduler
 from spaceserve.runtime.policy.model_curves import load_curves
 from spaceserve.runtime.policy.scheduling import SchedulingPolicy
 from spaceserve.runtime.policy.sis import SisState, SpaceInferenceScheduler, Split
-from spaceserve.runtime.spatial.batch_split import split_batch
+from spaceserve.runtime.spatial.batch_split import split_batch, turn_budget
 from spaceserve.runtime.spatial.encoder_stage import SpatialEncoderStage
 from spaceserve.runtime.spatial.partition import Partition, PartitionSet
 from spaceserve.runtime.spatial.split_set import encoder_split_set, engine_policy, make_partitions
@@ -98,7 +99,12 @@ class SpatialRuntime:
         if self._window and self._window_step():
             return
         part = self.partitions.current
-        batch = self._schedule(eng.scheduler)
+        with turn_budget(eng.scheduler, self.sis, self._window and part is self.partitions.full):
+            batch = self._schedule(eng.scheduler)
+        if self._window and not batch and self._window_ready():  # nothing decodes: encode
+            self._encoder_turn = True
+            if self._window_launch():
+                return
         batch.partition = part.budgets  # the runner runs each stage under its budget here
         on_compute = self.placement == "compute" and (part.requested > 0 or
                                                       self.partitions.shared) \
@@ -117,23 +123,25 @@ class SpatialRuntime:
                 launched.sampled.fetch()  # a sync of the decoder stream only
         eng._complete(launched)
 
+    def _window_ready(self) -> bool:
+        return self.partitions.current is self.partitions.full and \
+            self.stage.num_pending > 0 and self.sis is not None
+
     def _window_step(self) -> bool:
-        """A whole-GPU window's encoder step, every other step once the full partition is
-        current: the decoder pauses and the encoder launches on the whole device for about one
-        window; False when it is the decode step's turn (or nothing waits for the encoder)."""
-        if self.partitions.current is not self.partitions.full or not self.stage.num_pending:
+        """SIS's whole-GPU window: every other step once the full partition is current is the
+        encoder's (`_window_launch`); False when it is the decode step's turn."""
+        if not self._window_ready():
             return False
         self._encoder_turn = not self._encoder_turn
-        if not self._encoder_turn:
+        return self._encoder_turn and self._window_launch()
+
+    def _window_launch(self) -> bool:
+        """One window as temporal-chunked runs it: the encoder on every SM for SIS's window of
+        predicted time while the decoder pauses, then the host waits for it."""
+        if not self.stage.launch_window(self.sis.last_window_s):
             return False
-        self.stage.whole_device = True
-        try:
-            launched = self.stage.launch(self.sis.window_s if self.sis else None)
-        finally:
-            self.stage.whole_device = False
         self.num_windows += 1
-        if not launched:
-            self._wait()
+        self.stage.wait_all()
         return True
 
     def _launch_budget(self) -> float | None:

@@ -1,6 +1,7 @@
-"""SIS's superset actions: the whole-GPU encoder window (what temporal-chunked does) is chosen
-when its goodput prediction beats every sharing split, sized to keep the decode SLO's margin,
-never offered by pure sharing, counted, and executed by the simulator."""
+"""SIS's superset: a regime that takes turns on the whole GPU (whole-GPU encoder windows between
+whole-device decode steps, what temporal-chunked does) while the arrivals outgrow what sharing
+sustains and taking turns sustains more, with hysteresis; windows sized to keep the decode SLO's
+margin; never taken by pure sharing; counted, and executed by the simulator."""
 
 from __future__ import annotations
 
@@ -33,32 +34,61 @@ def sis(actions: str = "superset", slo: Slo = SLO_A, **kw) -> SpaceInferenceSche
                                    clock=Clock(), **kw)
 
 
-def backlog(batch: int, n: int = 24, age: float = 1.0) -> SisState:
+def backlog(batch: int, n: int = 24, age: float = 1.0, rate: float = 20.0) -> SisState:
     jobs = tuple(PendingEncode(10764, 32, 2755, age_s=age) for _ in range(n))
-    return SisState(jobs, (), batch, 1152.0, arrival_rate=20.0, arrival_patches=5000,
+    return SisState(jobs, (), batch, 1152.0, arrival_rate=rate, arrival_patches=5000,
                     arrival_prompt=1300)
 
 
-def test_an_idle_decoder_under_pressure_gets_a_whole_gpu_window() -> None:
+def test_arrivals_past_what_sharing_sustains_take_turns() -> None:
     s, share = sis(), sis("share")
-    state = backlog(batch=0)
-    split = s.propose(state)
+    state = backlog(batch=64)
+    cap_share, cap_turns = s.capacities(state)
+    assert cap_turns > s.turns_at * cap_share > 0  # turns sustain more than sharing's discount
+    assert state.arrival_rate >= s.turns_at * cap_share
+    plan = s.turns_plan(state)
+    assert plan.tokens in (256, 512, 1024, 2048, 4096) and plan.rate == cap_turns
+    split = s.decide(state)
     assert (split.encoder_sms, split.decoder_sms, split.prefill_on) == (s.total, 0, "decode")
+    assert s.last_window_s == pytest.approx(plan.window_s) and s.last_window_s > 0
+    assert s.last_turn_tokens == plan.tokens
+    # the window and its step (the plan's prefill budget) keep the decode SLO's margin
+    step = CURVES.mixed_step(64, 1152.0, plan.tokens, 0, s.total)
+    assert plan.window_s + step <= s.slo_target() + 1e-12
     assert split.predicted_tpot_s == pytest.approx(s.window(state) + s.predict_tpot(state, 0))
-    assert split.tpot_ok and split.predicted_tpot_s <= s.slo_target()
-    assert s.misses(state, s.total) < min(s.misses(state, e) for e in s.allowed)
-    assert share.propose(state).encoder_sms < share.total  # pure sharing never offers it
+    assert split.tpot_ok and split.predicted_tpot_s <= s.slo_target() + 1e-12
+    assert share.decide(state).encoder_sms < share.total  # pure sharing never takes turns
+    calm = sis()  # the same backlog at a rate sharing sustains: SIS shares
+    assert calm.decide(backlog(batch=64, rate=0.5 * cap_share)).encoder_sms < calm.total
+
+
+def test_the_regime_has_hysteresis() -> None:
+    s = sis(turns_dwell_s=1.0)
+    cap_share = s.capacities(backlog(batch=64))[0]
+    assert s.decide(backlog(64, rate=cap_share)).encoder_sms == s.total
+    between = 0.5 * (s.turns_at + s.turns_until) * cap_share  # inside the band: no change
+    low = 0.5 * s.turns_until * cap_share
+    assert s.decide(backlog(64, rate=low)).encoder_sms == s.total  # within the dwell
+    s.clock.t += 1.0
+    assert s.decide(backlog(64, 2, 0.0, rate=between)).encoder_sms == s.total  # in the band
+    assert s.decide(backlog(64, rate=low)).encoder_sms == s.total  # a backlog that would miss
+    assert s.decide(backlog(64, 2, 0.0, rate=low)).encoder_sms < s.total  # drained: share
+    assert s.decide(backlog(64, 2, 0.0, rate=between)).encoder_sms < s.total  # in the band
+    counts = s.action_counts()
+    assert counts["regime:turns"] == 1 and counts["regime:share"] == 1
+    with pytest.raises(ValueError, match="turns_until"):
+        sis(turns_at=0.5, turns_until=0.7)
 
 
 def test_the_window_keeps_the_decode_margin_or_is_not_offered() -> None:
     s = sis(window_s=0.02)
     state = backlog(batch=64)
     w = s.window(state)
-    assert 0 < w <= 0.02 and w + s.predict_tpot(state, 0) <= s.slo_target() + 1e-12
+    assert 0 < w and w + s.predict_tpot(state, 0) <= s.slo_target() + 1e-12  # SLO-derived
     tight = sis(slo=Slo.parse("ttft:2000,itl:5"))  # a whole-device step alone breaks 0.8 x 5 ms
-    big = backlog(batch=128)
-    assert tight.window(big) == 0.0
-    assert tight.propose(big).encoder_sms < tight.total
+    big = backlog(batch=128, rate=100.0)
+    assert tight.window(big) == 0.0 and tight.capacities(big)[1] == 0.0
+    assert tight.decide(big).encoder_sms < tight.total
 
 
 def test_actions_are_counted_and_checked() -> None:
@@ -74,28 +104,20 @@ def test_actions_are_counted_and_checked() -> None:
         SimConfig(sis_actions="everything")
 
 
-def test_the_simulator_executes_windows_and_serves_everything() -> None:
-    """Where SIS picks a whole-GPU window, the simulator's co-located step runs it as the
-    engine's does: encoder steps on every SM with the decoder paused, between decode steps.
-    (Run as the engine runs, SIS's own forecast takes no window on these curves even past
-    saturation - docs/results/sim-best-temporal.md - so its proposal is forced here.)"""
+def test_the_simulator_takes_turns_past_saturation_and_serves_everything() -> None:
+    """Past what sharing sustains, the simulator's co-located step (the engine's) takes turns:
+    encoder windows on every SM with the decoder paused, between whole-device decode steps."""
     wl = Workload(24.0, 10.0, seed=0)  # past saturation: a backlog builds up
     sims = {a: Simulator(CURVES, SimConfig(mode="spatial", slo=SLO_A, sis_actions=a))
             for a in ("share", "superset")}
-    sup = sims["superset"].sis
-    propose = sup.propose
-
-    def windows(state):
-        split = propose(state)
-        return sup._place(state, sup.total, split.tpot_target_s, True) if state.encode else split
-
-    sup.propose = windows
     for sim in sims.values():
         for req in generate(wl):
             sim.advance_to(req.arrival)
             sim.add(req)
         sim.drain()
-    assert sup.action_counts().get("window", 0) > 0 and sims["superset"].loop.num_windows > 0
+    counts = sims["superset"].sis.action_counts()
+    assert counts.get("window", 0) > 0 and counts.get("regime:turns", 0) >= 1
+    assert sims["superset"].loop.num_windows > 0
     assert "window" not in sims["share"].sis.action_counts()
     for sim in sims.values():
         assert all(r.finish is not None for r in sim.requests.values() if r.kind == "image")

@@ -174,8 +174,10 @@ def prompt(req: Request, gen: torch.Generator) -> dict:
             "image_grid_thw": torch.tensor([[t, h, w]])}
 
 
-def run_engine(curves: CurveSet, path: str, cfg: SimConfig, monkeypatch) -> list[tuple]:
-    """(ttft, tpot) of every request, served by the engine in `cfg.mode` on the null model."""
+def run_engine(curves: CurveSet, path: str, cfg: SimConfig, monkeypatch,
+               workload: Workload = WORKLOAD, keep: list | None = None) -> list[tuple]:
+    """(ttft, tpot) of every request, served by the engine in `cfg.mode` on the null model
+    (appended to `keep`, when given, the engine)."""
     clock = Clock()
     monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(monotonic=clock))
     colocated = cfg.mode in ("spatial", "spatial-static")
@@ -196,7 +198,7 @@ def run_engine(curves: CurveSet, path: str, cfg: SimConfig, monkeypatch) -> list
     if colocated:
         runner.attach(eng)
     gen = torch.Generator().manual_seed(0)
-    arrivals = generate(WORKLOAD)
+    arrivals = generate(workload)
     reqs, i, idle = [], 0, 0
     while i < len(arrivals) or eng.has_unfinished():
         if i < len(arrivals) and arrivals[i].arrival <= clock.t:
@@ -218,13 +220,18 @@ def run_engine(curves: CurveSet, path: str, cfg: SimConfig, monkeypatch) -> list
             assert i < len(arrivals), "the engine stalled"
             clock.t, idle = max(clock.t, arrivals[i].arrival), 0
     eng.check_idle()
+    if keep is not None:
+        keep.append(eng)
     return [(r.first_token_time - r.arrival_time,
              (r.token_times[-1] - r.first_token_time) / (len(r.token_times) - 1))
             for r in reqs]
 
 
-def run_sim(curves: CurveSet, cfg: SimConfig) -> list[tuple]:
-    res = simulate(curves, cfg, WORKLOAD)
+def run_sim(curves: CurveSet, cfg: SimConfig, workload: Workload = WORKLOAD,
+            keep: list | None = None) -> list[tuple]:
+    res = simulate(curves, cfg, workload)
+    if keep is not None:
+        keep.append(res.gpus[0])
     return [(r.first_token - r.arrival, (r.finish - r.first_token) / (r.generated - 1))
             for r in res.requests if r.kind != "background"]
 
@@ -278,4 +285,27 @@ def test_the_simulator_predicts_the_colocated_engine(calm_curves, mode, monkeypa
     assert worst(eng, sim) < TOLERANCE, (eng, sim)
     assert worst(eng, sim) < 0.01, (eng, sim)  # the figure reached: the same step, two lanes
     other = summary(run_sim(c, dataclasses.replace(cfg, max_num_batched_tokens=256)))
+    assert worst(eng, other) > TOLERANCE, (eng, other)  # a divergence is caught
+
+
+def test_the_simulator_predicts_the_colocated_engine_taking_turns(calm_curves,
+                                                                   monkeypatch) -> None:
+    """The superset past what sharing sustains: both switch from sharing to taking turns on the
+    whole GPU (temporal-chunked's windows) after sharing, take the same actions, and agree as
+    closely."""
+    c, path = calm_curves
+    cfg = SimConfig(mode="spatial", background=0, slo=SLO, allowed_encoder_sms=(32, 64, 96),
+                    sis_actions="superset")
+    wl = dataclasses.replace(WORKLOAD, image_rate=30.0)
+    engines, sims = [], []
+    eng = summary(run_engine(c, path, cfg, monkeypatch, wl, engines))
+    sim = summary(run_sim(c, cfg, wl, sims))
+    counts, theirs = engines[0].spatial.sis.action_counts(), sims[0].sis.action_counts()
+    for idle in (counts, theirs):  # the test's driver steps an idle engine a few times more
+        idle.pop("decoder-only", None)
+    assert counts == theirs, (counts, theirs)
+    assert counts["regime:turns"] >= 1 and counts["window"] > 0 and counts["prefill:compute"] > 0
+    assert engines[0].spatial.num_windows == sims[0].loop.num_windows > 0
+    assert worst(eng, sim) < 0.01, (eng, sim)  # the figure reached: the same step, two lanes
+    other = summary(run_sim(c, dataclasses.replace(cfg, max_num_batched_tokens=256), wl))
     assert worst(eng, other) > TOLERANCE, (eng, other)  # a divergence is caught
