@@ -1,9 +1,9 @@
 """Discrete-event simulation of one GPU serving a multimodal LLM under five execution modes.
 
 The simulator drives the real `TwsrftScheduler` and `SpaceInferenceScheduler`; every stage's
-latency comes from a `CurveSet` at the SM count its launch got, using the co-running variant
-while the other stage is busy. Work proceeds as a fraction per second, so when the other stage
-starts or stops mid-launch the remaining work continues at the new speed.
+latency comes from a `CurveSet` at its launch's SM count (co-running while the other stage is
+busy). Work proceeds as a fraction per second, so a launch continues at the new speed when the
+other stage starts or stops.
 
 Modes:
 - ``temporal``: the engine's temporal mode, as vLLM runs it: each step the encoder runs the
@@ -12,22 +12,17 @@ Modes:
   scheduler objects, see stepped.py;
 - ``temporal-chunked``: the same step loop, the encoder running TWSRFT-ordered layer chunks for
   one time window (``window_s``, default 20 ms) per step instead of whole passes (stepped.py);
-- ``spatial-static``: a fixed split, encoder + prefill on ``static_encoder_sms``, decode on the
-  rest, concurrently: the engine's co-located step (spatial_loop.py);
-- ``spatial``: the same step, SIS picking the split (and prefill placement) every step;
+- ``spatial-static`` / ``spatial``: the engine's co-located step (spatial_loop.py) on a fixed
+  split (``static_encoder_sms``) or SIS's split and prefill placement, chosen every step;
 - ``shared``: both stages on all SMs without a partition; while both run, decode gets
-  ``shared_decode_share`` of the SMs' throughput (default half: the block scheduler interleaves
-  them fairly, an optimistic view) with co-running contention.
+  ``shared_decode_share`` of the SMs' throughput (default half, an optimistic view).
 
-Curves of one rank of a tensor-parallel group (`analytic_tp`) whose model description has
-``encoder_ranks`` > 1 (a data-parallel vision encoder) run that many encoder queues in rounds on
-the one encoder lane (`encoder_dp.RoundTwsrft`); the decoder lane is every rank's, in lockstep.
+With ``encoder_ranks`` > 1 (a data-parallel vision encoder at TP, `analytic_tp`) that many
+encoder queues run in rounds on the one encoder lane (`RoundTwsrft`); decode is in lockstep.
 
-A launch keeps its SMs until it ends. After a split change the encoder side waits for the running
-decode step (a few ms) to hand its SMs back; the decode side starts at once with
-``min(target, SMs not held by the encoder's running launch)``. While both lanes run, each op
-takes its isolated latency times ``1 + slowdown`` from the curves' contention table at the
-current (encoder SMs, decoder SMs) pair, re-evaluated whenever the other lane changes.
+A launch keeps its SMs until it ends. While both lanes run, each op takes its isolated latency
+times ``1 + slowdown`` from the curves' contention table at the current (encoder SMs, decoder
+SMs) pair, re-evaluated whenever the other lane changes.
 """
 
 from __future__ import annotations

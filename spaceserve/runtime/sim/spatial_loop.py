@@ -3,25 +3,21 @@ curves.
 
 ``spatial`` and ``spatial-static`` run what `SpatialRuntime.step` runs, on two lanes:
 - the host: each step drains arrivals into the engine's `core.Scheduler` and the encoder stage
-  (admitting jobs while fewer than ``max_held`` requests hold or compute embeddings), attaches
-  the embeddings of finished encoder launches, collects finished compute-partition prefills
-  (their first tokens come out now), lets SIS choose the split and where prefill runs (a split
-  change waits until the compute side is idle), schedules one continuous batch (chunked prefill
-  of several requests under ``max_num_batched_tokens``) and cuts it: with prefill on the compute
-  partition, its prefill chunks go to the compute stream (at most two in flight) and its decodes
-  to the decoder; then the decode step is launched, the cooperative driver launches encoder
-  layers for the step's host budget (``layer_launch_s`` each, at most two launches incomplete),
-  and the host waits for the decode step's tokens. A step without decodes launches encoder
-  layers and, when nothing was launched, waits for the oldest prefill or launch on the compute
-  stream;
+  (at most ``max_held`` requests holding or computing embeddings), attaches finished encoder
+  launches' embeddings, collects finished compute-partition prefills (first tokens), lets SIS
+  choose the split and prefill's place (a split change waits for an idle compute side),
+  schedules one continuous batch and cuts it (prefill chunks to the compute stream, at most
+  two in flight, with prefill on the compute partition); launches the decode step, then
+  encoder layers for the step's host budget (``layer_launch_s`` each, at most two launches
+  incomplete), and waits for the decode's tokens. A step without decodes launches encoder
+  layers or, with nothing launched, waits for the compute stream's oldest item;
 - the decode lane: the step's decodes (and the prefill chunks kept there) on the partition's
   decoder SMs, plus the step's host time;
 - the compute lane: one stream, first in first out: prefill chunks and encoder launches (TWSRFT
   layer chunks, each request's layers priced on their own, as the engine launches them) on the
   partition's encoder SMs.
-While both lanes run each op takes its co-running latency, re-evaluated as the other lane
-changes (`engine.Simulator`). SIS's whole-GPU windows (``sis_actions`` superset) run as the
-engine's step runs them: temporal-chunked's schedule (`sis_window.window_launch`).
+Co-running ops take their co-running latency (`engine.Simulator`). SIS's whole-GPU windows
+(``sis_actions`` superset) run as the engine's step runs them (`sis_window.window_launch`).
 """
 
 from __future__ import annotations
@@ -281,6 +277,9 @@ class SpatialLoop(StepLoop):
         return n
 
     def _open_grant(self) -> _Grant | None:
+        if self.open is not None and not any(r in self.active for r in self.open.live):
+            self.twsrft.report(self.open.grant.job_id, self.open.grant.layers, 0)  # all ended
+            self.open = None
         while self.open is None:
             grant = self.twsrft.next_grant(0)
             if grant is None:
@@ -296,10 +295,6 @@ class SpatialLoop(StepLoop):
         """Layers of the open grant, one at a time for each of its requests, until the grant
         ends or the host budget is spent (at least one), as one launch (None: nothing)."""
         g = self._open_grant()
-        while g is not None and not any(r in self.active for r in g.live):
-            self.twsrft.report(g.grant.job_id, g.grant.layers, 0)  # its requests all ended
-            self.open = None
-            g = self._open_grant()
         if g is None:
             return None
         step_s = self.sim.config.layer_launch_s
