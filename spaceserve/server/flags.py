@@ -110,8 +110,9 @@ def add_request_bounds_args(h: Any) -> None:
                         "--max-num-seqs); more is a 400")
     h.add_argument("--max-tokens-per-request", type=int, default=None,
                    help="tokens one request may generate in all, sequences x max_tokens "
-                        "(default: what the whole KV cache holds); more is a 400, and a "
-                        "request without max_tokens gets at most its share")
+                        "(default: none; the engine's fair share keeps one request to its "
+                        "share of the batch and KV cache); more is a 400, and a request "
+                        "without max_tokens gets at most its share")
     h.add_argument("--max-connections-per-client", type=int,
                    default=ConnectionLimits.max_per_client,
                    help="open connections of one client (its address, or behind "

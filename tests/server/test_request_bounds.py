@@ -27,6 +27,7 @@ CMPL = {"model": MODEL, "prompt": "The cat"}
 def limits(**kw):
     from spaceserve.server.settings import ServerLimits
 
+    kw.setdefault("max_tokens_per_request", 1024)  # what the test engine's KV cache holds
     return ServerLimits(max_body_bytes=1 << 20, images=ImageLimits(), **kw)
 
 
@@ -38,7 +39,7 @@ def engine(preprocessor):
 
 @pytest.fixture(scope="module")
 def app(engine, preprocessor):
-    client, app = make_app(engine, preprocessor)
+    client, app = make_app(engine, preprocessor, limits=limits())
     yield app
     client.close()
 
@@ -204,3 +205,11 @@ def test_logit_bias_ascii_keys_work(app) -> None:
     r = send(app, "/v1/chat/completions", CHAT | {"logit_bias": {"12": 100.0}, "max_tokens": 3,
                                                    "return_token_ids": True})
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [12, 12, 12]
+
+
+def test_by_default_one_request_may_ask_for_many_tokens(engine) -> None:
+    """No default token budget: one n=128, max_tokens=4000 request is served, the fair share
+    keeping it to its share (issue: a 'hi' beside it answered within 2 s)."""
+    b = RequestBounds.for_engine(engine)
+    assert b.max_tokens is None and b.max_seqs == 16
+    assert b.check(1, 16, 4000) is None

@@ -4,13 +4,14 @@ generate in all, so that one client's single request cannot fill the batch or th
 A request runs prompts x ``n`` sequences (chat: one prompt; /v1/completions: up to 64). They
 are bounded by ``--max-seqs-per-request`` (default: the engine's ``max_num_seqs``, the batch
 the engine runs at once). Every sequence may generate up to ``max_tokens``; the request's
-total, sequences x ``max_tokens``, is bounded by ``--max-tokens-per-request`` (default: the
-tokens the whole KV cache holds, so no request may ask for more than the cache could ever
-serve). A request without ``max_tokens`` gets the rest of the context per sequence, capped at
-its share of that budget. Both bounds are checked before any preprocessing; each refusal is a
+total, sequences x ``max_tokens``, may be bounded by ``--max-tokens-per-request`` (default:
+none, as in vLLM: the engine's fair share already keeps one request from holding more than its
+share of the batch and the KV cache while others wait; set it to bound one request's work). A
+request without ``max_tokens`` gets the rest of the context per sequence, capped at its share
+of that budget when one is set. Both bounds are checked before any preprocessing; each refusal is a
 400 whose ``param`` names the parameter to change (``n``, ``prompt``, ``max_tokens``) and whose
 message names the bound and its flag. One engine and engine replicas apply the same bounds
-(the replicas report their engine's ``max_num_seqs`` and KV capacity).
+(the replicas report their engine's ``max_num_seqs``).
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ class RequestBounds:
     @classmethod
     def for_engine(cls, engine: Any, max_seqs: int | None = None,
                    max_tokens: int | None = None) -> RequestBounds:
-        """The bounds given, or where None the engine's defaults: `max_num_seqs` sequences
-        and the KV cache's capacity in tokens."""
-        return cls(max_seqs if max_seqs is not None else max_choices(engine),
-                   max_tokens if max_tokens is not None else kv_capacity_tokens(engine))
+        """The bounds given, or where None the engine's defaults: `max_num_seqs` sequences and
+        no bound on the tokens of all of them (`kv_capacity_tokens` is what a deployment
+        without the fair share may want)."""
+        return cls(max_seqs if max_seqs is not None else max_choices(engine), max_tokens)
 
     def check(self, prompts: int, n: int, max_tokens: int | None,
               tokens_param: str = "max_tokens") -> int | None:
