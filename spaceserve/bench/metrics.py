@@ -58,6 +58,7 @@ class Record:
     prompt_tokens: int
     itls: list[float]
     gpu: int = 0
+    shed: str | None = None  # never: a measured request is served or failed (the sim's field)
 
     @property
     def ttft(self) -> float:
