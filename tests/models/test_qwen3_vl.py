@@ -37,7 +37,10 @@ def test_encoder_rows_carry_embeddings_and_deepstack_features(ckpts, ours):
     rows = model.encode_images(pv, grid)
     with torch.no_grad():
         out = hf.model.get_image_features(pv, grid)
-    want = [torch.cat(out.pooler_output)] + [torch.cat(f) for f in out.deepstack_features]
+    def cat(t):  # a list of per-item tensors (transformers 5.24) or one tensor (5.17)
+        return torch.cat(t) if isinstance(t, (list, tuple)) else t
+
+    want = [cat(out.pooler_output)] + [cat(f) for f in out.deepstack_features]
     assert rows.shape == (6 + 8 + 12, 3 * 64)
     for k, w in enumerate(want):
         torch.testing.assert_close(rows[:, 64 * k:64 * (k + 1)], w, atol=2e-5, rtol=1e-4)
