@@ -20,20 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spaceserve.models.qwen3_vl.processing import processor_settings
+from spaceserve.models.qwen3_vl.processing import CHAT_TEMPLATE, processor_settings
 
 TINY_VERSION = 2
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 # Pixel budget of the tiny image processor: 4 to 256 LLM tokens per image (28x28 px each).
 MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 256 * 28 * 28
 # ... and of a video frame: 4 to 16 LLM tokens per two frames, 2 frames per second, 2 to 8 frames.

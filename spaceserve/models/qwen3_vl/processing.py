@@ -13,6 +13,19 @@ from __future__ import annotations
 
 from typing import Any
 
+# The chat turns of the Qwen family's tiny checkpoints and Qwen3-VL's fallback template: no
+# default system message, a media part as <|vision_start|><|image_pad|><|vision_end|> (or
+# <|video_pad|>), text parts as written.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 PATCH_SIZE = 16
 TEMPORAL_PATCH_SIZE = 2
 MERGE_SIZE = 2

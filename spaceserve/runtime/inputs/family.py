@@ -20,7 +20,7 @@ import json
 import os
 from typing import Any
 
-from spaceserve.models.qwen3_vl.processing import processor_settings
+from spaceserve.models.qwen3_vl.processing import CHAT_TEMPLATE, processor_settings
 from spaceserve.runtime.inputs.media.frames import VideoSampling
 from spaceserve.runtime.inputs.media.frames_qwen3 import Qwen3VideoSampling
 
@@ -30,17 +30,9 @@ FAMILY_SAMPLING: dict[str, type[VideoSampling]] = {
     "qwen3_vl": Qwen3VideoSampling,
 }
 
-# Qwen3-VL's chat turns: no default system message (Qwen2-VL's template adds one), a media part
-# as <|vision_start|><|image_pad|><|vision_end|> (or <|video_pad|>), the text parts as written.
-QWEN3_VL_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Qwen3-VL's chat turns when a checkpoint has none: no default system message (Qwen2-VL's
+# template adds one); declared with the family's processor settings.
+QWEN3_VL_CHAT_TEMPLATE = CHAT_TEMPLATE
 FAMILY_TEMPLATES = {"qwen3_vl": QWEN3_VL_CHAT_TEMPLATE}
 
 
