@@ -151,11 +151,10 @@ def test_replicas_answer_alike(engine, app, preprocessor) -> None:
                                                       mode_note=None, device=None)
     info = replica.info()
     replica.client = None  # its __del__ would close the engine
-    assert (info["max_num_seqs"], info["kv_capacity_tokens"]) == (16, 1024)
+    assert info["max_num_seqs"] == 16
     tracker = two_replicas()
     client = ReplicaClient(FakeReplicas(tracker), tracker, max_model_len=info["max_model_len"],
                            mode="temporal", num_replicas=2, max_num_seqs=info["max_num_seqs"],
-                           kv_capacity_tokens=info["kv_capacity_tokens"],
                            vocab_size=info["vocab_size"],
                            image_token_id=preprocessor.image_token_id)
     replicas = create_app(client, preprocessor, model_name=MODEL, limits=limits())

@@ -27,16 +27,6 @@ SEQS_FLAG = "--max-seqs-per-request"
 TOKENS_FLAG = "--max-tokens-per-request"
 
 
-def kv_capacity_tokens(engine: Any) -> int | None:
-    """Tokens the engine's whole KV cache holds (an `Engine`'s memory plan, or the replica
-    client's engine facts); None when unknown."""
-    memory = getattr(engine, "memory", None)
-    tokens = getattr(memory, "capacity_tokens", None) if memory is not None else None
-    if tokens is None:
-        tokens = getattr(engine, "kv_capacity_tokens", None)
-    return tokens if isinstance(tokens, int) and tokens > 0 else None
-
-
 @dataclass(frozen=True)
 class RequestBounds:
     """Sequences (`max_seqs`) and generated tokens in all (`max_tokens`) one request may
@@ -53,8 +43,7 @@ class RequestBounds:
     def for_engine(cls, engine: Any, max_seqs: int | None = None,
                    max_tokens: int | None = None) -> RequestBounds:
         """The bounds given, or where None the engine's defaults: `max_num_seqs` sequences and
-        no bound on the tokens of all of them (`kv_capacity_tokens` is what a deployment
-        without the fair share may want)."""
+        no bound on the tokens of all of them."""
         return cls(max_seqs if max_seqs is not None else max_choices(engine), max_tokens)
 
     def check(self, prompts: int, n: int, max_tokens: int | None,
@@ -88,4 +77,4 @@ class RequestBounds:
         return None
 
 
-__all__ = ["SEQS_FLAG", "TOKENS_FLAG", "RequestBounds", "kv_capacity_tokens"]
+__all__ = ["SEQS_FLAG", "TOKENS_FLAG", "RequestBounds"]

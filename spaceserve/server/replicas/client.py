@@ -60,13 +60,11 @@ class ReplicaBackend(Protocol):
 @dataclass(frozen=True)
 class EngineFacts:
     """What the HTTP layer reads of the engine (the replicas all run the same one);
-    `max_num_seqs` bounds ``n`` and a request's sequences, `kv_capacity_tokens` the tokens
-    one request may generate (openai/bounds.py), `vocab_size` prompt token ids (None:
-    unknown, the replica's engine checks them)."""
+    `max_num_seqs` bounds ``n`` and a request's sequences (openai/bounds.py), `vocab_size`
+    prompt token ids (None: unknown, the replica's engine checks them)."""
 
     max_model_len: int
     max_num_seqs: int | None = None
-    kv_capacity_tokens: int | None = None
     vocab_size: int | None = None
 
 
@@ -248,8 +246,8 @@ class ReplicaClient(Admission):
     def __init__(self, backend: ReplicaBackend, tracker: ReplicaTracker, *, max_model_len: int,
                  mode: str, num_replicas: int, image_token_id: int | None,
                  merge_size: int = 2, max_pending: int = 256, mode_note: str | None = None,
-                 max_num_seqs: int | None = None, kv_capacity_tokens: int | None = None,
-                 vocab_size: int | None = None, route_timeout_s: float = 60.0, workers: int = 4,
+                 max_num_seqs: int | None = None, vocab_size: int | None = None,
+                 route_timeout_s: float = 60.0, workers: int = 4,
                  pool: PreprocessPool | None = None, pixels: PixelBudget | None = None,
                  device: str | None = None) -> None:
         if pool is None:
@@ -257,7 +255,7 @@ class ReplicaClient(Admission):
             pool = PreprocessPool(light_workers=light, heavy_workers=max(1, workers - light))
         super().__init__(max_pending=max_pending, pool=pool, pixels=pixels)
         self.backend, self.tracker = backend, tracker
-        self.engine = EngineFacts(max_model_len, max_num_seqs, kv_capacity_tokens, vocab_size)
+        self.engine = EngineFacts(max_model_len, max_num_seqs, vocab_size)
         self._mode, self._note = mode, mode_note
         self.device = device  # what each replica runs on (/health), as the first one said
         self.num_replicas = num_replicas

@@ -177,7 +177,7 @@ class DataParallelServer:
             RayBackend(handle), tracker, max_model_len=info["max_model_len"], mode=info["mode"],
             mode_note=info["mode_note"], num_replicas=self.size, device=info.get("device"),
             max_num_seqs=info.get("max_num_seqs"),
-            kv_capacity_tokens=info.get("kv_capacity_tokens"), vocab_size=info.get("vocab_size"),
+            vocab_size=info.get("vocab_size"),
             image_token_id=pre.image_token_id, merge_size=pre.merge,
             max_pending=self.max_pending * self.size, route_timeout_s=self.route_timeout_s,
             pool=PreprocessPool(max_queue=self.preprocess_queue),

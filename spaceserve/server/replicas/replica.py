@@ -79,7 +79,6 @@ class EngineReplica:
         eng = self.client.engine
         return {"max_model_len": int(eng.max_model_len),
                 "max_num_seqs": int(eng.config.max_num_seqs),
-                "kv_capacity_tokens": int(eng.memory.capacity_tokens),
                 "vocab_size": int(eng.runner.info.vocab_size), "mode": self.client.mode,
                 "mode_note": self.client.mode_note, "rank": self.rank,
                 "device": self.client.device}
