@@ -351,10 +351,16 @@ def usage_chunk(rid: str, model: str, created: int, prompt_tokens: int,
             "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
 
+# Characters Python's str.splitlines() (and so httpx's aiter_lines) takes as line ends that
+# json.dumps(ensure_ascii=False) leaves raw: escaped, so one event stays one line for every
+# client (the JSON is the same).
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: dict[str, Any] | str) -> bytes:
     """One server-sent event (``data: ...`` and a blank line)."""
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False,
-                                                      separators=(",", ":"))
+    data = obj if isinstance(obj, str) else json.dumps(
+        obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_ENDS)
     return f"data: {data}\n\n".encode()
 
 
