@@ -37,7 +37,6 @@ import asyncio
 import logging
 import os
 import sys
-import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +73,12 @@ from spaceserve.server.transport.backpressure import (
     WatchedStreamingResponse,
     listening_socket,
 )
-from spaceserve.server.transport.guard import AdmissionMiddleware, GuardLimits, release_body
+from spaceserve.server.transport.guard import (
+    AdmissionMiddleware,
+    GuardLimits,
+    new_id,
+    release_body,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -113,7 +117,9 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
     created = P.now()
     metrics = client.metrics
     app.add_middleware(AdmissionMiddleware, limits=guard, draining=lambda: client.draining,
-                       on_error=metrics.http_error)
+                       on_error=metrics.http_error,
+                       at_door=getattr(client, "at_door", None),
+                       left_door=getattr(client, "left_door", None))
     ctx = client.engine.max_model_len
     choices_limit = max_choices(client.engine)  # n per prompt at most (max_num_seqs)
     bounds = RequestBounds.for_engine(client.engine, limits.max_seqs_per_request,
@@ -179,13 +185,14 @@ def create_app(client: AsyncEngine | Any, preprocessor: ChatPreprocessor, *, mod
                            if req.max_completion_tokens is not None else "max_tokens")
         if not client.alive or client.draining:
             raise APIError(503, "the engine is not running", type="server_error")
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = new_id("chatcmpl-")
         try:
             handle = client.reserve(rid)
         except QueueFull as exc:
             raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
                            code="queue_full") from None
         handle.fair_key = request_fair_key(request, req)
+        handle.door = request.scope.get("state", {}).get("door")
         gone = asyncio.ensure_future(until_disconnect(request))
         streaming = False
         try:
@@ -278,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     server = settings.server(app, client, host=args.host, port=args.port,
                              log_level=args.log_level)
+    from spaceserve.server.engine_client import freeze_startup_objects
+
+    freeze_startup_objects()  # collections then scan only what requests allocate
     try:
         try:  # connections with small kernel send buffers (backpressure.py)
             sock = listening_socket(args.host, args.port,

@@ -24,6 +24,7 @@ from spaceserve.runtime.inputs import PixelBudget, PreprocessPool
 
 if TYPE_CHECKING:
     from spaceserve.runtime.core.request import RequestOutput, SamplingParams
+    from spaceserve.server.transport.errors import APIError
 
 DEFAULT_PIXELS = 4 * 4096 * 4096  # the server's decoded pixels in preprocessing, by default
 
@@ -50,6 +51,7 @@ class Handle:
         self.closed = False
         self.n = 1  # sequences (``n`` > 1: parallel sampling), set by ``add``
         self.fair_key: str | None = None  # the user it shares the fair share with (if keyed)
+        self.door: tuple[int, float] | None = None  # (ticket, time) from `Admission.at_door`
         self._left = 1  # sequences whose final output has not been taken yet
         self.cancelled = asyncio.Event()
         self.cancel_reason = ""
@@ -201,6 +203,17 @@ class Admission:
     @property
     def num_pending(self) -> int:
         return self._pending
+
+    def at_door(self, state: dict[str, Any]) -> APIError | None:
+        """The 503 for a generation request refused before its body is read (SLO-aware
+        admission: even a small request would miss its bound); None: admitted, with what
+        admission tracks of it in `state` (``state["door"]``, handed to its handles as
+        `Handle.door`). None here. Called in the event loop for every POST to a generation
+        route, and `left_door(state)` once its response has ended."""
+        return None
+
+    def left_door(self, state: dict[str, Any]) -> None:
+        """The request `at_door` admitted is over (see there)."""
 
     def reserve(self, request_id: str | None = None) -> Any:
         """Admit one request (a `handle_class`) or raise QueueFull; call inside the event

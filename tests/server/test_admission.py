@@ -63,7 +63,8 @@ def test_refused_and_hopeless_requests_are_503s_with_retry_after(served) -> None
             await asyncio.to_thread(wait_until, lambda: len(engine.admission.waiting) == 2, 5)
             await asyncio.sleep(0.5)
             gate.set()
-            assert (await blocker).status_code == 200
+            blocked = await blocker
+            assert blocked.status_code == 200, blocked.text
             return refused, await late, (await http.get("/metrics")).text
 
     refused, late, _ = asyncio.run(go())
@@ -76,6 +77,8 @@ def test_refused_and_hopeless_requests_are_503s_with_retry_after(served) -> None
     assert late.status_code == 503 and late.headers["retry-after"] == "1"
     assert "can no longer meet its TTFT bound" in late.json()["error"]["message"]
     assert wait_until(lambda: engine.num_active == 0 and client.num_pending == 0, 3)
+    adm = engine.admission  # nothing tracked is left: past the door, in front, waiting
+    assert wait_until(lambda: not adm.entering and not adm.front and not adm.waiting, 3)
     text = httpx.get(server.url + "/metrics").text
     assert 'spaceserve:requests_shed_total{when="arrival"} 2' in text
     assert 'spaceserve:requests_shed_total{when="waiting"} 1' in text
@@ -95,3 +98,64 @@ def test_an_ended_requests_output_maps_to_its_retry_after() -> None:
                         extra={"status": 503, "retry_after": 7})
     exc = error_of(out)
     assert exc.status == 503 and exc.headers()["Retry-After"] == "7"
+
+
+def test_the_door_refuses_before_the_body_is_read(served) -> None:
+    """Past the bound for even an empty request, a generation POST is refused on its headers
+    alone: the 503 comes while the declared body has not been sent."""
+    engine, client, server = served
+    gate = engine.runner.gate
+    host, port = server.url.removeprefix("http://").split(":")
+
+    async def raw_post(path: str) -> tuple[bytes, float]:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        t0 = time.monotonic()
+        writer.write(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     "content-length: 100000\r\n\r\n".encode())  # and no body at all
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        took = time.monotonic() - t0
+        body = await asyncio.wait_for(reader.read(4096), 5)
+        writer.close()
+        return head + body, took
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+            gate.clear()
+            first = asyncio.ensure_future(http.post("/v1/chat/completions", json=OK))
+            await asyncio.to_thread(wait_until, lambda: len(engine.scheduler.running) == 1, 5)
+            engine.admission.pre_s = lambda tokens: 1.2  # its prefill alone passes the bound
+            answers = [await raw_post(p) for p in ("/v1/chat/completions", "/v1/completions")]
+            health = (await http.get("/health")).status_code
+            gate.set()
+            assert (await first).status_code == 200
+            return answers, health
+
+    answers, health = asyncio.run(go())
+    for raw, took in answers:
+        assert raw.startswith(b"HTTP/1.1 503"), raw[:200]
+        assert b"retry-after: 1" in raw.lower() and b'"code":"overloaded"' in raw.replace(b" ", b"")
+        assert b"cannot meet its TTFT bound" in raw
+        assert took < 0.5
+    assert health == 200  # other routes are not the door's
+    text = httpx.get(server.url + "/metrics").text
+    assert 'spaceserve:requests_shed_total{when="arrival"} 2' in text
+    assert wait_until(lambda: engine.num_active == 0 and client.num_pending == 0, 3)
+    adm = engine.admission
+    assert wait_until(lambda: not adm.entering and not adm.front and not adm.waiting, 3)
+
+
+def test_requests_past_the_door_count_ahead_of_later_ones(served) -> None:
+    """A request the door let in is priced ahead of the next arrival (as the smallest recent
+    request) until it reaches the engine; its wait is counted from the door."""
+    engine, client, _ = served
+    adm = engine.admission
+    adm.recent.append((0.0, 0.6, False))
+    state: dict = {}
+    assert client.at_door(state) is None and len(adm.entering) == 1
+    # 0.6 s ahead (the one past the door) + its own 0.6 s > 0.9 x 1 s: refused
+    refused = client.at_door({})
+    assert refused is not None and refused.status == 503 and refused.code == "overloaded"
+    client.left_door(state)  # it ended before reaching the engine
+    assert not adm.entering and client.at_door({"x": 1}) is None
+    adm.entering.clear()

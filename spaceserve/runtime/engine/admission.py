@@ -16,9 +16,11 @@ every first token how far the curves' prediction is from this machine's time.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from spaceserve.runtime.core.request import Request, RequestOutput, Status
@@ -32,6 +34,8 @@ from spaceserve.runtime.policy.admission import (
 from spaceserve.runtime.policy.model_curves import load_curves
 
 CHECK_S = 0.02  # the waiting requests are priced again at most this often (seconds)
+DOOR_S = 0.005  # the server's door reuses the priced queue this long (seconds)
+RECENT = 64  # the door prices an unseen request as the smallest of this many recent ones
 
 
 class EngineAdmission:
@@ -50,9 +54,14 @@ class EngineAdmission:
         self.predicted: dict[str, float] = {}  # their uncalibrated wait predicted at arrival
         self.ended: dict[str, Refused] = {}  # ended while waiting, until their final output
         self.front: dict[str, float] = {}  # request id -> when the server admitted it
+        self.entering: dict[int, float] = {}  # past the server's door, not yet at `front`
+        self._tickets = itertools.count()
         self.offset: dict[str, float] = {}  # request id -> its wait before add_request
         self.front_delay_s, self._front_at = 0.0, 0.0  # recent wait before add_request
         self._next_check = 0.0
+        self._door: tuple[float, list[Queued]] = (-1.0, [])  # the door's priced queue, when
+        # (encoder s, prefill s, has media) of the last requests priced at arrival
+        self.recent: deque[tuple[float, float, bool]] = deque(maxlen=RECENT)
         self._media = getattr(engine.encoder, "media", None)  # which requests are encoded
         if not self.active:
             return
@@ -101,35 +110,69 @@ class EngineAdmission:
             self.front_delay_s = 0.8 * self._front_delay(now) + 0.2 * before
             self._front_at = now
         own = self._queued(req, now)
+        self.recent.append((own.encoder_s, own.prefill_s, req.mm is not None))
         queue = list(self._queue(now).values())
         p = self.policy.check_arrival(own, queue, before)
         if not p.admit:
             raise self.policy.refusal(p)
+        self._door = (-1.0, [])
         with self._lock:
             self.offset[rid] = before
             self.waiting[req.request_id] = req
             self.predicted[req.request_id] = self.policy.predict_wait(own, queue) / \
                 self.policy.scale
 
-    def note_arrival(self, request_id: str, at: float) -> None:
+    def note_arrival(self, request_id: str, at: float, ticket: int | None = None) -> None:
         """The server admitted `request_id` at `at` (monotonic), before preprocessing it:
-        that wait counts toward its TTFT (any thread)."""
+        that wait counts toward its TTFT; `ticket` (`enter`) moves it from the door (any
+        thread)."""
         if self.active:
             self.front[request_id] = at
+            self.leave(ticket)
+
+    def enter(self, at: float) -> int:
+        """A request passed the server's door at `at` (its body not read yet): it counts
+        ahead of later arrivals until `note_arrival` or `leave` (any thread)."""
+        ticket = next(self._tickets)
+        self.entering[ticket] = at
+        return ticket
+
+    def leave(self, ticket: int | None) -> None:
+        """The request of `ticket` reached the engine's front, or ended before it."""
+        if ticket is not None:
+            self.entering.pop(ticket, None)
 
     def _front_delay(self, now: float) -> float:
         """The recent wait before add_request, fading over a second without news."""
         return self.front_delay_s * math.exp(-max(0.0, now - self._front_at))
 
-    def precheck(self, now: float | None = None) -> Refused | None:
-        """At the server's door, before any preprocessing: the refusal when even a request
-        with no work of its own would miss the bound behind the recent wait before the engine
-        and the engine's queue; None otherwise (any thread)."""
+    def precheck(self, now: float | None = None, front_s: float = 0.0,
+                 media_front_s: float | None = None, margin: float = 1.0) -> Refused | None:
+        """At the server's door, before any preprocessing: the refusal when even a request as
+        small as the smallest of the last `RECENT` (no work at all before the first) would
+        miss the bound behind the requests being preprocessed (each priced as that one), the
+        wait before the engine (the recent one, or the one the
+        server predicts from its preprocessing backlog: `front_s` for a prompt without
+        media, `media_front_s` with) and the engine's queue; None otherwise (any thread).
+        Refusing there spares the preprocessing that `admit` would refuse after; `margin`
+        scales the bound (`policy.admission.DOOR_MARGIN` at the door itself)."""
         if not self.active:
             return None
         now = time.monotonic() if now is None else now
-        queue = list(self._queue(now).values())
-        p = self.policy.check_arrival(Queued(0.0, 0.0, now), queue, self._front_delay(now))
+        at, queue = self._door
+        if not 0.0 <= now - at < DOOR_S:  # priced at most every DOOR_S: a storm of arrivals
+            queue = list(self._queue(now).values())  # costs O(1) each, not O(waiting)
+            self._door = (now, queue)
+        enc, pre, media = min(tuple(self.recent), key=lambda r: r[0] + r[1],  # a copy: other
+                              default=(0.0, 0.0, False))  # threads append meanwhile
+        if media and media_front_s is not None:
+            front_s = media_front_s
+        front = max(self._front_delay(now), front_s)
+        # the requests past the door or being preprocessed join the queue first, each as
+        # that small one (copies: other threads add and remove meanwhile)
+        coming = [Queued(enc, pre, at) for at in (*tuple(self.front.values()),
+                                                  *tuple(self.entering.values()))]
+        p = self.policy.check_arrival(Queued(enc, pre, now), queue + coming, front, margin)
         return None if p.admit else self.policy.refusal(p)  # counted by check_arrival
 
     def check(self, now: float | None = None) -> None:
@@ -168,6 +211,7 @@ class EngineAdmission:
                     eng._end(seq, "error", str(refusal), now)
 
     def _forget(self, rid: str, req: Request | None) -> None:
+        self._door = (-1.0, [])  # the queue changed: price it again
         with self._lock:
             self.waiting.pop(rid, None)
             self.offset.pop(rid, None)
@@ -192,4 +236,4 @@ class EngineAdmission:
             self.ended.pop(req.request_id, None)
 
 
-__all__ = ["CHECK_S", "EngineAdmission", "Refused"]
+__all__ = ["CHECK_S", "DOOR_S", "RECENT", "EngineAdmission", "Refused"]

@@ -25,6 +25,7 @@ from typing import Any
 from spaceserve.checks import require_int
 
 LANES = ("light", "heavy")
+SERVICE_ALPHA = 0.1  # weight of the newest job in a lane's moving average of job time
 
 
 class QueueFull(RuntimeError):
@@ -79,6 +80,7 @@ class _Lane:
         self.name, self.max_queue, self.aging_s = name, max_queue, aging_s
         self.queue: list[_Job] = []
         self.running = 0
+        self.service_s = 0.0  # recent seconds a job ran (a moving average)
         self.cond = threading.Condition()
         self.closed = False
         self.threads = [threading.Thread(target=self._work, name=f"spaceserve-prep-{name}-{i}",
@@ -120,12 +122,14 @@ class _Lane:
                                                               "while queued"))
                     continue
                 _current.job = job
+                began = time.monotonic()
                 try:
                     job.future.set_result(job.fn())
                 except BaseException as exc:  # handed to the caller, who raises it
                     job.future.set_exception(exc)
                 finally:
                     _current.job = None
+                    self.service_s += SERVICE_ALPHA * (time.monotonic() - began - self.service_s)
             finally:
                 with self.cond:
                     self.running -= 1
@@ -194,6 +198,13 @@ class PreprocessPool:
             out[f"{name}_queued"] = len(lane.queue)
             out[f"{name}_running"] = lane.running
         return out
+
+    def drain_s(self, lane: str = "light") -> float:
+        """Seconds until a job queued on `lane` now would start: the jobs queued and running
+        there, at the lane's recent time per job, over its workers (SLO-aware admission
+        counts it toward a request's TTFT)."""
+        ln = self.lanes[lane]
+        return (len(ln.queue) + ln.running) * ln.service_s / len(ln.threads)
 
     def shutdown(self) -> None:
         """Cancel queued jobs and let the workers end (running jobs finish)."""

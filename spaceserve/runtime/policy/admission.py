@@ -44,6 +44,9 @@ from spaceserve.runtime.policy.slo import Slo
 
 ADMIT_FACTOR = 1.0  # refuse at arrival beyond this x the TTFT bound
 HOPELESS_FACTOR = 1.0  # end a waiting request beyond this x the TTFT bound
+# A server's door (before the request's body is read) refuses at this x the admit factor: a
+# request it lets in is then rarely refused after its body was read and preprocessed.
+DOOR_MARGIN = 0.9
 SCALE_RANGE = (1e-3, 1e6)  # the calibration's bounds (a CPU runs the H200 curves ~1e4 slower)
 
 
@@ -148,11 +151,12 @@ class AdmissionPolicy:
         # the backlog drains in real time: after (ttft - limit) a request like this fits
         return Prediction(ttft, ttft <= limit, max(0.0, ttft - limit))
 
-    def check_arrival(self, own: Queued, queue: Sequence[Queued], waited_s: float = 0.0
-                      ) -> Prediction:
+    def check_arrival(self, own: Queued, queue: Sequence[Queued], waited_s: float = 0.0,
+                      margin: float = 1.0) -> Prediction:
         """The verdict on a request arriving now, with `queue` (it may include `own`), that
-        has already waited `waited_s` before reaching the queue (a server's preprocessing)."""
-        p = self._verdict(waited_s, self.predict_wait(own, queue), self.admit_factor)
+        has already waited `waited_s` before reaching the queue (a server's preprocessing);
+        `margin` < 1 refuses earlier (a server's door, before the request is known)."""
+        p = self._verdict(waited_s, self.predict_wait(own, queue), margin * self.admit_factor)
         self.refused += not p.admit
         return p
 
@@ -211,5 +215,5 @@ def stage_costs(curves: Any, mode: str, *, encoder_sms: int | None = None,
             lambda t: curves.prefill(t, 0, sms, True) if t > 0 else 0.0, True)
 
 
-__all__ = ["ADMISSIONS", "AdmissionPolicy", "Prediction", "Queued", "Refused",
+__all__ = ["ADMISSIONS", "DOOR_MARGIN", "AdmissionPolicy", "Prediction", "Queued", "Refused",
            "retry_seconds", "stage_costs"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +49,7 @@ from spaceserve.server.openai.streams import (
 from spaceserve.server.settings import request_fair_key
 from spaceserve.server.transport.backpressure import SlowReaderGuard, WatchedStreamingResponse
 from spaceserve.server.transport.errors import APIError
-from spaceserve.server.transport.guard import release_body
+from spaceserve.server.transport.guard import new_id, release_body
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -227,7 +226,7 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
         cap = bounds.check(len(prompts), req.n, req.max_tokens)
         if not client.alive or client.draining:
             raise APIError(503, "the engine is not running", type="server_error")
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = new_id("cmpl-")
         parts: list[_Prompt] = []
         try:
             for i in range(len(prompts)):
@@ -239,6 +238,7 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
                            code="queue_full") from None
         for part in parts:
             part.handle.fair_key = request_fair_key(request, req)
+            part.handle.door = request.scope.get("state", {}).get("door")
         gone = asyncio.ensure_future(until_disconnect(request))
         streaming = False
         deadline = request.scope.get("state", {}).get("deadline") or \

@@ -5,6 +5,9 @@ pure ASGI middleware in front of the routes.
   new one), echoed in the response headers and in any 500.
 - While the server drains (`draining()`), every request but ``/health`` gets 503 with
   ``Retry-After`` and ``Connection: close``.
+- A POST to a generation route (`GENERATION_PATHS`) first asks `at_door()`: an `APIError`
+  (SLO-aware admission's 503 ``overloaded``) is answered before a byte of the body is read,
+  so a server past saturation sheds a request for the price of its headers.
 - A body larger than `small_body_bytes` (or of unknown length) must first reserve its declared
   size (`max_body_bytes` when chunked) from a byte budget shared by all requests
   (`body_budget_bytes`); a reservation waits at most `body_wait_s` and is held until the route
@@ -25,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import random
 import re
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +41,17 @@ from spaceserve.server.openai.protocol import APIError
 log = logging.getLogger("spaceserve.server")
 _RID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 BODY_METHODS = ("POST", "PUT", "PATCH")
+_IDS = random.Random()  # seeded from os.urandom once (again in a forked child); see new_id
+os.register_at_fork(after_in_child=_IDS.seed)
+
+
+def new_id(prefix: str, digits: int = 32) -> str:
+    """A fresh id: `prefix` and `digits` random hex digits. Not uuid4, whose os.urandom
+    releases the GIL and so waits up to a switch interval to take it back: on a busy server
+    that stalled the event loop for milliseconds per request."""
+    return f"{prefix}{_IDS.getrandbits(4 * digits):0{digits}x}"
+
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 @dataclass(frozen=True)
@@ -133,13 +148,13 @@ def _error_body(status: int, message: str, code: str, rid: str) -> bytes:
 
 
 async def send_error(send: Callable, status: int, message: str, code: str, rid: str, *,
-                     retry_after: int | None = None, close: bool = False) -> None:
+                     retry_after: float | None = None, close: bool = False) -> None:
     """A complete JSON error response through ASGI `send`."""
     body = _error_body(status, message, code, rid)
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
+        headers.append((b"retry-after", str(max(1, int(-(-retry_after // 1)))).encode()))
     if close:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -151,12 +166,15 @@ class AdmissionMiddleware:
 
     def __init__(self, app: Any, *, limits: GuardLimits | None = None,
                  draining: Callable[[], bool] = lambda: False,
-                 on_error: Callable[[int], None] | None = None) -> None:
+                 on_error: Callable[[int], None] | None = None,
+                 at_door: Callable[[dict[str, Any]], APIError | None] | None = None,
+                 left_door: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.app = app
         self.limits = limits or GuardLimits()
         self.budget = BodyBudget(self.limits.body_budget_bytes)
         self.draining = draining
         self.on_error = on_error or (lambda status: None)
+        self.at_door, self.left_door = at_door, left_door
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -164,7 +182,7 @@ class AdmissionMiddleware:
             return
         headers = dict(scope.get("headers") or ())
         given = headers.get(b"x-request-id", b"").decode("latin-1")
-        rid = given if _RID.fullmatch(given) else f"req-{uuid.uuid4().hex[:16]}"
+        rid = given if _RID.fullmatch(given) else new_id("req-", 16)
         state = scope.setdefault("state", {})
         state["request_id"] = rid
         started = complete = False
@@ -190,6 +208,16 @@ class AdmissionMiddleware:
                              "replica or later", "draining", rid, retry_after=1,
                              close=not unread)
             return
+        door = self.at_door is not None and scope.get("method") == "POST" and \
+            scope.get("path") in GENERATION_PATHS
+        if door:
+            refused = self.at_door(state)
+            if refused is not None:
+                self.on_error(refused.status)
+                await send_error(tracked_send, refused.status, refused.message,
+                                 refused.code or "overloaded", rid,
+                                 retry_after=refused.retry_after, close=not unread)
+                return
         lease = None
         if scope.get("method") in BODY_METHODS:
             lease = await self._admit_body(headers)
@@ -218,6 +246,8 @@ class AdmissionMiddleware:
         finally:
             if lease:
                 lease.release()
+            if door and self.left_door is not None:
+                self.left_door(state)
 
     async def _admit_body(self, headers: dict[bytes, bytes]) -> BodyLease | None | bool:
         """None: a small body (no reservation); a lease; False: no room in time."""
