@@ -29,8 +29,8 @@ from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim.cluster import simulate
 from spaceserve.runtime.sim.config import SimConfig
+from spaceserve.runtime.sim.loops.stepped import batch_seconds
 from spaceserve.runtime.sim.metrics import percentile
-from spaceserve.runtime.sim.stepped import batch_seconds
 from spaceserve.runtime.sim.workload import Request, Workload, generate
 from spaceserve.runtime.spatial import launches as launches_module
 from spaceserve.runtime.spatial import step as step_module
