@@ -40,3 +40,31 @@ def test_the_engine_passes_sis_actions_on() -> None:
             eng.close()
     with pytest.raises(ValueError, match="sis.actions"):
         engine("spatial", sis_actions="everything")
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_turns_pipeline_decode_steps_and_change_no_token(pipelined) -> None:
+    """While SIS takes turns, asynchronous scheduling leaves each decode step on the full
+    partition in flight, read back by the next step (windows, a split change and leaving turns
+    read it back first): the tokens are the reference's, and nothing stays in flight."""
+    eng = engine("spatial", encoder_splits=(16, 64), async_scheduling=pipelined)
+    total = eng.spatial.partitions.total
+    plan = [(total, "decode", True)] * 5 + [(0, "compute", True)] * 3 + \
+        [(16, "compute", False), (total, "decode", True), (0, "compute", False)]
+    calls = iter(range(10**6))
+
+    def decide(state):
+        e, where, turns = plan[next(calls) % len(plan)]
+        eng.spatial.sis.turns = turns  # the superset's regime
+        return Split(e, total - e, where, 0.0, 0.0, 1.0, True)
+
+    eng.spatial.sis.decide = decide
+    try:
+        prompts, params = workload(seed=5, n=14)
+        check_outputs(eng, prompts, params, eng.generate(prompts, params))
+        assert eng.spatial.num_windows > 0
+        assert (eng.spatial.num_pipelined > 10) == pipelined, eng.spatial.num_pipelined
+        assert {e for _, e in eng.spatial.switches} >= {0, 16}
+        eng.check_idle()
+    finally:
+        eng.close()
