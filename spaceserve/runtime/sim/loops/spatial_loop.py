@@ -22,6 +22,9 @@ Co-running ops take their co-running latency (`engine.Simulator`). SIS's whole-G
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from spaceserve.runtime.encoder.data_parallel import RankedTwsrft
@@ -33,6 +36,26 @@ from spaceserve.runtime.sim.op import Op
 from spaceserve.runtime.sim.workload import Request
 
 MAX_COMPUTE_PREFILLS = 2  # spatial.step's: compute-partition prefills in flight at once
+
+
+@dataclass
+class Piped:
+    """A decode step on the decode lane (which runs them in launch order): `seconds` on `sms`,
+    not before `start` (its host time); `sync`: the host waits for it and reads it back at once,
+    else it is left in flight (pipelined) and read back by a later step."""
+
+    batch: Any
+    sms: int
+    seconds: Callable[[int, int | bool], float]
+    start: float
+    sync: bool = False
+    done: bool = False
+
+    @property
+    def waits(self) -> bool:
+        """Whether reading it back waits for the device: it is running and draws tokens (a
+        step of prefill chunks alone has nothing to read back)."""
+        return not self.done and bool(self.batch.drawn_reqs)
 CONTEXT_BUCKET = 64  # spatial.step's: SIS sees the mean decode context rounded to this
 
 
@@ -72,6 +95,12 @@ class SpatialLoop(ComputeLane, StepLoop):
         self.window = self.encoder_turn = False
         self.num_windows = self.num_compute_prefills = 0
         self.last_split: Any = None
+        # pipelined decode steps while taking turns (`SpatialRuntime.pipelining`)
+        self.inflight: Piped | None = None  # the engine's `_inflight`: launched, not read back
+        self.reading: Piped | None = None  # the step this one reads back once its host time ran
+        self.queued: deque[Piped] = deque()  # steps launched behind the running one
+        self.resume: str | None = None  # where a step the host waited in goes on
+        self.num_pipelined = 0
 
     # -- requests ---------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -107,8 +136,8 @@ class SpatialLoop(ComputeLane, StepLoop):
         if "compute" not in sim.ops and self.lane.stream:
             self._run_next()
         for _ in range(10_000):
-            if "decode" in sim.ops or (self.blocked is not None and not self.blocked.done):
-                return
+            if "host" in sim.ops or (self.blocked is not None and not self.blocked.done):
+                return  # the host is busy, or waits for a step's tokens or a launch
             self.blocked = None
             if not self._step():
                 return
@@ -116,12 +145,25 @@ class SpatialLoop(ComputeLane, StepLoop):
 
     def _step(self) -> bool:
         """One engine step now; False when it did nothing (the host idles until an arrival)."""
-        self._drain()
-        self._admit()
-        self._poll()
-        self._admit()
-        self._collect()
-        self._choose()
+        resume, self.resume = self.resume, None
+        if resume == "read":  # the end of a step: read back the step it left in flight
+            return self._read(self.reading)
+        if resume == "tail":  # the step waited for the step in flight to be read back
+            self._settle()
+        else:
+            self._drain()
+            self._admit()
+            self._poll()
+            self._admit()
+            self._collect()
+            if self.inflight is not None and not self._may_pipeline():
+                if self.inflight.waits:
+                    self.blocked, self.resume = self.inflight, "tail"
+                    return True
+                self._settle()
+        if not self._choose():  # the step in flight is read back first; the step ends there
+            self.reading, self.inflight = self.inflight, None
+            return self._read(self.reading)
         if self.window and self._window_step():
             return True
         with self.turn_budget(self.sched, self.sim.sis, self.window and not self.current):
@@ -134,6 +176,9 @@ class SpatialLoop(ComputeLane, StepLoop):
         dec, pre = self.split_batch(batch) if on_compute else ((batch or None), None)
         if pre is not None:
             self._launch_prefill(pre)
+        if dec is None and self.inflight is not None:  # nothing to plan beside it
+            self.reading, self.inflight = self.inflight, None
+            return self._read(self.reading)
         if dec is None:
             if not self._launch() and pre is None:
                 return self._wait()
@@ -159,15 +204,78 @@ class SpatialLoop(ComputeLane, StepLoop):
     def _launch_decode(self, dec: Any) -> None:
         c, curves = self.sim.config, self.curves
         host = c.host_s + (c.sis_host_s if self.spatial else 0.0)
-        self.sim.ops["decode"] = Op("decode", "decode", self._sms()[1],
-                                    lambda n, o: batch_seconds(curves, dec, n, o) + host, dec)
+        if self.pipelining:
+            self._pipeline(dec, host)
+            return
+        rec = Piped(dec, self._sms()[1], lambda n, o: batch_seconds(curves, dec, n, o) + host,
+                    self.sim.now, sync=True)
+        self._queue(rec)
+        self.blocked = rec  # the host waits for its tokens
+
+    # -- pipelined decode steps while taking turns (`SpatialRuntime.pipelining`) -------------
+    @property
+    def pipelining(self) -> bool:
+        c, sis = self.sim.config, self.sim.sis
+        return c.async_scheduling and sis is not None and sis.turns and self.current == 0
+
+    def _may_pipeline(self) -> bool:
+        return self.pipelining and not self.num_pending and not self.lane.prefills
+
+    def _pipeline(self, dec: Any, host: float) -> None:
+        """The engine's host spends `host` seconds planning and launching `dec` (left in flight),
+        which runs once the decode lane is free and that time has passed; then it reads back
+        the step launched before, if any."""
+        curves = self.curves
+        rec = Piped(dec, self.total, lambda n, o: batch_seconds(curves, dec, n, o),
+                    self.sim.now + host)
+        self.num_pipelined += 1
+        previous, self.inflight = self.inflight, rec
+        self._queue(rec)
+        if host > 0:
+            self.sim.ops["host"] = Op("host", "host", 0, lambda n, o: host, None)
+        if previous is not None:
+            self.reading, self.resume = previous, "read"
+
+    def _queue(self, rec: Piped) -> None:
+        """Launch `rec` on the decode lane: it runs after the steps launched before it."""
+        if "decode" in self.sim.ops:
+            self.queued.append(rec)
+            return
+        delay = max(0.0, rec.start - self.sim.now)
+        self.sim.ops["decode"] = Op("decode", "decode", rec.sms,
+                                    lambda n, o: delay + rec.seconds(n, o), rec)
+
+    def _read(self, rec: Piped | None) -> bool:
+        """Read back `rec` (wait for it first); its tokens come out now."""
+        assert rec is not None
+        if rec.waits:
+            self.blocked, self.resume = rec, "read"
+            return True
+        self.reading = None
+        self._account_piped(rec)
+        return True
+
+    def _settle(self) -> None:
+        rec, self.inflight = self.inflight, None
+        assert rec is not None and not rec.waits
+        self._account_piped(rec)
+
+    def _account_piped(self, rec: Piped) -> None:
+        self.num_steps += 1
+        self.account(rec.batch)
 
     def complete(self, op: Op) -> None:
         """An op ended now: the decode step's tokens are read back; a compute launch is done
         (seen by the host at its next step)."""
+        if op.lane == "host":  # the host's planning of a pipelined step is done
+            return
         if op.lane == "decode":
-            self.num_steps += 1
-            self.account(op.payload)
+            rec: Piped = op.payload  # type: ignore[assignment]
+            rec.done = True
+            if self.queued:
+                self._queue(self.queued.popleft())
+            if rec.sync:  # the host waited for its tokens; a pipelined one is read back later
+                self._account_piped(rec)
             return
         self._complete_compute(op)
 
@@ -181,7 +289,9 @@ class SpatialLoop(ComputeLane, StepLoop):
         return self.encoder_turn and window_launch(self)
 
     # -- splits and placement ---------------------------------------------------------------
-    def _choose(self) -> None:
+    def _choose(self) -> bool:
+        """SIS's split and placement (`SpatialRuntime._choose`); False when the decode step in
+        flight must be read back first."""
         sim, c = self.sim, self.sim.config
         if self.spatial:
             split = sim.sis.decide(self.sis_state())
@@ -192,14 +302,17 @@ class SpatialLoop(ComputeLane, StepLoop):
         else:
             target, auto = c.static_encoder_sms, "compute"
         self.placement = auto if c.prefill_on == "auto" else c.prefill_on
+        if self.inflight is not None and (target != self.current or not self.pipelining):
+            return False
         if target == self.current:
             self.paused = False
-            return
+            return True
         self.paused = True  # the switch waits until the compute side is idle
         if not self._incomplete() and not self.lane.prefills:
             self.current = target
             sim.splits.append((sim.now, target))
             self.paused = False
+        return True
 
     def sis_state(self) -> SisState:
         """What the engine's SIS sees (`SpatialRuntime.sis_state`)."""
@@ -244,4 +357,4 @@ class SpatialLoop(ComputeLane, StepLoop):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "compute_prefills": self.num_compute_prefills,
-                "windows": self.num_windows}
+                "windows": self.num_windows, "pipelined": self.num_pipelined}
