@@ -12,12 +12,18 @@ curves.
   incomplete), and waits for the decode's tokens. A step without decodes launches encoder
   layers or, with nothing launched, waits for the compute stream's oldest item;
 - the decode lane: the step's decodes (and the prefill chunks kept there) on the partition's
-  decoder SMs, plus the step's host time;
+  decoder SMs, plus the step's host time (a pipelined step's runs on the host lane instead);
 - the compute lane: one stream, first in first out: prefill chunks and encoder launches (TWSRFT
   layer chunks, each request's layers priced on their own, as the engine launches them) on the
   partition's encoder SMs.
 Co-running ops take their co-running latency (`engine.Simulator`). SIS's whole-GPU windows
 (``sis_actions`` superset) run as the engine's step runs them (`sis_window.window_launch`).
+While SIS takes turns, with ``async_scheduling``, decode steps are pipelined as the engine's
+(`SpatialRuntime.pipelining`): the step's host time runs on a ``host`` lane (the host is busy,
+the device is not), its decode step queues on the decode lane behind the one in flight and not
+before that host time has passed, and the step then reads back the one launched before (waiting
+for it if it draws tokens); a step that must settle it (encoder work waiting, a split change,
+leaving turns, nothing to decode) waits for it first.
 """
 
 from __future__ import annotations
