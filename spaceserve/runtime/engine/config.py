@@ -124,8 +124,9 @@ class EngineConfig:
     programs_per_sm: int = setting(
         1, "thread blocks per SM of the kernels' grids, inside green partitions only")
     async_scheduling: bool = setting(
-        True, "pipeline the temporal modes' steps: step n+1 is scheduled and launched before "
-        "step n's tokens are read back; False runs every step to completion")
+        True, "pipeline the temporal modes' steps, and the co-located modes' decode steps while "
+        "SIS takes turns on the whole GPU: step n+1 is scheduled and launched before step n's "
+        "tokens are read back; False runs every step to completion")
     tensor_parallel_size: int = setting(
         1, "ranks the decoder is split over (one process and GPU each; rank 0 in the engine's)",
         Flag(("--tensor-parallel-size", "-tp"), type=int))

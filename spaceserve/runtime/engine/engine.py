@@ -11,8 +11,9 @@ steps (planning; appending tokens, stop checks, streaming) runs while the device
 Step n+1 is scheduled as if every request of step n drew a token (a placeholder); the decode
 inputs that are still placeholders are taken on the device from the sampler's last-token table,
 so nothing waits for the host. A request that step n finishes has drawn one token too many in
-step n+1, which is dropped. The co-located modes run unpipelined (their decode step already
-overlaps the encoder's launches).
+step n+1, which is dropped. The co-located modes pipeline their decode steps the same way
+while SIS takes turns on the whole GPU (spatial/step.py); sharing the GPU they run unpipelined
+(their decode step already overlaps the encoder's launches).
 
 Requests may be added, aborted, paused and resumed (control.py) from any thread; steps are
 serialised by a lock. Settings are in config.py, outputs in outputs.py, the front ends in

@@ -4,9 +4,9 @@ The simulator drives the real `TwsrftScheduler` and `SpaceInferenceScheduler`, a
 time-multiplexed and co-located modes the engine's own `Scheduler` and `BlockManager`, so its
 figures are the engine's schedule on the curves (`tests/runtime/sim/test_fidelity.py`).
 
-engine.py (`Simulator`: the event loop, co-located lanes), stepped.py (the time-multiplexed
-modes' step loop, the engine's), spatial_loop.py (the co-located modes' step, the engine's:
-two lanes), sis_window.py (SIS's whole-GPU window with a data-parallel encoder), config.py
+engine.py (`Simulator`: the event loop, co-located lanes), loops/ (the engine's step loops:
+stepped.py for the time-multiplexed modes, spatial_loop.py and compute_lane.py for the
+co-located modes' step on two lanes, sis_window.py for SIS's whole-GPU window), config.py
 (`SimConfig`, host-time charges), op.py (lane latencies), workload.py (arrivals), metrics.py,
 cluster.py and router.py (several GPUs behind a router), sweep/ (rate sweeps, best-temporal,
 figures), multiturn/ (the multi-turn workload), cli.py (`spaceserve sim`).

@@ -136,11 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time-multiplexed modes: requests holding or computing embeddings")
     p.add_argument("--host-ms", type=float, default=1e3 * HOST_S,
                    help="host time of one engine step (scheduling, planning, sampling), "
-                        "hidden behind the previous step in the time-multiplexed modes (the "
-                        "engine pipelines them), added to every decode step of the co-located "
-                        "ones")
+                        "hidden behind the previous step where the engine pipelines its steps "
+                        "(--async-scheduling), added to every other decode step of the "
+                        "co-located modes")
     p.add_argument("--sis-host-ms", type=float, default=1e3 * SIS_HOST_S,
-                   help="spatial: host time of SIS's decisions, added to the next decode step")
+                   help="spatial: host time of SIS's decisions, charged with the step's")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's asynchronous scheduling: the time-multiplexed modes' "
+                        "steps, and the co-located decode steps while SIS takes turns, run "
+                        "while the step before computes; --no-async-scheduling runs every "
+                        "step to completion")
     p.add_argument("--shared-decode-share", type=float, default=0.5,
                    help="shared mode: decode's share of SM throughput when both stages run")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (one engine each)")
@@ -233,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          max_num_seqs=args.max_num_seqs, kv_blocks=args.kv_blocks,
                          max_held=args.max_held, host_s=args.host_ms / 1e3,
-                         sis_host_s=args.sis_host_ms / 1e3, admission=args.admission)
+                         sis_host_s=args.sis_host_ms / 1e3, admission=args.admission,
+                         async_scheduling=args.async_scheduling)
         for mode in modes:  # a knob a mode refuses (prefill_on, encoder_policy) fails here
             if mode != BEST:
                 dataclasses.replace(base, mode=mode)

@@ -48,10 +48,10 @@ from spaceserve.runtime.sim.config import (
     engine_objects,
     sim_policy,
 )
+from spaceserve.runtime.sim.loops.sis_window import dispatch_sis_window
+from spaceserve.runtime.sim.loops.spatial_loop import SpatialLoop
+from spaceserve.runtime.sim.loops.stepped import StepLoop
 from spaceserve.runtime.sim.op import Op, lane_latencies
-from spaceserve.runtime.sim.sis_window import dispatch_sis_window
-from spaceserve.runtime.sim.spatial_loop import SpatialLoop
-from spaceserve.runtime.sim.stepped import StepLoop
 from spaceserve.runtime.sim.workload import Request
 
 __all__ = ["MODES", "PLACEMENTS", "TEMPORAL_MODES", "Op", "SimConfig", "Simulator",

@@ -30,13 +30,16 @@ class Op:
 def lane_latencies(ops: dict[str, Op], shared: bool, total: int,
                    share: float) -> dict[str, float]:
     """Whole-op seconds of each running op (by lane) at the current co-running state; `shared`:
-    both on all `total` SMs, decode getting `share` of their throughput."""
-    if len(ops) < 2:
-        return {lane: op.latency(op.sms, False) for lane, op in ops.items()}
+    both on all `total` SMs, decode getting `share` of their throughput. The ``host`` lane (an
+    engine's host time, no device work) runs beside either at its own pace."""
+    out = {lane: op.latency(op.sms, False) for lane, op in ops.items()}
+    if "compute" not in ops or "decode" not in ops:
+        return out
     comp, dec = ops["compute"], ops["decode"]
     if shared:
         d = max(1, round(total * share))
         e = max(1, round(total * (1 - share)))
     else:
         e, d = comp.sms, dec.sms
-    return {"compute": comp.latency(e, d), "decode": dec.latency(d, e)}
+    out.update(compute=comp.latency(e, d), decode=dec.latency(d, e))
+    return out

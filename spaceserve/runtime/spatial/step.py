@@ -21,7 +21,14 @@ SIS's whole-GPU window (``sis_actions`` superset, taking turns): the full partit
 current and steps alternate, as temporal-chunked runs them - an encoder step, where the decoder
 pauses, the encoder stage launches TWSRFT grants on every SM until SIS's window of predicted time
 is filled and the host waits for them, then an ordinary step on the whole device whose batch
-carries the prompts' prefill chunks - while SIS keeps choosing the window.
+carries the prompts' prefill chunks - while SIS keeps choosing the window. While taking turns
+the decode steps are pipelined (``EngineConfig.async_scheduling``, as the temporal modes' steps,
+engine.py): a decode step on the full partition is left in flight (`Engine._inflight`) and read
+back by the next step after it launched its own, scheduled with placeholders (the decode inputs
+still on the device come from the sampler's last-token table). A step that needs it settled
+reads it back first: one with encoder work waiting (its window pauses the decoder) or
+compute-partition prefills in flight, one where SIS leaves turns or changes the split (the step
+then ends there), one with nothing to decode.
 
 A request whose prefill is in flight on the compute stream is hidden from the scheduler (it can
 be neither scheduled again nor preempted: its KV blocks are being written) and an abort of it
@@ -73,8 +80,10 @@ class SpatialRuntime:
                  prefill_on: str = "auto", curve_depth: int = 32,
                  clock: Callable[[], float] = time.monotonic,
                  graph_batch_sizes: tuple[int, ...] = (),
-                 policy: SchedulingPolicy | None = None) -> None:
+                 policy: SchedulingPolicy | None = None,
+                 async_scheduling: bool = False) -> None:
         self.runner, self.stage, self.partitions = runner, stage, partitions
+        self.async_scheduling = async_scheduling  # pipeline the decode steps while taking turns
         self.policy = policy
         self.graph_bytes: dict[int, int] = {}  # decode graph memory per partition (CUDA)
         self.mode, self.target, self.sis = mode, target, sis
@@ -88,6 +97,7 @@ class SpatialRuntime:
         self._deferred: set[int] = set()  # aborts waiting for an in-flight prefill
         self.num_compute_prefills = 0
         self.num_windows = 0  # encoder steps of whole-GPU windows (decoder paused)
+        self.num_pipelined = 0  # decode steps left in flight (read back by the next step)
         self._window = False  # SIS's split is a whole-GPU window
         self._encoder_turn = False  # the window's next step is the encoder's
 
@@ -95,7 +105,10 @@ class SpatialRuntime:
     def step(self, eng: Any) -> None:
         """One engine step after new requests were drained and the encoder stage polled."""
         self._collect(eng)
-        self._choose(eng)
+        if eng._inflight is not None and not self._may_pipeline():
+            self._settle(eng)
+        if not self._choose(eng):
+            return  # the step in flight had to be read back before SIS's choice
         if self._window and self._window_step():
             return
         part = self.partitions.current
@@ -112,6 +125,9 @@ class SpatialRuntime:
         dec, pre = split_batch(batch) if on_compute else ((batch or None), None)
         if pre is not None:
             self._launch_prefill(eng, pre, part)
+        if dec is None and eng._inflight is not None:  # nothing to plan beside it
+            self._settle(eng)
+            return
         if dec is None:
             if not self.stage.launch() and pre is None:
                 self._wait()
@@ -119,9 +135,36 @@ class SpatialRuntime:
         with part.decoder_scope():
             launched = eng._launch(dec)
             self.stage.launch(self._launch_budget())  # while the decode step runs on the device
+            if self.pipelining:  # left in flight; the previous step is read back now
+                previous, eng._inflight = eng._inflight, launched
+                self.num_pipelined += 1
+                if previous is not None:
+                    eng._complete(previous)
+                if not eng._active:  # every request of it has ended meanwhile
+                    self._settle(eng)
+                return
             if launched.sampled is not None:
                 launched.sampled.fetch()  # a sync of the decoder stream only
         eng._complete(launched)
+
+    @property
+    def pipelining(self) -> bool:
+        """Whether a decode step launched now is left in flight: asynchronous scheduling while
+        SIS takes turns on the full partition."""
+        return self.async_scheduling and self.sis is not None and self.sis.turns and \
+            self.partitions.current is self.partitions.full
+
+    def _may_pipeline(self) -> bool:
+        """Whether this step may plan its decode step before reading back the one in flight:
+        still taking turns, no encoder work waiting (its window pauses the decoder) and no
+        compute-partition prefill in flight."""
+        return self.pipelining and self.stage.num_pending == 0 and not self._prefills
+
+    @staticmethod
+    def _settle(eng: Any) -> None:
+        """Read back the decode step in flight (waits for the device) and account it."""
+        previous, eng._inflight = eng._inflight, None
+        eng._complete(previous)
 
     def _window_ready(self) -> bool:
         return self.partitions.current is self.partitions.full and \
@@ -198,7 +241,9 @@ class SpatialRuntime:
             self.stage.wait()
 
     # -- splits and placement ----------------------------------------------------------------
-    def _choose(self, eng: Any) -> None:
+    def _choose(self, eng: Any) -> bool:
+        """SIS's split and prefill placement; False when a decode step in flight had to be read
+        back first (SIS leaves turns or the split changes): the step ends there."""
         if self.sis is not None:
             split = self.sis.decide(self.sis_state(eng.scheduler))
             self.last_split = split
@@ -209,14 +254,19 @@ class SpatialRuntime:
         else:
             target, auto = self.target, "compute"
         self.placement = auto if self.prefill_on == "auto" else self.prefill_on
+        if eng._inflight is not None and (target is not self.partitions.current
+                                          or not self.pipelining):
+            self._settle(eng)
+            return False
         if target is self.partitions.current:
             self.stage.resume()
-            return
+            return True
         self.stage.pause()  # the switch waits until the compute side is idle
         if self.stage.idle() and not self._prefills:
             self.partitions.switch(target)
             self.switches.append((self.clock(), target.requested))
             self.stage.resume()
+        return True
 
     def sis_state(self, sched: Scheduler) -> SisState:
         """Waiting encoder jobs, prompts ready to prefill (with their ages), the decode load and
@@ -321,6 +371,7 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
             actions=config.sis_actions, window_s=policy.window_s, clock=clock)
     runtime = SpatialRuntime(runner, stage, pset, mode=mode, target=target, sis=sis,
                              prefill_on=config.prefill_on, curve_depth=curves.encoder_depth,
-                             clock=clock, graph_batch_sizes=captured, policy=policy)
+                             clock=clock, graph_batch_sizes=captured, policy=policy,
+                             async_scheduling=config.async_scheduling)
     runtime.graph_bytes = graph_bytes
     return stage, runtime

@@ -29,8 +29,8 @@ from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim.cluster import simulate
 from spaceserve.runtime.sim.config import SimConfig
+from spaceserve.runtime.sim.loops.stepped import batch_seconds
 from spaceserve.runtime.sim.metrics import percentile
-from spaceserve.runtime.sim.stepped import batch_seconds
 from spaceserve.runtime.sim.workload import Request, Workload, generate
 from spaceserve.runtime.spatial import launches as launches_module
 from spaceserve.runtime.spatial import step as step_module
@@ -111,7 +111,9 @@ class Drawn:
 class TwoLanes(NullModelRunner):
     """The null model on a virtual device of two lanes, each a queue: the decoder partition's
     steps (plus the step's host time, as the simulator charges it) and the compute partition's
-    stream (prefill chunks, encoder layers), each priced by the curves at its budget. Launching
+    stream (prefill chunks, encoder layers), each priced by the curves at its budget. A decode
+    step the engine pipelines (`SpatialRuntime.pipelining`) spends its host time on the host's
+    clock instead, before it queues: the host plans it while the step before runs. Launching
     a vision layer costs `layer_launch_s` of the driver's host budget (`launch_s`)."""
 
     def __init__(self, curves: CurveSet, clock: Clock, cfg: SimConfig) -> None:
@@ -121,8 +123,10 @@ class TwoLanes(NullModelRunner):
         self.free = {"compute": 0.0, "decode": 0.0}
         self.launch_s = 0.0
         self.last_end = 0.0
+        self.spatial: Any = None
 
     def attach(self, eng: Any) -> None:
+        self.spatial = eng.spatial
         sample = eng.sampler.sample
         eng.sampler.sample = lambda logits, b: Drawn(sample(logits, b), self.clock,
                                                      self.last_end)
@@ -137,6 +141,9 @@ class TwoLanes(NullModelRunner):
         if stage == "encoder":  # a prefill chunk on the compute partition
             self.last_end = self._queue("compute", batch_seconds(self.curves, batch, sms, False,
                                                                  "encoder"))
+        elif self.spatial.pipelining:  # its host time runs while the step before computes
+            self.clock.t += self.host_s
+            self.last_end = self._queue("decode", batch_seconds(self.curves, batch, sms))
         else:
             self.last_end = self._queue("decode", batch_seconds(self.curves, batch, sms)
                                         + self.host_s)
@@ -192,7 +199,8 @@ def run_engine(curves: CurveSet, path: str, cfg: SimConfig, monkeypatch,
                         max_held_embeddings=cfg.max_held,
                         max_encoder_tokens_per_step=cfg.max_encoder_tokens, curves=path,
                         encoder_window_s=cfg.window_s or 0.02, slo=cfg.slo,
-                        async_scheduling=False, enable_prefix_caching=False,
+                        async_scheduling=colocated and cfg.async_scheduling,
+                        enable_prefix_caching=False,
                         encoder_cache_bytes=0, **(colocated_settings(cfg) if colocated else {}))
     eng = Engine(runner, ecfg, clock=clock)
     if colocated:
@@ -288,14 +296,18 @@ def test_the_simulator_predicts_the_colocated_engine(calm_curves, mode, monkeypa
     assert worst(eng, other) > TOLERANCE, (eng, other)  # a divergence is caught
 
 
-def test_the_simulator_predicts_the_colocated_engine_taking_turns(calm_curves,
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_the_simulator_predicts_the_colocated_engine_taking_turns(calm_curves, pipelined,
                                                                    monkeypatch) -> None:
     """The superset past what sharing sustains: both switch from sharing to taking turns on the
     whole GPU (temporal-chunked's windows) after sharing, take the same actions, and agree as
-    closely."""
+    closely - with asynchronous scheduling (decode steps pipelined while taking turns: a step's
+    host time runs while the step before computes) and without. Getting the host time wrong
+    either way (charged on top of the device time while the engine pipelines, or hidden while
+    it does not) is caught."""
     c, path = calm_curves
     cfg = SimConfig(mode="spatial", background=0, slo=SLO, allowed_encoder_sms=(32, 64, 96),
-                    sis_actions="superset")
+                    sis_actions="superset", async_scheduling=pipelined)
     wl = dataclasses.replace(WORKLOAD, image_rate=30.0)
     engines, sims = [], []
     eng = summary(run_engine(c, path, cfg, monkeypatch, wl, engines))
@@ -306,6 +318,9 @@ def test_the_simulator_predicts_the_colocated_engine_taking_turns(calm_curves,
     assert counts == theirs, (counts, theirs)
     assert counts["regime:turns"] >= 1 and counts["window"] > 0 and counts["prefill:compute"] > 0
     assert engines[0].spatial.num_windows == sims[0].loop.num_windows > 0
+    assert (sims[0].loop.num_pipelined > 100) == pipelined, sims[0].loop.num_pipelined
     assert worst(eng, sim) < 0.01, (eng, sim)  # the figure reached: the same step, two lanes
     other = summary(run_sim(c, dataclasses.replace(cfg, max_num_batched_tokens=256), wl))
     assert worst(eng, other) > TOLERANCE, (eng, other)  # a divergence is caught
+    flipped = summary(run_sim(c, dataclasses.replace(cfg, async_scheduling=not pipelined), wl))
+    assert worst(eng, flipped) > 0.02, (eng, flipped)  # ~4% at 0.4 ms of host time a step

@@ -4,6 +4,7 @@ that carry the prefill chunks, and no output token changes; pure sharing never t
 
 import pytest
 
+from spaceserve import SamplingParams
 from spaceserve.runtime.policy.sis import Split
 from tests.runtime.spatial.test_spatial import check_outputs, engine, workload
 
@@ -40,3 +41,70 @@ def test_the_engine_passes_sis_actions_on() -> None:
             eng.close()
     with pytest.raises(ValueError, match="sis.actions"):
         engine("spatial", sis_actions="everything")
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_turns_pipeline_decode_steps_and_change_no_token(pipelined) -> None:
+    """While SIS takes turns, asynchronous scheduling leaves each decode step on the full
+    partition in flight, read back by the next step (windows, a split change and leaving turns
+    read it back first): the tokens are the reference's, and nothing stays in flight."""
+    eng = engine("spatial", encoder_splits=(16, 64), async_scheduling=pipelined)
+    total = eng.spatial.partitions.total
+    plan = [(total, "decode", True)] * 5 + [(0, "compute", True)] * 3 + \
+        [(16, "compute", False), (total, "decode", True), (0, "compute", False)]
+    calls = iter(range(10**6))
+
+    def decide(state):
+        e, where, turns = plan[next(calls) % len(plan)]
+        eng.spatial.sis.turns = turns  # the superset's regime
+        return Split(e, total - e, where, 0.0, 0.0, 1.0, True)
+
+    eng.spatial.sis.decide = decide
+    try:
+        prompts, params = workload(seed=5, n=14)
+        check_outputs(eng, prompts, params, eng.generate(prompts, params))
+        assert eng.spatial.num_windows > 0
+        assert (eng.spatial.num_pipelined > 10) == pipelined, eng.spatial.num_pipelined
+        assert {e for _, e in eng.spatial.switches} >= {0, 16}
+        eng.check_idle()
+    finally:
+        eng.close()
+
+
+def test_abort_and_pause_while_a_turns_step_is_in_flight() -> None:
+    """Aborts and a pause land while a pipelined decode step is in flight: the others' tokens
+    (and the paused one's, once resumed) are the reference's, the aborted one ends, nothing is
+    held at the end."""
+    eng = engine("spatial", encoder_splits=(16, 64), async_scheduling=True)
+    total = eng.spatial.partitions.total
+
+    def decide(state):
+        eng.spatial.sis.turns = True
+        return Split(total, 0, "decode", 0.0, 0.0, 1.0, True)
+
+    eng.spatial.sis.decide = decide
+    try:
+        prompts, params = workload(seed=7, n=8)
+        params = [SamplingParams(max_tokens=12, temperature=0.8, seed=50 + i, ignore_eos=True)
+                  for i in range(len(prompts))]
+        outs: dict[str, list] = {}
+        ids = [eng.add_request(p, sp, sink=lambda o: outs.setdefault(o.request_id, []).append(o))
+               for p, sp in zip(prompts, params, strict=True)]
+        steps, inflight = 0, 0
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+            inflight += eng._inflight is not None
+            if steps == 6:
+                assert eng._inflight is not None  # the abort and the pause meet a step in flight
+                assert eng.abort(ids[0]) and eng.pause(ids[1])
+            if steps == 12:
+                assert eng.resume(ids[1])
+            assert steps < 500
+        assert inflight > 5 and eng.spatial.num_pipelined > 5
+        final = {rid: next(o for o in v if o.finished) for rid, v in outs.items()}
+        assert final[ids[0]].finish_reason == "abort"
+        check_outputs(eng, prompts[1:], params[1:], [final[r] for r in ids[1:]])
+        eng.check_idle()
+    finally:
+        eng.close()

@@ -234,9 +234,9 @@ class StepLoop:
         """A batch's tokens were drawn now: advance its requests (first tokens, tokens)."""
         sim = self.sim
         drawn = batch.drawn_reqs
-        finished = self.sched.update(batch, [TOKEN] * len(drawn), sim.now)
-        del finished  # every drawn request was live (steps are not pipelined)
-        for core in drawn:
+        live = [core for core in drawn if core.num_placeholders]  # not ended meanwhile
+        self.sched.update(batch, [TOKEN] * len(drawn), sim.now)
+        for core in live:
             req = self.sim_of[core.seq_no]
             if req.generated == 0:
                 req.prefilled = req.prompt_tokens

@@ -12,62 +12,63 @@ curves.
   incomplete), and waits for the decode's tokens. A step without decodes launches encoder
   layers or, with nothing launched, waits for the compute stream's oldest item;
 - the decode lane: the step's decodes (and the prefill chunks kept there) on the partition's
-  decoder SMs, plus the step's host time;
+  decoder SMs, plus the step's host time (a pipelined step's runs on the host lane instead);
 - the compute lane: one stream, first in first out: prefill chunks and encoder launches (TWSRFT
   layer chunks, each request's layers priced on their own, as the engine launches them) on the
   partition's encoder SMs.
 Co-running ops take their co-running latency (`engine.Simulator`). SIS's whole-GPU windows
 (``sis_actions`` superset) run as the engine's step runs them (`sis_window.window_launch`).
+While SIS takes turns, with ``async_scheduling``, decode steps are pipelined as the engine's
+(`SpatialRuntime.pipelining`): the step's host time runs on a ``host`` lane (the host is busy,
+the device is not), its decode step queues on the decode lane behind the one in flight and not
+before that host time has passed, and the step then reads back the one launched before (waiting
+for it if it draws tokens); a step that must settle it (encoder work waiting, a split change,
+leaving turns, nothing to decode) waits for it first.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from spaceserve.runtime.encoder.data_parallel import RankedTwsrft
 from spaceserve.runtime.policy.sis_state import PendingEncode, SisState
+from spaceserve.runtime.sim.loops.compute_lane import ComputeLane, _Grant, _Lane
+from spaceserve.runtime.sim.loops.sis_window import window_launch
+from spaceserve.runtime.sim.loops.stepped import StepLoop, batch_seconds
 from spaceserve.runtime.sim.op import Op
-from spaceserve.runtime.sim.sis_window import window_launch
-from spaceserve.runtime.sim.stepped import StepLoop, batch_seconds
 from spaceserve.runtime.sim.workload import Request
 
 MAX_COMPUTE_PREFILLS = 2  # spatial.step's: compute-partition prefills in flight at once
-MAX_INFLIGHT = 2  # the encoder stage's launches incomplete at once
+
+
+@dataclass
+class Piped:
+    """A decode step on the decode lane (which runs them in launch order): `seconds` on `sms`,
+    not before `start` (its host time); `sync`: the host waits for it and reads it back at once,
+    else it is left in flight (pipelined) and read back by a later step."""
+
+    batch: Any
+    sms: int
+    seconds: Callable[[int, int | bool], float]
+    start: float
+    sync: bool = False
+    done: bool = False
+
+    @property
+    def waits(self) -> bool:
+        """Whether reading it back waits for the device: it is running and draws tokens (a
+        step of prefill chunks alone has nothing to read back)."""
+        return not self.done and bool(self.batch.drawn_reqs)
 CONTEXT_BUCKET = 64  # spatial.step's: SIS sees the mean decode context rounded to this
 
 
-@dataclass
-class Launch:
-    """Work queued on the compute stream: a prefill batch or an encoder launch (the requests
-    whose last layer it runs)."""
-
-    kind: str
-    sms: int
-    fn: Any
-    payload: Any
-    done: bool = False
-
-
-@dataclass
-class _Grant:  # the TWSRFT grant being launched: its live requests, layers launched
-    grant: Any
-    live: list[int]
-    done: int = 0
-
-
-@dataclass
-class _Lane:
-    """The compute stream: launched work not finished, and what the host has not seen yet."""
-
-    stream: deque = field(default_factory=deque)
-    flights: deque = field(default_factory=deque)  # encoder launches not yet polled
-    prefills: deque = field(default_factory=deque)  # compute prefills not yet collected
-
-
-class SpatialLoop(StepLoop):
+class SpatialLoop(ComputeLane, StepLoop):
     """The engine's co-located step for one simulated GPU (module docstring)."""
+
+    step_seconds = staticmethod(batch_seconds)
 
     def __init__(self, sim: Any, engine: Any) -> None:
         super().__init__(sim, "twsrft", None, engine)
@@ -95,11 +96,17 @@ class SpatialLoop(StepLoop):
         self.open: _Grant | None = None
         self.paused = False
         self.placement = "compute"
-        self.blocked: Launch | None = None  # what the host waits for (a compute launch)
+        self.blocked: Any = None  # what the host waits for (a compute launch)
         self.pc = 0.0  # host seconds spent launching encoder layers (the driver's budget)
         self.window = self.encoder_turn = False
         self.num_windows = self.num_compute_prefills = 0
         self.last_split: Any = None
+        # pipelined decode steps while taking turns (`SpatialRuntime.pipelining`)
+        self.inflight: Piped | None = None  # the engine's `_inflight`: launched, not read back
+        self.reading: Piped | None = None  # the step this one reads back once its host time ran
+        self.queued: deque[Piped] = deque()  # steps launched behind the running one
+        self.resume: str | None = None  # where a step the host waited in goes on
+        self.num_pipelined = 0
 
     # -- requests ---------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -135,8 +142,8 @@ class SpatialLoop(StepLoop):
         if "compute" not in sim.ops and self.lane.stream:
             self._run_next()
         for _ in range(10_000):
-            if "decode" in sim.ops or (self.blocked is not None and not self.blocked.done):
-                return
+            if "host" in sim.ops or (self.blocked is not None and not self.blocked.done):
+                return  # the host is busy, or waits for a step's tokens or a launch
             self.blocked = None
             if not self._step():
                 return
@@ -144,12 +151,25 @@ class SpatialLoop(StepLoop):
 
     def _step(self) -> bool:
         """One engine step now; False when it did nothing (the host idles until an arrival)."""
-        self._drain()
-        self._admit()
-        self._poll()
-        self._admit()
-        self._collect()
-        self._choose()
+        resume, self.resume = self.resume, None
+        if resume == "read":  # the end of a step: read back the step it left in flight
+            return self._read(self.reading)
+        if resume == "tail":  # the step waited for the step in flight to be read back
+            self._settle()
+        else:
+            self._drain()
+            self._admit()
+            self._poll()
+            self._admit()
+            self._collect()
+            if self.inflight is not None and not self._may_pipeline():
+                if self.inflight.waits:
+                    self.blocked, self.resume = self.inflight, "tail"
+                    return True
+                self._settle()
+        if not self._choose():  # the step in flight is read back first; the step ends there
+            self.reading, self.inflight = self.inflight, None
+            return self._read(self.reading)
         if self.window and self._window_step():
             return True
         with self.turn_budget(self.sched, self.sim.sis, self.window and not self.current):
@@ -162,6 +182,9 @@ class SpatialLoop(StepLoop):
         dec, pre = self.split_batch(batch) if on_compute else ((batch or None), None)
         if pre is not None:
             self._launch_prefill(pre)
+        if dec is None and self.inflight is not None:  # nothing to plan beside it
+            self.reading, self.inflight = self.inflight, None
+            return self._read(self.reading)
         if dec is None:
             if not self._launch() and pre is None:
                 return self._wait()
@@ -184,145 +207,83 @@ class SpatialLoop(StepLoop):
         finally:
             sched.running = hidden + sched.running
 
-    def _sms(self) -> tuple[int, int]:
-        """(encoder SMs, decoder SMs) of the current partition (the full one: both all)."""
-        e = self.current
-        return (e, self.total - e) if e else (self.total, self.total)
-
     def _launch_decode(self, dec: Any) -> None:
         c, curves = self.sim.config, self.curves
         host = c.host_s + (c.sis_host_s if self.spatial else 0.0)
-        self.sim.ops["decode"] = Op("decode", "decode", self._sms()[1],
-                                    lambda n, o: batch_seconds(curves, dec, n, o) + host, dec)
+        if self.pipelining:
+            self._pipeline(dec, host)
+            return
+        rec = Piped(dec, self._sms()[1], lambda n, o: batch_seconds(curves, dec, n, o) + host,
+                    self.sim.now, sync=True)
+        self._queue(rec)
+        self.blocked = rec  # the host waits for its tokens
 
-    def _launch_prefill(self, pre: Any) -> None:
+    # -- pipelined decode steps while taking turns (`SpatialRuntime.pipelining`) -------------
+    @property
+    def pipelining(self) -> bool:
+        c, sis = self.sim.config, self.sim.sis
+        return c.async_scheduling and sis is not None and sis.turns and self.current == 0
+
+    def _may_pipeline(self) -> bool:
+        return self.pipelining and not self.num_pending and not self.lane.prefills
+
+    def _pipeline(self, dec: Any, host: float) -> None:
+        """The engine's host spends `host` seconds planning and launching `dec` (left in flight),
+        which runs once the decode lane is free and that time has passed; then it reads back
+        the step launched before, if any."""
         curves = self.curves
-        item = Launch("prefill", self._sms()[0],
-                      lambda n, o: batch_seconds(curves, pre, n, o, "encoder"), pre)
-        self.lane.prefills.append(item)
-        self._enqueue(item)
-        self.busy.update(r.seq_no for r in pre.reqs)
-        self.num_compute_prefills += 1
+        rec = Piped(dec, self.total, lambda n, o: batch_seconds(curves, dec, n, o),
+                    self.sim.now + host)
+        self.num_pipelined += 1
+        previous, self.inflight = self.inflight, rec
+        self._queue(rec)
+        if host > 0:
+            self.sim.ops["host"] = Op("host", "host", 0, lambda n, o: host, None)
+        if previous is not None:
+            self.reading, self.resume = previous, "read"
 
-    def _wait(self) -> bool:
-        """Nothing to run: wait for the oldest compute prefill, else the oldest incomplete
-        encoder launch; False when nothing is in flight."""
-        lane = self.lane
-        waiting = lane.prefills[0] if lane.prefills else \
-            next((f for f in lane.flights if not f.done), None)
-        self.blocked = waiting
-        return waiting is not None
+    def _queue(self, rec: Piped) -> None:
+        """Launch `rec` on the decode lane: it runs after the steps launched before it."""
+        if "decode" in self.sim.ops:
+            self.queued.append(rec)
+            return
+        delay = max(0.0, rec.start - self.sim.now)
+        self.sim.ops["decode"] = Op("decode", "decode", rec.sms,
+                                    lambda n, o: delay + rec.seconds(n, o), rec)
 
-    # -- the compute stream -----------------------------------------------------------------
-    def _enqueue(self, item: Launch) -> None:
-        self.lane.stream.append(item)
-        if "compute" not in self.sim.ops:
-            self._run_next()
+    def _read(self, rec: Piped | None) -> bool:
+        """Read back `rec` (wait for it first); its tokens come out now."""
+        assert rec is not None
+        if rec.waits:
+            self.blocked, self.resume = rec, "read"
+            return True
+        self.reading = None
+        self._account_piped(rec)
+        return True
 
-    def _run_next(self) -> None:
-        item = self.lane.stream[0]
-        self.sim.ops["compute"] = Op("compute", item.kind, item.sms, item.fn, item)
+    def _settle(self) -> None:
+        rec, self.inflight = self.inflight, None
+        assert rec is not None and not rec.waits
+        self._account_piped(rec)
+
+    def _account_piped(self, rec: Piped) -> None:
+        self.num_steps += 1
+        self.account(rec.batch)
 
     def complete(self, op: Op) -> None:
         """An op ended now: the decode step's tokens are read back; a compute launch is done
         (seen by the host at its next step)."""
-        if op.lane == "decode":
-            self.num_steps += 1
-            self.account(op.payload)
+        if op.lane == "host":  # the host's planning of a pipelined step is done
             return
-        item = self.lane.stream.popleft()
-        assert item is op.payload
-        item.done = True
-        if self.lane.stream:
-            self._run_next()
-
-    def _poll(self) -> None:
-        """Attach the embeddings of finished encoder launches (oldest first)."""
-        flights = self.lane.flights
-        while flights and flights[0].done:
-            for rid in flights.popleft().payload:
-                if self.active.pop(rid, None) is not None:
-                    self.held.add(rid)
-                    self.encoded.add(rid)
-                    self.sim.requests[rid].encoded_at = self.sim.now
-
-    def _collect(self) -> None:
-        """Account finished compute-partition prefills: their first tokens come out now."""
-        prefills = self.lane.prefills
-        while prefills and prefills[0].done:
-            batch = prefills.popleft().payload
-            for r in batch.reqs:
-                self.busy.discard(r.seq_no)
-            self.account(batch)
-
-    # -- the encoder's launches (the cooperative driver) ------------------------------------
-    @property
-    def num_pending(self) -> int:
-        return len(self.backlog) + len(self.active)
-
-    def _incomplete(self) -> int:  # encoder launches not finished
-        return sum(1 for f in self.lane.flights if not f.done)
-
-    def _launch(self, budget_s: float | None = None) -> int:
-        """Launch encoder layers for about `budget_s` of host time (the driver's default
-        budget without one; at least one layer); returns the launches made."""
-        c = self.sim.config
-        deadline = self.pc + (c.launch_budget_s if budget_s is None else budget_s)
-        n = 0
-        while self.current and not self.paused \
-                and self._incomplete() < MAX_INFLIGHT and self._launch_layers(deadline, False):
-            n += 1
-            if self.pc >= deadline:
-                break
-        return n
-
-    def _open_grant(self) -> _Grant | None:
-        if self.open is not None and not any(r in self.active for r in self.open.live):
-            self.twsrft.report(self.open.grant.job_id, self.open.grant.layers, 0)  # all ended
-            self.open = None
-        while self.open is None:
-            grant = self.twsrft.next_grant(0)
-            if grant is None:
-                return None
-            live = [r for r in grant.request_ids if r in self.active]
-            if live:
-                self.open = _Grant(grant, live)
-            else:
-                self.twsrft.report(grant.job_id, grant.layers, 0)
-        return self.open
-
-    def _launch_layers(self, deadline: float, whole: bool) -> Launch | None:
-        """Layers of the open grant, one at a time for each of its requests, until the grant
-        ends or the host budget is spent (at least one), as one launch (None: nothing)."""
-        g = self._open_grant()
-        if g is None:
-            return None
-        step_s = self.sim.config.layer_launch_s
-        ran: dict[int, int] = {}
-        finished: list[int] = []
-        while True:
-            g.live = [r for r in g.live if r in self.active]
-            for rid in list(g.live):
-                self.active[rid] += 1
-                ran[rid] = ran.get(rid, 0) + 1
-                self.pc += step_s
-                if self.active[rid] >= self.depth:
-                    finished.append(rid)
-                    g.live.remove(rid)
-            g.done += 1
-            if g.done >= g.grant.layers or not g.live or self.pc >= deadline:
-                break
-        curves, reqs = self.curves, self.sim.requests
-        work = [(reqs[r].patches, k) for r, k in ran.items()]
-        sms = self.total if (whole or not self.current) else self.current
-        item = Launch("encode", sms, lambda n, o: sum(curves.encoder(p, k, n, o)
-                                                      for p, k in work), finished)
-        self.lane.flights.append(item)
-        self._enqueue(item)
-        if g.done >= g.grant.layers or not g.live:
-            self.twsrft.report(g.grant.job_id, g.grant.layers, 0)
-            self.open = None
-        return item
+        if op.lane == "decode":
+            rec: Piped = op.payload  # type: ignore[assignment]
+            rec.done = True
+            if self.queued:
+                self._queue(self.queued.popleft())
+            if rec.sync:  # the host waited for its tokens; a pipelined one is read back later
+                self._account_piped(rec)
+            return
+        self._complete_compute(op)
 
     def _window_ready(self) -> bool:
         return self.current == 0 and not self.paused and self.num_pending > 0
@@ -334,7 +295,9 @@ class SpatialLoop(StepLoop):
         return self.encoder_turn and window_launch(self)
 
     # -- splits and placement ---------------------------------------------------------------
-    def _choose(self) -> None:
+    def _choose(self) -> bool:
+        """SIS's split and placement (`SpatialRuntime._choose`); False when the decode step in
+        flight must be read back first."""
         sim, c = self.sim, self.sim.config
         if self.spatial:
             split = sim.sis.decide(self.sis_state())
@@ -345,14 +308,17 @@ class SpatialLoop(StepLoop):
         else:
             target, auto = c.static_encoder_sms, "compute"
         self.placement = auto if c.prefill_on == "auto" else c.prefill_on
+        if self.inflight is not None and (target != self.current or not self.pipelining):
+            return False
         if target == self.current:
             self.paused = False
-            return
+            return True
         self.paused = True  # the switch waits until the compute side is idle
         if not self._incomplete() and not self.lane.prefills:
             self.current = target
             sim.splits.append((sim.now, target))
             self.paused = False
+        return True
 
     def sis_state(self) -> SisState:
         """What the engine's SIS sees (`SpatialRuntime.sis_state`)."""
@@ -397,4 +363,4 @@ class SpatialLoop(StepLoop):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "compute_prefills": self.num_compute_prefills,
-                "windows": self.num_windows}
+                "windows": self.num_windows, "pipelined": self.num_pipelined}

@@ -1,0 +1,6 @@
+"""The simulator's step loops, each the engine's own loop priced by curves.
+
+stepped.py (the time-multiplexed modes' step loop), spatial_loop.py (the co-located modes'
+step: the host, the decode lane), compute_lane.py (its compute stream: prefill chunks and the
+encoder driver's launches), sis_window.py (SIS's whole-GPU window).
+"""
