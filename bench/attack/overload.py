@@ -5,7 +5,8 @@
 Starts ``spaceserve serve --model tiny --admission slo --slo ttft:T,tpot:P`` on 127.0.0.1,
 measures what it sustains (`--calibrate` closed-loop streams of small image requests: completed
 requests per second), then sends Poisson arrivals at `--factor` x that rate for `--duration`
-seconds, every request a streamed chat completion with one small PNG. It records, per request,
+seconds from 16 client addresses (127.0.0.2-17; many clients, not one past its connection
+bound), every request a streamed chat completion with one small PNG. It records, per request,
 the HTTP status, the time to the first content chunk (TTFT) of the served ones and the time to
 the answer of the refused ones, then reads /metrics once everything has ended. Checks (issue
 35): every request gets an answer (200 or 503 with Retry-After), the p99 TTFT of the served
@@ -75,13 +76,18 @@ def body(model: str, seed: int, max_tokens: int) -> bytes:
             {"type": "text", "text": f"describe picture {seed}"}]}]}).encode()
 
 
-def session(url: str, timeout: float) -> Any:
+CLIENTS = 16  # arrivals come from this many client addresses, 127.0.0.2 and on
+
+
+def session(url: str, timeout: float, client: int = 0) -> Any:
     """An aiohttp session (its C HTTP parser keeps the load generator's own time small; the
-    server's CPU is the client's on one machine)."""
+    server's CPU is the client's on one machine) from client address 127.0.0.(2 + `client`):
+    the arrivals are many clients', each under the server's per-client connection bound."""
     import aiohttp
 
     return aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=timeout),
-                                 connector=aiohttp.TCPConnector(limit=0))
+                                 connector=aiohttp.TCPConnector(
+                                     limit=0, local_addr=(f"127.0.0.{2 + client}", 0)))
 
 
 async def one(http: Any, payload: bytes) -> dict[str, Any]:
@@ -131,8 +137,12 @@ async def calibrate(url: str, model: str, seconds: float, streams: int,
                 done += 1
 
     t0 = time.monotonic()
-    async with session(url, 60) as http:
-        await asyncio.gather(*(client(http, k) for k in range(streams)))
+    sessions = [session(url, 60, c) for c in range(CLIENTS)]
+    try:
+        await asyncio.gather(*(client(sessions[k % CLIENTS], k) for k in range(streams)))
+    finally:
+        for http in sessions:
+            await http.close()
     return done / (time.monotonic() - t0)
 
 
@@ -146,13 +156,14 @@ async def flood(url: str, model: str, rate: float, duration: float, max_tokens: 
         times.append(t)
     payloads = [body(model, i, max_tokens) for i in range(len(times))]
 
-    async with session(url, 120) as http:
+    sessions = [session(url, 120, c) for c in range(CLIENTS)]
+    try:
         tasks = []
         t0 = time.monotonic()
         for i, t in enumerate(times):
             await asyncio.sleep(max(0.0, t0 + t - time.monotonic()))
             lag = time.monotonic() - (t0 + t)
-            task = asyncio.ensure_future(one(http, payloads[i]))
+            task = asyncio.ensure_future(one(sessions[i % CLIENTS], payloads[i]))
             tasks.append((task, lag))
         out = []
         for task, lag in tasks:
@@ -160,6 +171,9 @@ async def flood(url: str, model: str, rate: float, duration: float, max_tokens: 
             res["lag_s"] = lag
             out.append(res)
         return out
+    finally:
+        for http in sessions:
+            await http.close()
 
 
 def gauges(url: str) -> dict[str, float]:

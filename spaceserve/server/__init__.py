@@ -8,7 +8,7 @@ The HTTP layer only: parse, admit, stream, map errors.
     settings.py       what the flags set beside the engine, shared by both entry points
     media_args.py     video and remote-media flags
     engine_client.py  `AsyncEngine`: the engine on a background thread
-    engine_load.py    `load_engine`, `resolve_mode`, the device label, `gc.freeze` at start
+    engine_load.py    `load_engine`, `resolve_mode`, the device label, `tune_interpreter`
     handles.py        admission, the preprocessing pool and pixel budget, request handles
     metrics.py        Prometheus text: queues, SM split, latency histograms
     openai/           the wire format: request models and builders (protocol.py), chat

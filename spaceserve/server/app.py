@@ -285,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     server = settings.server(app, client, host=args.host, port=args.port,
                              log_level=args.log_level)
-    from spaceserve.server.engine_client import freeze_startup_objects
+    from spaceserve.server.engine_client import tune_interpreter
 
-    freeze_startup_objects()  # collections then scan only what requests allocate
+    tune_interpreter()  # collections then scan only what requests allocate
     try:
         try:  # connections with small kernel send buffers (backpressure.py)
             sock = listening_socket(args.host, args.port,

@@ -32,9 +32,9 @@ from spaceserve.server.engine_load import (  # re-exported: scripts import them 
     cap_video_tokens,
     device_label,
     device_sms,
-    freeze_startup_objects,
     load_engine,
     resolve_mode,
+    tune_interpreter,
 )
 from spaceserve.server.handles import Admission, Cancelled, Handle, QueueFull
 from spaceserve.server.metrics import ServerMetrics
@@ -42,7 +42,7 @@ from spaceserve.server.transport.errors import APIError
 
 __all__ = ["KNOWN_MODES", "AsyncEngine", "Cancelled", "QueueFull", "RequestHandle",
            "SplitSample", "cap_video_tokens", "device_label", "device_sms",
-           "freeze_startup_objects", "load_engine", "resolve_mode"]
+           "tune_interpreter", "load_engine", "resolve_mode"]
 
 if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
     from spaceserve.runtime.core.request import RequestOutput, SamplingParams

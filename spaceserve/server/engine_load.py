@@ -1,6 +1,6 @@
 """Loading the engine a server runs: `load_engine` (the one assembly path, with the chat
 preprocessor), the mode it falls back to (`resolve_mode`), the device's label and SM count
-for /health and the gauges, and `freeze_startup_objects` once the model is loaded."""
+for /health and the gauges, and `tune_interpreter` once the model is loaded."""
 
 from __future__ import annotations
 
@@ -14,16 +14,25 @@ if TYPE_CHECKING:  # the engine (torch) is imported only by whoever builds one
 KNOWN_MODES = MODES  # every mode SpaceServe names (runtime/modes.py)
 
 
-def freeze_startup_objects() -> None:
-    """Collect, then move every object alive now (the model, tokenizer, processor, modules)
-    out of the garbage collector's view (`gc.freeze`), so a collection scans only what
-    requests allocate. Unfrozen, a full collection across them stopped the event loop and
-    the engine thread for up to 0.4 s under load (`bench.attack.overload`). Call once, when
-    the engine is loaded and before serving."""
+SWITCH_INTERVAL_S = 0.001  # the interpreter's thread switch interval while serving
+
+
+def tune_interpreter() -> None:
+    """Tune the interpreter for serving, once the engine is loaded:
+
+    - collect, then move every object alive now (the model, tokenizer, processor, modules)
+      out of the garbage collector's view (`gc.freeze`), so a collection scans only what
+      requests allocate. Unfrozen, a full collection across them stopped the event loop and
+      the engine thread for up to 0.4 s under load (`bench.attack.overload`);
+    - a 1 ms thread switch interval (Python's default is 5 ms): the event loop shares the GIL
+      with the engine and preprocessing threads, and each time it wakes it waits for the
+      thread holding the GIL to yield, up to an interval per thread ahead of it."""
     import gc
+    import sys
 
     gc.collect()
     gc.freeze()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def device_label(device: Any) -> str:
@@ -101,4 +110,4 @@ def cap_video_tokens(pre: Any, max_model_len: int) -> None:
 
 
 __all__ = ["KNOWN_MODES", "cap_video_tokens", "device_label", "device_sms",
-           "freeze_startup_objects", "load_engine", "resolve_mode"]
+           "tune_interpreter", "load_engine", "resolve_mode"]

@@ -21,8 +21,8 @@ from spaceserve.runtime.inputs import QueueFull as PoolFull
 from spaceserve.server.engine_client import (
     AsyncEngine,
     QueueFull,
-    freeze_startup_objects,
     load_engine,
+    tune_interpreter,
 )
 from spaceserve.server.transport.errors import APIError
 
@@ -50,7 +50,7 @@ class EngineReplica:
         kwargs["seed"] = int(kwargs.get("seed", 0)) + self.rank
         engine, _, note = load_engine(model, **kwargs)
         self.client = AsyncEngine(engine, max_pending=max_pending, mode_note=note)
-        freeze_startup_objects()
+        tune_interpreter()
 
     async def generate(self, request_id: str, prompt: dict[str, Any], params: Any,
                        stream: bool, route: Any = None, exclude: Any = None,
