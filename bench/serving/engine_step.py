@@ -15,6 +15,7 @@ tokens of the tiny byte-level BPE; the host time per token must stay flat (4096 
 ``re-decode`` is the path it replaced (decoding the whole output at every token).
 
     PYTHONPATH=. python -m bench.serving.engine_step [--batch 64] [--steps 2000] [--vocab 32]
+        [--waiting 64 --fair-share both]   # the fair share's host cost with a queue
 """
 
 from __future__ import annotations
@@ -65,16 +66,18 @@ class Clock:
 
 
 def measure(mode: str, batch: int = 64, steps: int = 2000, vocab: int = 32, prompt: int = 128,
-            block_size: int = 16, repeats: int = 5) -> dict[str, float]:
-    """Per-step times in ms (medians over `repeats` runs of `steps` decode steps)."""
+            block_size: int = 16, repeats: int = 5, *, waiting: int = 0,
+            fair_share: bool = True) -> dict[str, float]:
+    """Per-step times in ms (medians over `repeats` runs of `steps` decode steps); `waiting`
+    more requests wait for a slot all along (the fair share's work is done only then)."""
     max_len = prompt + steps * (repeats + 1) + 64
     runner = NullModelRunner(vocab_size=vocab, max_model_len=max_len, check=False)
     blocks = batch * (-(-max_len // block_size)) + 8
     engine = Engine(runner, EngineConfig(block_size=block_size, num_kv_blocks=blocks,
                                          max_num_seqs=batch, max_num_batched_tokens=8192,
-                                         graph_batch_sizes=()))
+                                         graph_batch_sizes=(), fair_share=fair_share))
     params = SamplingParams(max_tokens=max_len - prompt - 8, ignore_eos=True, **MODES[mode])
-    for i in range(batch):
+    for i in range(batch + waiting):
         engine.add_request({"prompt_token_ids": [(7 * i + j) % (vocab - 4) + 4
                                                  for j in range(prompt)]}, params)
     clock = Clock()
@@ -102,6 +105,7 @@ def measure(mode: str, batch: int = 64, steps: int = 2000, vocab: int = 32, prom
                      ("host", cpu - model - noise)):
             rows.setdefault(k, []).append(v)
     assert len(engine.scheduler.running) == batch, "the batch shrank: the run measured less"
+    assert len(engine.scheduler.waiting) == waiting, "the queue changed: the run measured less"
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
@@ -171,17 +175,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES), help="sampling modes to run")
     ap.add_argument("--skip-detok", action="store_true")
+    ap.add_argument("--waiting", type=int, default=0,
+                    help="requests kept waiting for a slot beside the batch (fair share at work)")
+    ap.add_argument("--fair-share", choices=("on", "off", "both"), default="on",
+                    help="the scheduler's fair share (both: each mode with and without)")
     ap.add_argument("--device-work", action="store_true",
                     help="also time the sampler's tensor work at a real vocabulary (CPU)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"load average {os.getloadavg()[0]:.2f}; batch {args.batch}, vocab {args.vocab}; "
-          "ms per step (CPU time unless wall)")
+    print(f"load average {os.getloadavg()[0]:.2f}; batch {args.batch}, vocab {args.vocab}, "
+          f"{args.waiting} waiting; ms per step (CPU time unless wall; -fs: no fair share)")
     print(f"{'sampling':>17} {'wall':>7} {'cpu':>7} {'model':>7} {'noise':>7} {'planner':>8} "
           f"{'sampler':>8} {'host':>7}  goal <= {GOAL_MS}")
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        r = measure(mode, args.batch, args.steps, args.vocab, repeats=args.repeats)
-        print(f"{mode:>17} {r['wall']:>7.3f} {r['cpu']:>7.3f} {r['model']:>7.3f} "
+    shares = {"on": (True,), "off": (False,), "both": (True, False)}[args.fair_share]
+    for mode, share in [(m.strip(), s) for m in args.modes.split(",") if m.strip()
+                        for s in shares]:
+        r = measure(mode, args.batch, args.steps, args.vocab, repeats=args.repeats,
+                    waiting=args.waiting, fair_share=share)
+        label = mode if args.fair_share == "on" else f"{mode}{'' if share else ' -fs'}"
+        print(f"{label:>17} {r['wall']:>7.3f} {r['cpu']:>7.3f} {r['model']:>7.3f} "
               f"{r['noise']:>7.3f} {r['planner']:>8.3f} {r['sampler']:>8.3f} "
               f"{r['host']:>7.3f}  {'ok' if r['host'] <= GOAL_MS else 'over'}", flush=True)
     print("host = cpu - model - noise (noise: random-noise generation, device work on a GPU); "

@@ -78,29 +78,48 @@ def unit_of(req: Request) -> Hashable:
 class _Unit:
     """One request's demand, usage and share (slots, blocks)."""
 
-    __slots__ = ("user", "want_slots", "want_blocks", "slots", "nrun", "blocks",
+    __slots__ = ("user", "want_slots", "want_blocks", "slots", "nrun", "nblocks", "_ids",
                  "share_slots", "share_blocks")
 
-    def __init__(self, user: Hashable) -> None:
+    def __init__(self, user: Hashable, group: bool = False) -> None:
         self.user = user
         self.want_slots = self.want_blocks = 0
         self.slots = 0  # sequence slots held (running sequences and reserved siblings)
         self.nrun = 0  # running sequences
-        self.blocks: set[int] = set()  # KV blocks held by its running sequences
+        self.nblocks = 0  # KV blocks held by its running sequences
+        # a parallel-sampling group's block ids (siblings share their prompt's blocks: each
+        # counted once); a request of one sequence is counted, not collected (every step
+        # with a queue recounts them all)
+        self._ids: set[int] | None = set() if group else None
         self.share_slots = self.share_blocks = 0.0
+
+    def hold(self, ids: Sequence[int]) -> None:
+        """A running sequence's blocks join the request's usage."""
+        if self._ids is None:
+            self.nblocks += len(ids)
+        else:
+            self._ids.update(ids)
+            self.nblocks = len(self._ids)
+
+    def release(self, ids: Sequence[int]) -> None:
+        """Blocks only a preempted sequence held leave the request's usage."""
+        if self._ids is None:
+            self.nblocks -= len(ids)
+        else:
+            self._ids.difference_update(ids)
+            self.nblocks = len(self._ids)
 
     def ratio(self) -> float:
         """Usage over share, the larger of slots and blocks (inf: over a share of 0)."""
         r = 0.0
-        for used, share in ((self.slots, self.share_slots), (len(self.blocks),
-                                                               self.share_blocks)):
+        for used, share in ((self.slots, self.share_slots), (self.nblocks, self.share_blocks)):
             if used:
                 r = max(r, used / share if share > 0 else float("inf"))
         return r
 
     def block_ratio(self) -> float:
         """Blocks held over the block share (what a growing sequence competes for)."""
-        n = len(self.blocks)
+        n = self.nblocks
         if self.share_blocks > 0:
             return n / self.share_blocks
         return float("inf") if n else 0.0
@@ -117,7 +136,7 @@ class _Unit:
         return not self.nrun and self.under()
 
     def under(self) -> bool:
-        return self.slots < self.share_slots and len(self.blocks) < self.share_blocks
+        return self.slots < self.share_slots and self.nblocks < self.share_blocks
 
 
 class FairShare:
@@ -148,15 +167,24 @@ class FairShare:
         return out
 
     def refresh(self, running: Sequence[Request], waiting: Sequence[Request]) -> None:
-        """Recompute every active request's demand, usage and share."""
+        """Recompute every active request's demand, usage and share. With no
+        parallel-sampling group active there is nothing to share (no request runs more than
+        its last sequence, which is never preempted for another): no units, which every
+        decision reads as first-come first-served - what it would decide anyway, at no cost
+        per step."""
         self.fresh = True
+        if not any(r.group is not None for r in running) and \
+                not any(r.group is not None for r in waiting):
+            self.units = {}
+            return
         bm = self.bm
         units: dict[Hashable, _Unit] = {}
         for req in (*running, *waiting):
             key = unit_of(req)
             u = units.get(key)
             if u is None:
-                u = units[key] = _Unit(req.fair_key if req.fair_key is not None else key)
+                u = units[key] = _Unit(req.fair_key if req.fair_key is not None else key,
+                                       req.group is not None)
                 if req.group is not None:  # its siblings not forked yet wait with it
                     for child in req.group.unforked:
                         u.want_slots += 1
@@ -167,7 +195,7 @@ class FairShare:
             if req.status is Status.RUNNING:
                 u.slots += 1
                 u.nrun += 1
-                u.blocks.update(req.block_ids)
+                u.hold(req.block_ids)
         self.units = units
         for total, want, share in ((self.max_num_seqs, "want_slots", "share_slots"),
                                    (bm.num_blocks, "want_blocks", "share_blocks")):
@@ -177,6 +205,9 @@ class FairShare:
             per_user = water_fill(total, {k: sum(getattr(u, want) for u in us)
                                           for k, us in users.items()})
             for k, us in users.items():
+                if len(us) == 1:  # a user of one request (every request without a key)
+                    setattr(us[0], share, per_user[k])
+                    continue
                 got = water_fill(per_user[k], {id(u): getattr(u, want) for u in us})
                 for u in us:
                     setattr(u, share, got[id(u)])
@@ -241,7 +272,7 @@ class FairShare:
         if u is not None:
             u.slots += rows
             u.nrun += 1
-            u.blocks.update(req.block_ids)
+            u.hold(req.block_ids)
 
     def victim(self, running: Sequence[Request], start: int) -> int:
         """Index in `running` (at `start` or later: not scheduled yet) of the sequence to
@@ -253,7 +284,7 @@ class FairShare:
             u = self.unit(running[j])
             k: tuple = (0, 0, 0.0, 0, j)
             if u is not None and u.nrun > 1:
-                k = (u.over(), 1, u.block_ratio(), len(u.blocks), j)
+                k = (u.over(), 1, u.block_ratio(), u.nblocks, j)
             if key is None or k >= key:
                 best, key = j, k
         return best
@@ -267,7 +298,7 @@ class FairShare:
         u.slots -= 1 + _reserved(req)
         u.nrun -= 1
         ref = self.bm.ref_count
-        u.blocks.difference_update(b for b in req.block_ids if ref(b) == 1)
+        u.release([b for b in req.block_ids if ref(b) == 1])
 
     def make_room(self, running: list[Request], waiting: Sequence[Request], free_rows: int,
                   budget: int, preempt: Any) -> list[Request]:
@@ -312,7 +343,7 @@ class FairShare:
             u = self.unit(req)
             if u is None or u is exclude or not u.over():
                 continue
-            k = (u.ratio(), len(u.blocks), j)
+            k = (u.ratio(), u.nblocks, j)
             if key is None or k >= key:
                 best, key = j, k
         return best

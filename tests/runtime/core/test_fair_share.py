@@ -161,3 +161,27 @@ def test_partial_preemption_keeps_seeded_outputs(mode: str) -> None:
         assert any(0 < p < params.n for p in preempted), preempted  # part of a group
     finally:
         engine.close()
+
+
+def test_without_a_group_the_share_is_skipped_and_decides_the_same() -> None:
+    """Single-sequence requests only (a queue behind a full batch): the fair share builds no
+    units - its per-step cost is a scan - and the tokens and the order requests finish in are
+    those of the engine without it."""
+    runs = []
+    for fair in (True, False):
+        engine = make_engine(fair_share=fair)
+        for k in range(12):  # 8 slots: 4 wait
+            engine.add_request(prompt(3 * k, 5), SamplingParams(
+                max_tokens=6 + k % 3, temperature=1.0, seed=k, ignore_eos=True),
+                request_id=f"r{k}")
+        order, toks = [], {}
+        while engine.has_unfinished():
+            outs = engine.step()
+            if fair:
+                assert engine.scheduler.fair.units == {}
+            for o in outs:
+                if o.finished:
+                    order.append(o.request_id)
+                    toks[o.request_id] = list(o.token_ids)
+        runs.append((order, toks))
+    assert len(runs[0][0]) == 12 and runs[0] == runs[1]
