@@ -143,6 +143,14 @@ class RequestHandle(Handle):
             self.added = True
         self.client.wake()
 
+    def close(self) -> None:
+        """`Handle.close`; a request that never reached the engine (its preprocessing failed
+        or was given up) no longer counts ahead of new arrivals."""
+        super().close()
+        adm = getattr(self.client.engine, "admission", None)
+        if self.noted and adm is not None:
+            adm.leave_front(self.request_id)
+
     def _stop(self) -> None:
         self.client.engine.abort(self.request_id)
         self.client.wake()

@@ -159,3 +159,31 @@ def test_requests_past_the_door_count_ahead_of_later_ones(served) -> None:
     client.left_door(state)  # it ended before reaching the engine
     assert not adm.entering and client.at_door({"x": 1}) is None
     adm.entering.clear()
+
+
+def test_a_request_whose_preprocessing_fails_leaves_the_front(served) -> None:
+    """A request past the door whose image fails to decode in preprocessing (400, after it
+    was counted in front of the engine) does not count ahead of later arrivals: nothing is
+    left in `entering` or `front`."""
+    import base64
+    import io
+    import random
+
+    from PIL import Image
+
+    engine, client, server = served
+    rng = random.Random(0)
+    img = Image.new("RGB", (64, 64))
+    img.putdata([tuple(rng.randrange(256) for _ in range(3)) for _ in range(64 * 64)])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    cut = buf.getvalue()[: len(buf.getvalue()) // 2]  # its header reads; decoding fails
+    url = "data:image/png;base64," + base64.b64encode(cut).decode()
+    bad = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}]}
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        for _ in range(3):
+            assert http.post("/v1/chat/completions", json=bad).status_code == 400
+        assert http.post("/v1/chat/completions", json=OK).status_code == 200
+    adm = engine.admission
+    assert wait_until(lambda: not adm.entering and not adm.front and not adm.waiting, 3)

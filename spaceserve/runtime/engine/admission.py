@@ -137,6 +137,11 @@ class EngineAdmission:
         self.entering[ticket] = at
         return ticket
 
+    def leave_front(self, request_id: str) -> None:
+        """`request_id` ended before `add_request` (its preprocessing failed or was given
+        up): it no longer counts ahead of new arrivals (any thread)."""
+        self.front.pop(request_id, None)
+
     def leave(self, ticket: int | None) -> None:
         """The request of `ticket` reached the engine's front, or ended before it."""
         if ticket is not None:
