@@ -52,6 +52,7 @@ from spaceserve.runtime.core.scheduler import Scheduler
 from spaceserve.runtime.policy.model_curves import load_curves
 from spaceserve.runtime.policy.scheduling import SchedulingPolicy
 from spaceserve.runtime.policy.sis import SisState, SpaceInferenceScheduler, Split
+from spaceserve.runtime.policy.sis_goodput import order_encoder
 from spaceserve.runtime.spatial.batch_split import split_batch, turn_budget
 from spaceserve.runtime.spatial.encoder_stage import SpatialEncoderStage
 from spaceserve.runtime.spatial.partition import Partition, PartitionSet
@@ -247,6 +248,8 @@ class SpatialRuntime:
         if self.sis is not None:
             split = self.sis.decide(self.sis_state(eng.scheduler))
             self.last_split = split
+            deadline = self.policy.deadline_s if self.policy is not None else None
+            order_encoder(self.stage.sched.scheds, self.sis.turns, deadline)
             self._window = split.encoder_sms >= self.partitions.total
             target = self.partitions.full if self._window else \
                 self.partitions.get(split.encoder_sms)
