@@ -125,3 +125,19 @@ def test_the_simulator_takes_turns_past_saturation_and_serves_everything() -> No
     # during windows the decoder is paused and the encoder holds every SM
     held = [(enc, dec) for _, enc, dec in sims["superset"].timeline]
     assert (CURVES.num_sms, 0) in held
+
+
+def test_turns_order_fifo_only_where_admission_sheds() -> None:
+    """Taking turns, the encoder runs FIFO without a deadline under SLO-aware admission (which
+    sheds the hopeless requests) and keeps TWSRFT with its deadline without it; sharing always
+    runs TWSRFT with the deadline."""
+    from spaceserve.runtime.policy.sis_goodput import order_encoder, turns_order
+    from spaceserve.runtime.policy.twsrft import TwsrftScheduler
+
+    assert (turns_order("slo"), turns_order("queue")) == ("fifo", "twsrft")
+    s = TwsrftScheduler(32, lambda p, n: p * n * 1e-6, deadline_s=1.8)
+    for turns, admission, want in ((True, "slo", ("fifo", None)),
+                                   (False, "slo", ("twsrft", 1.8)),
+                                   (True, "queue", ("twsrft", 1.8))):
+        order_encoder([s], turns, 1.8, turns_order(admission))
+        assert (s.policy, s.deadline_s) == want

@@ -103,12 +103,15 @@ def test_spatial_a_request_ended_while_its_grant_runs_is_never_prefilled(curves)
     assert req.first_token is None and not sim.prefill_q and len(sim.sched) == 0
 
 
-def test_the_superset_orders_and_prices_as_the_regime_it_runs(curves, monkeypatch) -> None:
-    """While SIS takes turns the encoder runs jobs first in first out without a deadline
-    (temporal-chunked's best configuration) and admission prices the work ahead as that
-    schedule (temporal-chunked's costs at the turns' window and budget, FIFO); while it shares,
-    TWSRFT with the SLO's deadline and the sharing split's costs. Checked at every decision of
-    a run that takes turns and shares."""
+@pytest.mark.parametrize("admission", ["slo", "queue"])
+def test_the_superset_orders_and_prices_as_the_regime_it_runs(curves, admission,
+                                                              monkeypatch) -> None:
+    """While SIS takes turns under SLO-aware admission the encoder runs jobs first in first
+    out without a deadline (temporal-chunked's best configuration) and admission prices the
+    work ahead as that schedule (temporal-chunked's costs at the turns' window and budget,
+    FIFO); while it shares, TWSRFT with the SLO's deadline and the sharing split's costs.
+    Without admission nothing sheds, and turns keep TWSRFT. Checked at every decision of a run
+    that takes turns and shares."""
     from spaceserve.runtime.policy.admission import stage_costs
     from spaceserve.runtime.sim.admission import SimAdmission
     from spaceserve.runtime.sim.loops.spatial_loop import SpatialLoop
@@ -120,7 +123,8 @@ def test_the_superset_orders_and_prices_as_the_regime_it_runs(curves, monkeypatc
         ok = choose(loop)
         s = loop.twsrft.scheds[0]
         turns = loop.sim.sis.turns
-        want = ("fifo", None) if turns else ("twsrft", loop.plan.deadline_s)
+        fifo = turns and admission == "slo"
+        want = ("fifo", None) if fifo else ("twsrft", loop.plan.deadline_s)
         assert (s.policy, s.deadline_s) == want, (turns, s.policy, s.deadline_s)
         seen["order"].add(turns)
         return ok
@@ -143,7 +147,7 @@ def test_the_superset_orders_and_prices_as_the_regime_it_runs(curves, monkeypatc
 
     monkeypatch.setattr(SpatialLoop, "_choose", choose_and_look)
     monkeypatch.setattr(SimAdmission, "check", check_and_look)
-    cfg = SimConfig(mode="spatial", slo=SLO, admission="slo", sis_actions="superset")
+    cfg = SimConfig(mode="spatial", slo=SLO, admission=admission, sis_actions="superset")
     res = simulate(curves, cfg, Workload(20.0, 6.0, seed=1))
     assert res.gpus[0].sis.action_counts()["regime:turns"] >= 1
     assert seen == {"order": {False, True}, "pricing": {False, True}}

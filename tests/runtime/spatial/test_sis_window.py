@@ -157,3 +157,8 @@ def test_turns_order_the_encoder_fifo_and_admission_prices_them() -> None:
         eng.check_idle()
     finally:
         eng.close()
+    plain = engine("spatial", sis_actions="superset")  # nothing sheds: turns keep TWSRFT
+    try:
+        assert (eng.spatial.turns_order, plain.spatial.turns_order) == ("fifo", "twsrft")
+    finally:
+        plain.close()
