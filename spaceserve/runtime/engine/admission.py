@@ -11,7 +11,10 @@ request that can no longer meet its bound is ended like an abort, with finish re
 its KV blocks and encoder work are freed and no token is drawn for it; its final output
 carries ``extra = {"status": 503, "retry_after": s}`` so the server answers it as it answers a
 refusal. A request whose prefill has begun is left to finish. The calibration learns from
-every first token how far the curves' prediction is from this machine's time.
+every first token how far the curves' prediction is from this machine's time. With SIS's
+superset each check first prices as the regime SIS runs (`policy.admission.RegimePricing`, as
+the simulator does): while it takes turns, temporal-chunked's costs at the turns' window and
+budget, in the turns' encoder order.
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ from typing import Any
 from spaceserve.runtime.core.request import Request, RequestOutput, Status
 from spaceserve.runtime.policy.admission import (
     AdmissionPolicy,
+    Pricing,
     Queued,
     Refused,
+    RegimePricing,
     retry_seconds,
     stage_costs,
 )
 from spaceserve.runtime.policy.model_curves import load_curves
+from spaceserve.runtime.policy.sis_goodput import TURNS_ORDER
 
 CHECK_S = 0.02  # the waiting requests are priced again at most this often (seconds)
 DOOR_S = 0.005  # the server's door reuses the priced queue this long (seconds)
@@ -63,6 +69,7 @@ class EngineAdmission:
         # (encoder s, prefill s, has media) of the last requests priced at arrival
         self.recent: deque[tuple[float, float, bool]] = deque(maxlen=RECENT)
         self._media = getattr(engine.encoder, "media", None)  # which requests are encoded
+        self.regimes: RegimePricing | None = None  # the superset's pricing per SIS regime
         if not self.active:
             return
         curves = load_curves(cfg.curves, engine.runner)
@@ -73,6 +80,9 @@ class EngineAdmission:
         self.policy.pipelined = pipelined
         deadline = self.policy.bound_s * 0.9 if order == "twsrft" else None
         self.deadline_s = deadline
+        if cfg.mode == "spatial" and cfg.sis_actions == "superset":  # priced as SIS's regime
+            self.regimes = RegimePricing(
+                curves, Pricing(self.enc_s, self.pre_s, pipelined, order, deadline), TURNS_ORDER)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -185,6 +195,8 @@ class EngineAdmission:
         bound (the engine's step thread, at most every `CHECK_S`)."""
         if not self.active:
             return
+        if self.regimes is not None:  # SIS entered or left turns: price as it runs now
+            self.regimes.switch(self, getattr(self.engine.spatial, "sis", None))
         now = time.monotonic() if now is None else now
         if now < self._next_check:
             return

@@ -215,5 +215,60 @@ def stage_costs(curves: Any, mode: str, *, encoder_sms: int | None = None,
             lambda t: curves.prefill(t, 0, sms, True) if t > 0 else 0.0, True)
 
 
-__all__ = ["ADMISSIONS", "DOOR_MARGIN", "AdmissionPolicy", "Prediction", "Queued", "Refused",
-           "retry_seconds", "stage_costs"]
+@dataclass(frozen=True)
+class Pricing:
+    """How admission prices the work ahead under one schedule: `stage_costs`'s encoder and
+    prefill seconds and whether they pipeline, the encoder order and TWSRFT's deadline (None:
+    no request is demoted as late)."""
+
+    enc_s: Callable[[int, int], float]
+    pre_s: Callable[[int], float]
+    pipelined: bool
+    order: str
+    deadline_s: float | None
+
+
+class RegimePricing:
+    """Admission's pricing per SIS regime (``sis_actions`` superset), the same rule in the
+    engine and the simulator: sharing as built (`sharing`); while SIS takes turns, as
+    temporal-chunked with the turns' window and prefill budget and in the turns' encoder
+    `order`, without a deadline (`stage_costs`), so the work ahead is priced as the schedule
+    that runs now. The decode load is the caller's, as its sharing pricing has it."""
+
+    def __init__(self, curves: Any, sharing: Pricing, order: str, *, decode_batch: int = 0,
+                 decode_context: float = 0.0) -> None:
+        self.curves, self.sharing = curves, sharing
+        self.order = require_choice("order", order, ENCODER_POLICIES)
+        self.decode_batch, self.decode_context = decode_batch, decode_context
+        self._turns: dict[tuple[float, int], Pricing] = {}
+
+    def pricing(self, turns: bool, window_s: float, budget: int) -> Pricing:
+        """The pricing of the regime that runs: taking turns (`turns`, SIS's last window
+        `window_s` carrying at most `budget` prefill tokens) or sharing."""
+        if not turns or not window_s > 0 or budget <= 0:
+            return self.sharing
+        key = (round(window_s, 5), int(budget))
+        hit = self._turns.get(key)
+        if hit is None:
+            if len(self._turns) > 1024:
+                self._turns.clear()
+            enc, pre, pipelined = stage_costs(
+                self.curves, "temporal-chunked", window_s=key[0], budget=key[1],
+                decode_batch=self.decode_batch, decode_context=self.decode_context)
+            hit = self._turns[key] = Pricing(enc, pre, pipelined, self.order, None)
+        return hit
+
+    def switch(self, adm: Any, sis: Any) -> None:
+        """Set `adm`'s pricing (an admission's ``enc_s``, ``pre_s``, ``deadline_s`` and its
+        policy's ``pipelined`` and ``order``) to the regime `sis` (a
+        `SpaceInferenceScheduler`, or None) runs now."""
+        p = self.sharing if sis is None else self.pricing(
+            sis.turns, sis.last_window_s, sis.last_turn_tokens)
+        if adm.enc_s is p.enc_s:
+            return
+        adm.enc_s, adm.pre_s, adm.deadline_s = p.enc_s, p.pre_s, p.deadline_s
+        adm.policy.pipelined, adm.policy.order = p.pipelined, p.order
+
+
+__all__ = ["ADMISSIONS", "DOOR_MARGIN", "AdmissionPolicy", "Prediction", "Pricing", "Queued",
+           "Refused", "RegimePricing", "retry_seconds", "stage_costs"]

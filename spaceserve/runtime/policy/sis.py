@@ -40,14 +40,14 @@ That is the ``tpot`` objective (the paper's: TPOT first, at any TTFT cost). The 
 Actions (``actions``): "share" is the rule above, pure sharing. "superset" adds the
 time-multiplexed schedule as a regime: when the image arrivals outgrow ``turns_at`` x what
 sharing sustains (`capacities`: the mean arrival's encode + prefill on the compute partition at
-the decode SLO's cap; the discount is what hand-offs waiting for a starved decoder's steps cost,
-which that figure does not see) and taking turns on the whole GPU sustains more than that
-(`turns_plan`), SIS gives the encoder the whole GPU in windows (every SM, the decoder 0,
-prefill "decode"; each followed by a whole-device step carrying at most the plan's prefill
-budget) - what temporal-chunked runs - until the arrivals fall below ``turns_until`` x the
-sharing capacity and no waiting request is predicted to miss at that cap. Each change waits
-``turns_dwell_s`` (hysteresis). Window and budget keep the decode SLO's margin; where no window
-fits, SIS shares. `action_counts` counts splits, windows, placements and regime changes.
+the decode SLO's cap, blind to hand-offs waiting for a starved decoder; 0.3: where the sweeps of
+sim-best-temporal.md find turns ahead) and taking turns sustains more than that (`turns_plan`), SIS
+gives the encoder the whole GPU in windows (every SM, the decoder 0, prefill "decode"; each
+followed by a whole-device step carrying at most the plan's prefill budget; the encoder's jobs
+first in first out, `sis_goodput.order_encoder`) - what temporal-chunked runs - until the
+arrivals fall below ``turns_until`` x the sharing capacity and no waiting request is predicted
+to miss at that cap. Each change waits ``turns_dwell_s``. Window and budget keep the decode
+SLO's margin; where no window fits, SIS shares. `action_counts` counts every action.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class SpaceInferenceScheduler:
                  objective: str = "goodput", slo: Slo | None = None,
                  decode_margin: float = 0.8, ttft_margin: float = 0.9,
                  comfort_factor: float = 2.5, actions: str = "share",
-                 window_s: float = 0.02, turns_at: float = 0.7, turns_until: float = 0.5,
+                 window_s: float = 0.02, turns_at: float = 0.3, turns_until: float = 0.2,
                  turns_dwell_s: float = 1.0, clock: Callable[[], float] = time.monotonic
                  ) -> None:
         require_choice("sis actions", actions, SIS_ACTIONS)

@@ -7,15 +7,24 @@ jobs, or whole passes in ``temporal``), prefill left - with the mode's costs
 runs. Every `CHECK_S` of simulated time the requests still waiting for their first token are
 priced again, and those that can no longer meet the bound are ended: their waiting encoder work
 is cancelled, their KV blocks and held embeddings freed. A request whose prefill has started is
-left to finish (its first token is near). Refused and ended requests are ``shed``: goodput counts
-them as misses, the results report their share and the TTFT of the requests served.
+left to finish (its first token is near). With SIS's superset the pricing follows its regime
+(`policy.admission.RegimePricing`): while it takes turns, temporal-chunked's costs at the turns'
+window and budget, in the turns' encoder order. Refused and ended requests are ``shed``: goodput
+counts them as misses, the results report their share and the TTFT of the requests served.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from spaceserve.runtime.policy.admission import AdmissionPolicy, Queued, stage_costs
+from spaceserve.runtime.policy.admission import (
+    AdmissionPolicy,
+    Pricing,
+    Queued,
+    RegimePricing,
+    stage_costs,
+)
+from spaceserve.runtime.policy.sis_goodput import TURNS_ORDER
 from spaceserve.runtime.sim.workload import Request
 
 CHECK_S = 0.05  # how often waiting requests are priced again (simulated seconds)
@@ -41,6 +50,12 @@ class SimAdmission:
         self.policy = AdmissionPolicy(c.slo, mode=c.admission, order=order,
                                       pipelined=pipelined)
         self.deadline_s = sim.policy.deadline_s if order == "twsrft" else None
+        self.regimes = None  # the superset: priced as the regime SIS runs (`RegimePricing`)
+        if c.mode == "spatial" and c.sis_actions == "superset":
+            self.regimes = RegimePricing(
+                sim.curves, Pricing(self.enc_s, self.pre_s, pipelined, order, self.deadline_s),
+                TURNS_ORDER, decode_batch=c.background,
+                decode_context=c.background_context + c.background_output / 2)
         self.depth = sim.curves.encoder_depth
         self.waiting: dict[int, Request] = {}
         self.predicted: dict[int, float] = {}  # uncalibrated wait predicted at arrival
@@ -90,6 +105,8 @@ class SimAdmission:
         """Before every dispatch: no ended request stays in the prefill queue. Every `CHECK_S`:
         price the waiting requests again; end the hopeless ones."""
         sim = self.sim
+        if self.regimes is not None:  # SIS entered or left turns: price as it runs now
+            self.regimes.switch(self, sim.sis)
         for rid in list(self.landing):  # its running job was reported: out of the queue
             req = sim.requests[rid]
             if req in sim.prefill_q:

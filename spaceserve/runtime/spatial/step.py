@@ -52,6 +52,7 @@ from spaceserve.runtime.core.scheduler import Scheduler
 from spaceserve.runtime.policy.model_curves import load_curves
 from spaceserve.runtime.policy.scheduling import SchedulingPolicy
 from spaceserve.runtime.policy.sis import SisState, SpaceInferenceScheduler, Split
+from spaceserve.runtime.policy.sis_goodput import TURNS_ORDER, order_encoder, turns_order
 from spaceserve.runtime.spatial.batch_split import split_batch, turn_budget
 from spaceserve.runtime.spatial.encoder_stage import SpatialEncoderStage
 from spaceserve.runtime.spatial.partition import Partition, PartitionSet
@@ -100,6 +101,7 @@ class SpatialRuntime:
         self.num_pipelined = 0  # decode steps left in flight (read back by the next step)
         self._window = False  # SIS's split is a whole-GPU window
         self._encoder_turn = False  # the window's next step is the encoder's
+        self.turns_order = TURNS_ORDER  # the encoder's order in turns (`build_spatial` sets it)
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, eng: Any) -> None:
@@ -247,6 +249,8 @@ class SpatialRuntime:
         if self.sis is not None:
             split = self.sis.decide(self.sis_state(eng.scheduler))
             self.last_split = split
+            deadline = self.policy.deadline_s if self.policy is not None else None
+            order_encoder(self.stage.sched.scheds, self.sis.turns, deadline, self.turns_order)
             self._window = split.encoder_sms >= self.partitions.total
             target = self.partitions.full if self._window else \
                 self.partitions.get(split.encoder_sms)
@@ -374,4 +378,5 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
                              clock=clock, graph_batch_sizes=captured, policy=policy,
                              async_scheduling=config.async_scheduling)
     runtime.graph_bytes = graph_bytes
+    runtime.turns_order = turns_order(config.admission)
     return stage, runtime

@@ -58,8 +58,9 @@ def test_arrivals_past_what_sharing_sustains_take_turns() -> None:
     assert split.predicted_tpot_s == pytest.approx(s.window(state) + s.predict_tpot(state, 0))
     assert split.tpot_ok and split.predicted_tpot_s <= s.slo_target() + 1e-12
     assert share.decide(state).encoder_sms < share.total  # pure sharing never takes turns
-    calm = sis()  # the same backlog at a rate sharing sustains: SIS shares
-    assert calm.decide(backlog(batch=64, rate=0.5 * cap_share)).encoder_sms < calm.total
+    calm = sis()  # the same backlog at a rate below the regime's threshold: SIS shares
+    low = 0.9 * calm.turns_at * cap_share
+    assert calm.decide(backlog(batch=64, rate=low)).encoder_sms < calm.total
 
 
 def test_the_regime_has_hysteresis() -> None:
@@ -124,3 +125,19 @@ def test_the_simulator_takes_turns_past_saturation_and_serves_everything() -> No
     # during windows the decoder is paused and the encoder holds every SM
     held = [(enc, dec) for _, enc, dec in sims["superset"].timeline]
     assert (CURVES.num_sms, 0) in held
+
+
+def test_turns_order_fifo_only_where_admission_sheds() -> None:
+    """Taking turns, the encoder runs FIFO without a deadline under SLO-aware admission (which
+    sheds the hopeless requests) and keeps TWSRFT with its deadline without it; sharing always
+    runs TWSRFT with the deadline."""
+    from spaceserve.runtime.policy.sis_goodput import order_encoder, turns_order
+    from spaceserve.runtime.policy.twsrft import TwsrftScheduler
+
+    assert (turns_order("slo"), turns_order("queue")) == ("fifo", "twsrft")
+    s = TwsrftScheduler(32, lambda p, n: p * n * 1e-6, deadline_s=1.8)
+    for turns, admission, want in ((True, "slo", ("fifo", None)),
+                                   (False, "slo", ("twsrft", 1.8)),
+                                   (True, "queue", ("twsrft", 1.8))):
+        order_encoder([s], turns, 1.8, turns_order(admission))
+        assert (s.policy, s.deadline_s) == want

@@ -101,3 +101,53 @@ def test_spatial_a_request_ended_while_its_grant_runs_is_never_prefilled(curves)
     assert 1 in sim.admission.cancel
     sim.drain()
     assert req.first_token is None and not sim.prefill_q and len(sim.sched) == 0
+
+
+@pytest.mark.parametrize("admission", ["slo", "queue"])
+def test_the_superset_orders_and_prices_as_the_regime_it_runs(curves, admission,
+                                                              monkeypatch) -> None:
+    """While SIS takes turns under SLO-aware admission the encoder runs jobs first in first
+    out without a deadline (temporal-chunked's best configuration) and admission prices the
+    work ahead as that schedule (temporal-chunked's costs at the turns' window and budget,
+    FIFO); while it shares, TWSRFT with the SLO's deadline and the sharing split's costs.
+    Without admission nothing sheds, and turns keep TWSRFT. Checked at every decision of a run
+    that takes turns and shares."""
+    from spaceserve.runtime.policy.admission import stage_costs
+    from spaceserve.runtime.sim.admission import SimAdmission
+    from spaceserve.runtime.sim.loops.spatial_loop import SpatialLoop
+
+    seen = {"order": set(), "pricing": set()}
+    choose, check = SpatialLoop._choose, SimAdmission.check
+
+    def choose_and_look(loop):
+        ok = choose(loop)
+        s = loop.twsrft.scheds[0]
+        turns = loop.sim.sis.turns
+        fifo = turns and admission == "slo"
+        want = ("fifo", None) if fifo else ("twsrft", loop.plan.deadline_s)
+        assert (s.policy, s.deadline_s) == want, (turns, s.policy, s.deadline_s)
+        seen["order"].add(turns)
+        return ok
+
+    def check_and_look(adm):
+        check(adm)
+        sis, c = adm.sim.sis, adm.sim.config
+        turns = sis.turns and sis.last_window_s > 0
+        if turns:
+            enc, pre, _ = stage_costs(
+                curves, "temporal-chunked", window_s=round(sis.last_window_s, 5),
+                budget=sis.last_turn_tokens, decode_batch=c.background,
+                decode_context=c.background_context + c.background_output / 2)
+        else:
+            enc, pre = adm.regimes.sharing.enc_s, adm.regimes.sharing.pre_s
+        assert adm.enc_s(1024, 32) == enc(1024, 32) and adm.pre_s(300) == pre(300)
+        assert (adm.policy.order, adm.deadline_s) == (
+            ("fifo", None) if turns else ("twsrft", adm.sim.policy.deadline_s))
+        seen["pricing"].add(turns)
+
+    monkeypatch.setattr(SpatialLoop, "_choose", choose_and_look)
+    monkeypatch.setattr(SimAdmission, "check", check_and_look)
+    cfg = SimConfig(mode="spatial", slo=SLO, admission=admission, sis_actions="superset")
+    res = simulate(curves, cfg, Workload(20.0, 6.0, seed=1))
+    assert res.gpus[0].sis.action_counts()["regime:turns"] >= 1
+    assert seen == {"order": {False, True}, "pricing": {False, True}}

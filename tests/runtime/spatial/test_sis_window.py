@@ -108,3 +108,57 @@ def test_abort_and_pause_while_a_turns_step_is_in_flight() -> None:
         eng.check_idle()
     finally:
         eng.close()
+
+
+def test_turns_order_the_encoder_fifo_and_admission_prices_them() -> None:
+    """While SIS takes turns the engine's encoder stage runs jobs first in first out without a
+    deadline and admission prices the work ahead as temporal-chunked at the turns' window and
+    budget, in that order (`RegimePricing`, as the simulator); sharing again restores TWSRFT
+    with the SLO's deadline and the sharing split's costs."""
+    from spaceserve.runtime.policy.admission import stage_costs
+
+    eng = engine("spatial", encoder_splits=(16, 64), sis_actions="superset", admission="slo",
+                 slo="ttft:2000,tpot:50")
+    sis, adm = eng.spatial.sis, eng.admission
+    total = eng.spatial.partitions.total
+    sharing = adm.regimes.sharing
+    state = {"turns": True}
+
+    def decide(_):
+        sis.turns = state["turns"]
+        sis.last_window_s, sis.last_turn_tokens = 0.0125, 512
+        e = total if sis.turns else 16
+        return Split(e, total - e, "decode" if sis.turns else "compute", 0.0, 0.0, 1.0, True)
+
+    sis.decide = decide
+    try:
+        prompts, params = workload(seed=9, n=4)
+        for p, sp in zip(prompts, params, strict=True):
+            eng.add_request(p, sp)
+        for turns in (True, False):
+            state["turns"] = turns
+            for _ in range(2):  # admission follows at the next step's check
+                eng.step()
+            s = eng.spatial.stage.sched.scheds[0]
+            if turns:
+                enc, pre, _ = stage_costs(adm.regimes.curves, "temporal-chunked",
+                                          window_s=0.0125, budget=512)
+                assert (s.policy, s.deadline_s) == ("fifo", None)
+                assert (adm.policy.order, adm.deadline_s, adm.policy.pipelined) == (
+                    "fifo", None, True)
+                assert adm.enc_s(1024, 32) == enc(1024, 32) and adm.pre_s(300) == pre(300)
+            else:
+                assert (s.policy, s.deadline_s) == ("twsrft", eng.spatial.policy.deadline_s)
+                assert (adm.enc_s, adm.pre_s, adm.policy.order) == (
+                    sharing.enc_s, sharing.pre_s, "twsrft")
+                assert adm.deadline_s == sharing.deadline_s is not None
+        while eng.has_unfinished():
+            eng.step()
+        eng.check_idle()
+    finally:
+        eng.close()
+    plain = engine("spatial", sis_actions="superset")  # nothing sheds: turns keep TWSRFT
+    try:
+        assert (eng.spatial.turns_order, plain.spatial.turns_order) == ("fifo", "twsrft")
+    finally:
+        plain.close()
