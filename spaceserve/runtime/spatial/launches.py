@@ -180,6 +180,14 @@ class EncoderLaunches:
                 s.window_s = v
         return n
 
+    def window_end(self, n: int) -> tuple[Flight, Flight | None]:
+        """The last of the `n` launches just made (`launch_window`) and the last of them that
+        finishes (or fails) a request's embeddings (None if none does)."""
+        with self._lock:
+            new = list(self._flights)[-n:]
+        ends = [f for f in new if f.done or f.failed]
+        return new[-1], (ends[-1] if ends else None)
+
     def wait_all(self) -> None:
         """Block until every launch has finished (one stream: its last event)."""
         with self._lock:

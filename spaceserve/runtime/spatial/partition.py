@@ -314,6 +314,14 @@ class PartitionSet:
         """Every distinct decoder stream (a hand-off is recorded on each)."""
         return self._streams("decoder_stream")
 
+    def decoder_wait(self, event: Any) -> None:
+        """Order every decoder stream after `event` on the device, without a host wait: what
+        is launched on them next runs after the work before it. Without CUDA launches run in
+        the order they are made."""
+        if isinstance(event, torch.cuda.Event):
+            for stream in self.decoder_streams():
+                stream.wait_event(event)
+
     def encoder_streams(self) -> list[Any]:
         """Every distinct encoder stream (an upload is waited for on each)."""
         return self._streams("encoder_stream")

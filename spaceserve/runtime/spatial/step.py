@@ -20,15 +20,18 @@ on the device, and the step's sampled tokens are read back - a sync of the decod
 SIS's whole-GPU window (``sis_actions`` superset, taking turns): the full partition becomes
 current and steps alternate, as temporal-chunked runs them - an encoder step, where the decoder
 pauses, the encoder stage launches TWSRFT grants on every SM until SIS's window of predicted time
-is filled and the host waits for them, then an ordinary step on the whole device whose batch
-carries the prompts' prefill chunks - while SIS keeps choosing the window. While taking turns
-the decode steps are pipelined (``EngineConfig.async_scheduling``, as the temporal modes' steps,
-engine.py): a decode step on the full partition is left in flight (`Engine._inflight`) and read
-back by the next step after it launched its own, scheduled with placeholders (the decode inputs
-still on the device come from the sampler's last-token table). A step that needs it settled
-reads it back first: one with encoder work waiting (its window pauses the decoder) or
-compute-partition prefills in flight, one where SIS leaves turns or changes the split (the step
-then ends there), one with nothing to decode.
+is filled, then an ordinary step on the whole device whose batch carries the prompts' prefill
+chunks - while SIS keeps choosing the window. The host waits for a window's launches only up to
+the last that finishes a request's embeddings (used once the host has seen them complete); the
+decoder streams wait for the window's end on the device, and the next step's host time runs
+while the rest of the window computes. While taking turns the decode steps are pipelined
+(``EngineConfig.async_scheduling``, as the temporal modes' steps, engine.py): a decode step on
+the full partition is left in flight (`Engine._inflight`) and read back by the next step after
+it launched its own, scheduled with placeholders (the decode inputs still on the device come
+from the sampler's last-token table). A step that needs it settled reads it back first: one
+with encoder work waiting (its window pauses the decoder) or compute-partition prefills in
+flight, one where SIS leaves turns or changes the split (the step then ends there), one with
+nothing to decode.
 
 A request whose prefill is in flight on the compute stream is hidden from the scheduler (it can
 be neither scheduled again nor preempted: its KV blocks are being written) and an abort of it
@@ -99,6 +102,7 @@ class SpatialRuntime:
         self.num_compute_prefills = 0
         self.num_windows = 0  # encoder steps of whole-GPU windows (decoder paused)
         self.num_pipelined = 0  # decode steps left in flight (read back by the next step)
+        self.num_hidden = 0  # windows the host did not wait for (`_window_launch`)
         self._window = False  # SIS's split is a whole-GPU window
         self._encoder_turn = False  # the window's next step is the encoder's
         self.turns_order = TURNS_ORDER  # the encoder's order in turns (`build_spatial` sets it)
@@ -178,15 +182,27 @@ class SpatialRuntime:
         if not self._window_ready():
             return False
         self._encoder_turn = not self._encoder_turn
-        return self._encoder_turn and self._window_launch()
+        return self._encoder_turn and self._window_launch(hide=True)
 
-    def _window_launch(self) -> bool:
+    def _window_launch(self, hide: bool = False) -> bool:
         """One window as temporal-chunked runs it: the encoder on every SM for SIS's window of
-        predicted time while the decoder pauses, then the host waits for it."""
-        if not self.stage.launch_window(self.sis.last_window_s):
+        predicted time while the decoder pauses. With `hide` the host waits only for the last
+        launch that finishes a request's embeddings (its prompt then prefills in the next step),
+        if any: the decoder streams wait for the window's end on the device and the next step
+        is planned and launched while the rest runs. Without it, the host waits for all."""
+        n = self.stage.launch_window(self.sis.last_window_s)
+        if not n:
             return False
         self.num_windows += 1
-        self.stage.wait_all()
+        end, finish = self.stage.window_end(n)
+        if not hide or self.stage.driver != "cooperative":
+            self.stage.wait_all()
+            return True
+        self.partitions.decoder_wait(end.event)
+        if finish is not end:
+            self.num_hidden += 1
+        if finish is not None and hasattr(finish.event, "synchronize"):
+            finish.event.synchronize()
         return True
 
     def _launch_budget(self) -> float | None:

@@ -29,6 +29,8 @@ from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim.cluster import simulate
 from spaceserve.runtime.sim.config import SimConfig
+from spaceserve.runtime.sim.loops import sis_window
+from spaceserve.runtime.sim.loops import spatial_loop as spatial_loop_module
 from spaceserve.runtime.sim.loops.stepped import batch_seconds
 from spaceserve.runtime.sim.metrics import percentile
 from spaceserve.runtime.sim.workload import Request, Workload, generate
@@ -123,6 +125,7 @@ class TwoLanes(NullModelRunner):
         self.free = {"compute": 0.0, "decode": 0.0}
         self.launch_s = 0.0
         self.last_end = 0.0
+        self.after = 0.0  # the decode lane's steps start no earlier (a window's end)
         self.spatial: Any = None
 
     def attach(self, eng: Any) -> None:
@@ -131,9 +134,15 @@ class TwoLanes(NullModelRunner):
         eng.sampler.sample = lambda logits, b: Drawn(sample(logits, b), self.clock,
                                                      self.last_end)
         eng.encoder.event_factory = lambda: VirtualEvent(self.clock, self.free["compute"])
+        eng.spatial.partitions.decoder_wait = self.decoder_wait
+
+    def decoder_wait(self, event: VirtualEvent) -> None:
+        """The decoder streams wait on the device for `event` (a window's end)."""
+        self.after = max(self.after, event.at)
 
     def _queue(self, lane: str, seconds: float) -> float:
-        self.free[lane] = max(self.clock.t, self.free[lane]) + seconds
+        start = max(self.clock.t, self.free[lane], self.after if lane == "decode" else 0.0)
+        self.free[lane] = start + seconds
         return self.free[lane]
 
     def execute(self, batch: Any, *, stage: str = "decoder") -> torch.Tensor:
@@ -302,9 +311,10 @@ def test_the_simulator_predicts_the_colocated_engine_taking_turns(calm_curves, p
     """The superset past what sharing sustains: both switch from sharing to taking turns on the
     whole GPU (temporal-chunked's windows) after sharing, take the same actions, and agree as
     closely - with asynchronous scheduling (decode steps pipelined while taking turns: a step's
-    host time runs while the step before computes) and without. Getting the host time wrong
-    either way (charged on top of the device time while the engine pipelines, or hidden while
-    it does not) is caught."""
+    host time runs while the step before computes, or while a window the host does not wait
+    out runs) and without. Getting the host time wrong either way (charged on top of the device
+    time while the engine pipelines, or hidden while it does not; the host waiting out every
+    window) is caught."""
     c, path = calm_curves
     cfg = SimConfig(mode="spatial", background=0, slo=SLO, allowed_encoder_sms=(32, 64, 96),
                     sis_actions="superset", async_scheduling=pipelined)
@@ -319,7 +329,15 @@ def test_the_simulator_predicts_the_colocated_engine_taking_turns(calm_curves, p
     assert counts["regime:turns"] >= 1 and counts["window"] > 0 and counts["prefill:compute"] > 0
     assert engines[0].spatial.num_windows == sims[0].loop.num_windows > 0
     assert (sims[0].loop.num_pipelined > 100) == pipelined, sims[0].loop.num_pipelined
+    hidden = engines[0].spatial.num_hidden  # windows the host did not wait out
+    assert hidden == sims[0].loop.num_hidden > 0, (hidden, sims[0].loop.num_hidden)
     assert worst(eng, sim) < 0.01, (eng, sim)  # the figure reached: the same step, two lanes
+    if pipelined:  # the simulator's host waiting out every window is caught (~1.2%)
+        with monkeypatch.context() as m:
+            m.setattr(spatial_loop_module, "window_launch",
+                      lambda loop, hide=False: sis_window.window_launch(loop))
+            waited = summary(run_sim(c, cfg, wl))
+        assert worst(eng, waited) > 0.01, (eng, waited)
     other = summary(run_sim(c, dataclasses.replace(cfg, max_num_batched_tokens=256), wl))
     assert worst(eng, other) > TOLERANCE, (eng, other)  # a divergence is caught
     flipped = summary(run_sim(c, dataclasses.replace(cfg, async_scheduling=not pipelined), wl))

@@ -58,14 +58,16 @@ def _next_op(sim: Any) -> None:
     sim._last_kind = "compute" if "compute" in sim.ops else "decode"
 
 
-def window_launch(loop: Any) -> bool:
+def window_launch(loop: Any, hide: bool = False) -> bool:
     """One window on `loop` (a `SpatialLoop`), as temporal-chunked runs it: TWSRFT grants sized
     to what is left of SIS's window, on every SM, until their predicted time fills it (at least
-    one launch); the host then waits for the last (the decoder is paused). False when nothing
-    could launch."""
+    one launch). The host then waits for the last (the decoder is paused) - with `hide`, only
+    for the last launch that finishes a request's embeddings, if any, and the decode steps
+    launched next start no earlier than the window's end (`loop.after`), as the engine's
+    `SpatialRuntime._window_launch`. False when nothing could launch."""
     w, scheds = loop.sim.sis.last_window_s, loop.twsrft.scheds
     old = [s.window_s for s in scheds]
-    spent, last = 0.0, None
+    spent, last, finish = 0.0, None, None
     try:
         while spent < w or last is None:
             for s in scheds:
@@ -75,11 +77,18 @@ def window_launch(loop: Any) -> bool:
                 break
             spent += item.fn(loop.total, False)
             last = item
+            finish = item if item.payload else finish
     finally:
         for s, v in zip(scheds, old, strict=True):
             s.window_s = v
     if last is None:
         return False
     loop.num_windows += 1
-    loop.blocked = last
+    if not hide:
+        loop.blocked = last
+        return True
+    loop.after = last
+    if finish is not last:
+        loop.num_hidden += 1
+    loop.blocked = finish
     return True

@@ -57,6 +57,7 @@ class Piped:
     start: float
     sync: bool = False
     done: bool = False
+    after: Any = None  # a window's last launch it is ordered behind on the device
 
     @property
     def waits(self) -> bool:
@@ -108,6 +109,9 @@ class SpatialLoop(ComputeLane, StepLoop):
         self.queued: deque[Piped] = deque()  # steps launched behind the running one
         self.resume: str | None = None  # where a step the host waited in goes on
         self.num_pipelined = 0
+        self.after: Any = None  # the last window the host did not wait for (`window_launch`)
+        self.parked: Piped | None = None  # a decode step waiting for that window to end
+        self.num_hidden = 0
 
     # -- requests ---------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -215,7 +219,7 @@ class SpatialLoop(ComputeLane, StepLoop):
             self._pipeline(dec, host)
             return
         rec = Piped(dec, self._sms()[1], lambda n, o: batch_seconds(curves, dec, n, o) + host,
-                    self.sim.now, sync=True)
+                    self.sim.now, sync=True, after=self.after)
         self._queue(rec)
         self.blocked = rec  # the host waits for its tokens
 
@@ -234,7 +238,7 @@ class SpatialLoop(ComputeLane, StepLoop):
         the step launched before, if any."""
         curves = self.curves
         rec = Piped(dec, self.total, lambda n, o: batch_seconds(curves, dec, n, o),
-                    self.sim.now + host)
+                    self.sim.now + host, after=self.after)
         self.num_pipelined += 1
         previous, self.inflight = self.inflight, rec
         self._queue(rec)
@@ -244,9 +248,13 @@ class SpatialLoop(ComputeLane, StepLoop):
             self.reading, self.resume = previous, "read"
 
     def _queue(self, rec: Piped) -> None:
-        """Launch `rec` on the decode lane: it runs after the steps launched before it."""
-        if "decode" in self.sim.ops:
+        """Launch `rec` on the decode lane: it runs after the steps launched before it and
+        the window it is ordered behind."""
+        if "decode" in self.sim.ops or self.parked is not None:
             self.queued.append(rec)
+            return
+        if rec.after is not None and not rec.after.done:
+            self.parked = rec
             return
         delay = max(0.0, rec.start - self.sim.now)
         self.sim.ops["decode"] = Op("decode", "decode", rec.sms,
@@ -285,6 +293,9 @@ class SpatialLoop(ComputeLane, StepLoop):
                 self._account_piped(rec)
             return
         self._complete_compute(op)
+        if self.parked is not None and self.parked.after.done:
+            rec, self.parked = self.parked, None
+            self._queue(rec)
 
     def _window_ready(self) -> bool:
         return self.current == 0 and not self.paused and self.num_pending > 0
@@ -293,7 +304,7 @@ class SpatialLoop(ComputeLane, StepLoop):
         if not self._window_ready():
             return False
         self.encoder_turn = not self.encoder_turn
-        return self.encoder_turn and window_launch(self)
+        return self.encoder_turn and window_launch(self, hide=True)
 
     # -- splits and placement ---------------------------------------------------------------
     def _choose(self) -> bool:
@@ -366,4 +377,5 @@ class SpatialLoop(ComputeLane, StepLoop):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "compute_prefills": self.num_compute_prefills,
-                "windows": self.num_windows, "pipelined": self.num_pipelined}
+                "windows": self.num_windows, "pipelined": self.num_pipelined,
+                "hidden_windows": self.num_hidden}
