@@ -64,7 +64,6 @@ ENGINE_COUNTERS = (
 )
 
 
-
 @dataclass(frozen=True)
 class SplitSample:
     """The engine's state after one step (engine monotonic clock)."""

@@ -100,6 +100,20 @@ def _read(s: socket.socket) -> bytes:
     return bytes(out)
 
 
+def _paused_stream(client, port: int, body: dict) -> socket.socket:
+    """A streamed request on a socket with a tiny receive buffer that is never read, once the
+    server has paused it."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(_request(port, body))
+    end = time.monotonic() + 30
+    while client.num_paused < 1:
+        assert time.monotonic() < end, "the stream was never paused"
+        time.sleep(0.02)
+    return s
+
+
 def test_a_deaf_stream_is_paused_and_resumes_with_the_same_text(tiny_engine) -> None:
     from spaceserve.server.app import ServerLimits
     from tests.server.conftest import MODEL, make_app
@@ -120,14 +134,7 @@ def test_a_deaf_stream_is_paused_and_resumes_with_the_same_text(tiny_engine) -> 
         want, done = _text(_read(ref))
         ref.close()
         assert done and want
-        deaf = socket.socket()
-        deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        deaf.connect(("127.0.0.1", port))
-        deaf.sendall(_request(port, body))
-        end = time.monotonic() + 30
-        while client.num_paused < 1:
-            assert time.monotonic() < end, "the stream was never paused"
-            time.sleep(0.02)
+        deaf = _paused_stream(client, port, body)
         time.sleep(0.2)  # the pause reaches the engine at its next step
         seqs = [r for r in engine.scheduler.waiting if r.request_id.startswith("chatcmpl-")]
         assert len(seqs) == 1 and not seqs[0].block_ids  # no KV blocks while paused
@@ -142,14 +149,8 @@ def test_a_deaf_stream_is_paused_and_resumes_with_the_same_text(tiny_engine) -> 
         deaf.close()
         assert done and got == want
         assert client.num_paused == 0
-        gone = socket.socket()  # a client that goes away while paused frees its slot at once
-        gone.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        gone.connect(("127.0.0.1", port))
-        gone.sendall(_request(port, body))
-        end = time.monotonic() + 30
-        while client.num_paused < 1:
-            assert time.monotonic() < end, "the stream was never paused"
-            time.sleep(0.02)
+        # a client that goes away while paused frees its slot at once
+        gone = _paused_stream(client, port, body)
         gone.close()
         t0 = time.monotonic()
         while client.num_paused or client.num_pending:

@@ -30,6 +30,7 @@ from spaceserve.server.handles import Cancelled, QueueFull
 from spaceserve.server.openai import protocol as P
 from spaceserve.server.openai.bounds import RequestBounds
 from spaceserve.server.openai.logprobs import TokenText, completion_logprobs
+from spaceserve.server.openai.preprocess import pool_error
 from spaceserve.server.openai.sampling import (
     MAX_LOGPROBS,
     REFUSED,
@@ -250,13 +251,8 @@ def add_completions_route(app: FastAPI, client: AsyncEngine, preprocessor: Any, 
                                       lambda x: sampling(req, x, cap), stream=req.stream,
                                       lane="light", deadline=deadline)
                     for i, (part, p) in enumerate(zip(parts, prompts, strict=True))))
-            except DeadlineExceeded:
-                raise APIError(503, f"preprocessing did not finish within "
-                               f"{limits.preprocess_timeout_s:g} s; retry later",
-                               type="server_error", code="preprocess_timeout") from None
-            except PoolFull as exc:
-                raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
-                               code="queue_full", retry_after=exc.retry_after) from None
+            except (DeadlineExceeded, PoolFull) as exc:
+                raise pool_error(exc, "preprocessing", limits.preprocess_timeout_s) from None
             except Cancelled as exc:
                 raise shutdown_error(exc) from None
             for part, p in zip(parts, prompts, strict=True):

@@ -53,6 +53,16 @@ async def _fetched(plan: Any, deadline: float) -> None:
         raise DeadlineExceeded("preprocessing did not finish before its deadline")
 
 
+def pool_error(exc: DeadlineExceeded | PoolFull, what: str, timeout_s: float) -> APIError:
+    """The 503 for a preprocessing-pool job that passed its deadline (`what` did not finish
+    within `timeout_s`) or found its lane's queue full."""
+    if isinstance(exc, PoolFull):
+        return APIError(503, f"server busy: {exc}; retry later", type="server_error",
+                        code="queue_full", retry_after=exc.retry_after)
+    return APIError(503, f"{what} did not finish within {timeout_s:g} s; retry later",
+                    type="server_error", code="preprocess_timeout")
+
+
 async def prepare_chat_request(client: Admission, preprocessor: Any,
                                req: P.ChatCompletionRequest, handle: Handle,
                                limits: ImageLimits, params: Callable[[Any], Any], *,
@@ -115,12 +125,8 @@ async def prepare_chat_request(client: Admission, preprocessor: Any,
 
         await handle.start(finish_job, params, stream=req.stream, lane="heavy",
                            cost=plan.work, deadline=deadline, on_done=lease.release)
-    except DeadlineExceeded:
-        raise APIError(503, f"preprocessing did not finish within {timeout_s:g} s; retry "
-                       "later", type="server_error", code="preprocess_timeout") from None
-    except PoolFull as exc:
-        raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
-                       code="queue_full", retry_after=exc.retry_after) from None
+    except (DeadlineExceeded, PoolFull) as exc:
+        raise pool_error(exc, "preprocessing", timeout_s) from None
     finally:
         if plan is not None:
             plan.close()  # remote fetches still running, if the request ends early

@@ -76,17 +76,14 @@ async def read_request(request: Request, limit: int, model: type[P.Req]) -> P.Re
     if pool is None or len(body) <= INLINE_PARSE_BYTES:
         return P.parse_body(body, model, scan)
     from spaceserve.runtime.inputs import DeadlineExceeded, QueueFull, cancel_point
+    from spaceserve.server.openai.preprocess import pool_error
 
     try:
         return await pool.run(lambda: P.parse_body(body, model, scan, cancel_point),
                               lane="light", cost=len(body) / PARSE_BYTES_PER_PIXEL,
                               deadline=deadline)
-    except DeadlineExceeded:
-        raise APIError(503, f"parsing the request body did not finish within {timeout_s:g} s;"
-                       " retry later", type="server_error", code="preprocess_timeout") from None
-    except QueueFull as exc:
-        raise APIError(503, f"server busy: {exc}; retry later", type="server_error",
-                       code="queue_full", retry_after=exc.retry_after) from None
+    except (DeadlineExceeded, QueueFull) as exc:
+        raise pool_error(exc, "parsing the request body", timeout_s) from None
 
 
 async def until_disconnect(request: Request) -> None:
