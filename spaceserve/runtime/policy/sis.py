@@ -47,7 +47,9 @@ followed by a whole-device step carrying at most the plan's prefill budget; the 
 first in first out, `sis_goodput.order_encoder`) - what temporal-chunked runs - until the
 arrivals fall below ``turns_until`` x the sharing capacity and no waiting request is predicted
 to miss at that cap. Each change waits ``turns_dwell_s``. Window and budget keep the decode
-SLO's margin; where no window fits, SIS shares. `action_counts` counts every action.
+SLO's margin - under an ITL bound, measured on the intervals the requests see
+(`sis_goodput.IntervalSpread`); where no window fits, SIS shares. `action_counts` counts every
+action.
 """
 
 from __future__ import annotations
@@ -61,9 +63,9 @@ from dataclasses import dataclass
 
 from spaceserve.checks import require_choice, require_int, require_number
 from spaceserve.runtime.modes import OBJECTIVES, SIS_ACTIONS
+from spaceserve.runtime.policy import sis_goodput as goodput
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import decode_bound_s
-from spaceserve.runtime.policy.sis_goodput import GoodputPredictor, Turns, plan_turns
 from spaceserve.runtime.policy.sis_state import PendingEncode, SisState
 from spaceserve.runtime.policy.slo import DEFAULT_SLO, Slo
 
@@ -106,7 +108,8 @@ class SpaceInferenceScheduler:
         self.turns = False  # the superset's regime: taking turns on the whole GPU
         self._turns_since = -math.inf
         self.last_window_s, self.last_turn_tokens = 0.0, 0  # the last window and its budget
-        self._turns_cache: dict[tuple, Turns] = {}  # bounded: its keys are bucketed
+        self._turns_cache: dict[tuple, goodput.Turns] = {}  # bounded: its keys are bucketed
+        self.spread = goodput.IntervalSpread()  # the executors report each decode step's tokens
         self.counts: Counter[str] = Counter()
         require_choice("objective", objective, OBJECTIVES)
         if not 0 < decode_margin <= 1 or not 0 < ttft_margin <= 1 or comfort_factor < 1:
@@ -114,7 +117,7 @@ class SpaceInferenceScheduler:
         self.objective, self.slo = objective, DEFAULT_SLO if slo is None else slo
         self.decode_margin, self.comfort_factor = decode_margin, comfort_factor
         ttft = None if self.slo.ttft is None else self.slo.ttft / 1e3
-        self.predictor = GoodputPredictor(curves, ttft, ttft_margin=ttft_margin)
+        self.predictor = goodput.GoodputPredictor(curves, ttft, ttft_margin=ttft_margin)
         total = curves.num_sms if total_sms is None else total_sms
         allowed = sorted(set(allowed_encoder_sms))
         if not allowed or any(not isinstance(e, int) or not 0 < e < total for e in allowed):
@@ -136,8 +139,7 @@ class SpaceInferenceScheduler:
         self._sat_cache: dict[tuple, int] = {}
         self._cap_cache: dict[tuple, tuple[int, bool]] = {}
         self._tpot_cache: dict[tuple, float] = {}
-        self._slo_key: tuple | None = None
-        self._slo_target = math.inf
+        self._slo_key, self._slo_target = None, math.inf  # slo_target's cache
 
     # -- predictions -------------------------------------------------------------------------
     def tpot_target(self, batch: int, context: float) -> float:
@@ -192,15 +194,15 @@ class SpaceInferenceScheduler:
         """The whole-GPU window for `state` (`turns_plan`): 0 if none of ``MIN_WINDOW_S`` fits."""
         return self.turns_plan(state).window_s
 
-    def turns_plan(self, state: SisState) -> Turns:
+    def turns_plan(self, state: SisState) -> goodput.Turns:
         """Taking turns for `state` (`sis_goodput.plan_turns`): the window and prefill budget
         that keep the decode SLO's margin and sustain the most of the mean arrival."""
         patches, prompt = _arrival(state)
-        key = (patches, prompt, state.decode_batch, state.decode_context)
+        bound = self.spread.bound(self.slo, self.slo_target())  # under ITL: as measured
+        key = (patches, prompt, state.decode_batch, state.decode_context, bound)
         hit = self._turns_cache.get(key)
         if hit is None:  # under a decode bound the bound alone sizes the window
-            bound = self.slo_target()
-            hit = self._turns_cache[key] = plan_turns(
+            hit = self._turns_cache[key] = goodput.plan_turns(
                 self.curves, self.total, state.decode_batch, state.decode_context, bound,
                 self.window_s if math.isinf(bound) else math.inf, patches, prompt)
         return hit
@@ -247,11 +249,8 @@ class SpaceInferenceScheduler:
             self.counts["regime:turns" if self.turns else "regime:share"] += 1
 
     def _saturation(self, kind: str, work: float, cap: int, cands: list[int]) -> int:
-        """Fewest candidate SMs at which `work` runs within tolerance of its time at `cap`.
-
-        Evaluated at curve grid points up to the first one >= `work` and maximised over them,
-        so the answer never falls as the work grows.
-        """
+        """Fewest candidate SMs at which `work` runs within tolerance of its time at `cap`, over
+        curve grid points up to the first >= `work` (so it never falls as the work grows)."""
         if kind == "encoder":
             grid = self.curves.encoder_curve.grid["patches"]
             fn = lambda x, n: self.curves.encoder(x, 1, n, True)
@@ -321,6 +320,7 @@ class SpaceInferenceScheduler:
         if enc >= self.total:  # a whole-GPU window; prompts prefill in the decode steps
             plan = self.turns_plan(state)
             self.last_window_s, self.last_turn_tokens = plan.window_s, plan.tokens
+            self.spread.plan(plan)
             tpot = self.predict_tpot(state, enc)
             return Split(enc, 0, "decode", self.predict_ttft(state, enc), tpot, target,
                          tpot <= self.slo_target())

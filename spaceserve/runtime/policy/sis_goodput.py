@@ -16,6 +16,8 @@ above ``max_load`` lets the queue grow however empty it is now.
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,7 @@ from typing import Any
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.sis_state import SisState
 from spaceserve.runtime.policy.sis_view import StateView, WorkTable
+from spaceserve.runtime.policy.slo import Slo
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class Turns:
     window_s: float
     tokens: int
     rate: float
+    step_s: float = 0.0  # the predicted decode step carrying `tokens` (interval = window + it)
 
 
 def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s: float,
@@ -142,8 +146,57 @@ def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s
             continue
         rate = min(window / enc, tokens / max(1, prompt)) / (window + step)
         if rate > best.rate:
-            best = Turns(window, tokens, rate)
+            best = Turns(window, tokens, rate, step)
     return best
+
+
+# Under an ITL bound (each request's own p99 gap) the turns' interval - window plus decode
+# step - is held to what the requests measure, not to a flat margin over its prediction: SIS
+# plans against TURNS_MARGIN x the bound less the p99 of the recent intervals' excess over their
+# prediction (host time, a window's last layer running past it), never below SPREAD_FLOOR x the
+# bound; until MIN_SPREADS intervals are measured, against ``decode_margin`` x the bound. Under
+# a TPOT bound (a mean) the flat margin stays: there a longer window slows the turns' prefill
+# (one budget per interval) more than it speeds the encoder (sim-best-temporal.md).
+TURNS_MARGIN = 0.9
+SPREAD_FLOOR = 0.5
+SPREADS = 128  # recent intervals the spread is measured over
+MIN_SPREADS = 16
+
+
+class IntervalSpread:
+    """The measured spread of the turns' decode intervals over their prediction: the executors
+    report each decode step's tokens as they are read back (`read`), SIS each turns plan's
+    predicted interval (`plan`); `bound` sizes the next window from them."""
+
+    def __init__(self) -> None:
+        self.spreads: deque[float] = deque(maxlen=SPREADS)
+        self.planned = 0.0  # the last plan's interval: its window + its decode step
+        self._last: float | None = None  # when the previous turns step's tokens were read
+
+    def plan(self, turns: Turns) -> None:
+        self.planned = turns.window_s + turns.step_s
+
+    def read(self, now: float, turns: bool) -> None:
+        """A decode step's tokens read back at `now`; `turns`: it ran on the whole GPU while SIS
+        takes turns (else the next interval is not a turns interval and is not measured)."""
+        if not turns:
+            self._last = None
+            return
+        if self._last is not None and self.planned > 0:
+            self.spreads.append(now - self._last - self.planned)
+        self._last = now
+
+    def bound(self, slo: Slo, fallback_s: float) -> float:
+        """The interval bound the turns are planned against under `slo` (module comment
+        above), rounded down to 0.1 ms: `fallback_s` (``decode_margin`` x the decode bound)
+        unless an ITL bound is the tighter and enough intervals are measured."""
+        itl = slo.itl
+        if itl is None or (slo.tpot is not None and slo.tpot < itl) or \
+                len(self.spreads) < MIN_SPREADS:
+            return fallback_s
+        spread = sorted(self.spreads)[int(0.99 * (len(self.spreads) - 1))]
+        b = max(SPREAD_FLOOR, TURNS_MARGIN - max(0.0, spread) / (itl / 1e3)) * itl / 1e3
+        return math.floor(b * 1e4) / 1e4
 
 
 def turns_order(admission: str) -> str:

@@ -96,3 +96,19 @@ def make_partitions(config: Any, device: torch.device, splits: Sequence[int] | N
 
 __all__ = ["chosen_splits", "encoder_split_set", "engine_policy",
            "make_partitions"]
+
+
+def check_tp_partitions(runner: Any, pset: Any, mode: str, total: int) -> None:
+    """Under tensor parallelism the other ranks built their partitions from the runner's spec:
+    ValueError (after closing `pset`) unless they are rank 0's."""
+    if getattr(runner, "tp_size", 1) <= 1:
+        return
+    spec = runner.partition_spec
+    mine = (mode, tuple(sorted(pset.splits)))
+    theirs = None if spec is None else (spec.mode, encoder_split_set(spec, total))
+    if theirs != mine:
+        pset.close()
+        built = "none" if theirs is None else f"{theirs[0]} splits {theirs[1]}"
+        raise ValueError(f"the tensor-parallel workers built partitions for {built}, rank 0 "
+                         f"for {mine[0]} splits {mine[1]}: build the runner with "
+                         "TensorParallelRunner.for_engine(config)")

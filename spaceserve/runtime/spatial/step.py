@@ -59,7 +59,11 @@ from spaceserve.runtime.policy.sis_goodput import TURNS_ORDER, order_encoder, tu
 from spaceserve.runtime.spatial.batch_split import split_batch, turn_budget
 from spaceserve.runtime.spatial.encoder_stage import SpatialEncoderStage
 from spaceserve.runtime.spatial.partition import Partition, PartitionSet
-from spaceserve.runtime.spatial.split_set import encoder_split_set, engine_policy, make_partitions
+from spaceserve.runtime.spatial.split_set import (
+    check_tp_partitions,
+    engine_policy,
+    make_partitions,
+)
 
 CONTEXT_BUCKET = 64  # SIS sees the mean decode context rounded to this
 # Compute-partition prefills in flight at once; beyond that a step's prefill chunks stay in the
@@ -145,13 +149,13 @@ class SpatialRuntime:
                 previous, eng._inflight = eng._inflight, launched
                 self.num_pipelined += 1
                 if previous is not None:
-                    eng._complete(previous)
+                    self._read_back(eng, previous)
                 if not eng._active:  # every request of it has ended meanwhile
                     self._settle(eng)
                 return
             if launched.sampled is not None:
                 launched.sampled.fetch()  # a sync of the decoder stream only
-        eng._complete(launched)
+        self._read_back(eng, launched)
 
     @property
     def pipelining(self) -> bool:
@@ -166,11 +170,17 @@ class SpatialRuntime:
         compute-partition prefill in flight."""
         return self.pipelining and self.stage.num_pending == 0 and not self._prefills
 
-    @staticmethod
-    def _settle(eng: Any) -> None:
+    def _settle(self, eng: Any) -> None:
         """Read back the decode step in flight (waits for the device) and account it."""
         previous, eng._inflight = eng._inflight, None
-        eng._complete(previous)
+        self._read_back(eng, previous)
+
+    def _read_back(self, eng: Any, launched: Any) -> None:
+        """Account a decode step's tokens; SIS measures the turns' intervals from them."""
+        eng._complete(launched)
+        if self.sis is not None and launched.batch.drawn_reqs:
+            self.sis.spread.read(self.clock(), self.sis.turns and
+                                 self.partitions.current is self.partitions.full)
 
     def _window_ready(self) -> bool:
         return self.partitions.current is self.partitions.full and \
@@ -355,16 +365,7 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
     curves = load_curves(config.curves, runner)
     policy = engine_policy(curves, config, total) if mode == "spatial" else None
     pset, parts = make_partitions(config, device, policy.splits if policy else None)
-    if getattr(runner, "tp_size", 1) > 1:  # the other ranks built theirs from the runner's spec
-        spec = runner.partition_spec
-        mine = (mode, tuple(sorted(pset.splits)))
-        theirs = None if spec is None else (spec.mode, encoder_split_set(spec, total))
-        if theirs != mine:
-            pset.close()
-            built = "none" if theirs is None else f"{theirs[0]} splits {theirs[1]}"
-            raise ValueError(f"the tensor-parallel workers built partitions for {built}, rank 0 "
-                             f"for {mine[0]} splits {mine[1]}: build the runner with "
-                             "TensorParallelRunner.for_engine(config)")
+    check_tp_partitions(runner, pset, mode, total)
     captured: tuple[int, ...] = ()
     graph_bytes: dict[int, int] = {}  # device memory the decode graphs took, per partition
     for part in parts:

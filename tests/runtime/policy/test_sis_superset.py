@@ -141,3 +141,52 @@ def test_turns_order_fifo_only_where_admission_sheds() -> None:
                                    (True, "queue", ("twsrft", 1.8))):
         order_encoder([s], turns, 1.8, turns_order(admission))
         assert (s.policy, s.deadline_s) == want
+
+
+SLO_B = Slo.parse("ttft:2000,itl:21")
+
+
+def feed(s: SpaceInferenceScheduler, gaps: list[float]) -> None:
+    """Decode steps read back in turns `gaps` apart (the executors' `IntervalSpread.read`)."""
+    t = s.spread._last
+    if t is None:
+        t = 100.0
+        s.spread.read(t, True)
+    for g in gaps:
+        t += g
+        s.spread.read(t, True)
+
+
+def test_under_an_itl_bound_the_window_follows_the_measured_intervals() -> None:
+    """The turns' interval is planned against 0.9 x the ITL bound less the p99 of the measured
+    intervals' excess over their prediction (`IntervalSpread`); before MIN_SPREADS intervals
+    (and under a TPOT bound) against the flat 0.8 margin; never below half the bound."""
+    from spaceserve.runtime.policy.sis_goodput import MIN_SPREADS, SPREADS
+
+    state = backlog(batch=64)
+    s = sis(slo=SLO_B)
+    s.turns = True
+    s.decide(state)
+    flat = s.turns_plan(state)
+    planned = flat.window_s + flat.step_s
+    assert planned == pytest.approx(s.slo_target()) and s.spread.planned == planned
+    feed(s, [planned + 0.0005] * (MIN_SPREADS - 1))  # too few measured: the flat margin
+    assert s.turns_plan(state) == flat
+    feed(s, [planned + 0.0005] * 120 + [planned + 0.002] * 2)
+    wide = s.turns_plan(state)  # p99 of the excess: 0.5 ms (2 of the last 128 reach 2 ms)
+    assert wide.window_s + wide.step_s == pytest.approx(0.9 * 0.021 - 0.0005, abs=1e-4)
+    assert wide.window_s > flat.window_s and len(s.spread.spreads) == SPREADS
+    feed(s, [planned + 0.003] * 8)  # 8 of 128 intervals 3 ms over: the p99 grows
+    assert s.turns_plan(state).window_s == pytest.approx(wide.window_s - 0.0025, abs=1e-4)
+    feed(s, [planned + 0.05] * SPREADS)  # far slower than predicted: half the bound at least
+    assert s.spread.bound(s.slo, s.slo_target()) == pytest.approx(0.5 * 0.021, abs=1e-4)
+    s.spread.read(0.0, False)  # a step outside turns: the next interval is not measured
+    n = list(s.spread.spreads)
+    s.spread.read(1e3, True)
+    assert list(s.spread.spreads) == n
+    tpot = sis()  # under a TPOT bound the measured intervals change nothing
+    tpot.turns = True
+    tpot.decide(state)
+    before = tpot.turns_plan(state)
+    feed(tpot, [0.001] * SPREADS)
+    assert tpot.turns_plan(state) == before

@@ -26,6 +26,7 @@ from spaceserve.runtime.engine.engine import EngineConfig
 from spaceserve.runtime.policy.analytic.model import analytic_curves, qwen2_vl_7b_config
 from spaceserve.runtime.policy.contention import Contention
 from spaceserve.runtime.policy.curves import CurveSet
+from spaceserve.runtime.policy.sis_goodput import MIN_SPREADS, IntervalSpread
 from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim.cluster import simulate
 from spaceserve.runtime.sim.config import SimConfig
@@ -342,3 +343,26 @@ def test_the_simulator_predicts_the_colocated_engine_taking_turns(calm_curves, p
     assert worst(eng, other) > TOLERANCE, (eng, other)  # a divergence is caught
     flipped = summary(run_sim(c, dataclasses.replace(cfg, async_scheduling=not pipelined), wl))
     assert worst(eng, flipped) > 0.02, (eng, flipped)  # ~4% at 0.4 ms of host time a step
+
+
+def test_the_turns_window_follows_the_measured_intervals_alike(calm_curves, monkeypatch) -> None:
+    """Under an ITL bound SIS sizes the turns' window from the intervals the requests see
+    (`IntervalSpread`): the engine and the simulator measure the same intervals, plan the same
+    windows and agree as closely; a simulator that does not measure them is caught."""
+    c, path = calm_curves
+    cfg = SimConfig(mode="spatial", background=0, slo=Slo.parse("ttft:2000,itl:40"),
+                    allowed_encoder_sms=(32, 64, 96), sis_actions="superset")
+    wl = dataclasses.replace(WORKLOAD, image_rate=30.0)
+    engines, sims = [], []
+    eng = summary(run_engine(c, path, cfg, monkeypatch, wl, engines))
+    sim = summary(run_sim(c, cfg, wl, sims))
+    mine, theirs = engines[0].spatial.sis, sims[0].sis
+    assert len(mine.spread.spreads) >= MIN_SPREADS
+    assert list(mine.spread.spreads) == pytest.approx(list(theirs.spread.spreads), abs=1e-9)
+    fallback = mine.slo_target()
+    assert mine.spread.bound(mine.slo, fallback) != fallback  # the measured bound is in use
+    assert worst(eng, sim) < 1e-9, (eng, sim)  # the figure reached
+    with monkeypatch.context() as m:  # the simulator's SIS never measures an interval
+        m.setattr(IntervalSpread, "read", lambda self, now, turns: None)
+        blind = summary(run_sim(c, cfg, wl))
+    assert worst(eng, blind) > 1e-3, (eng, blind)  # 0.6%: its windows are 0.8 x the bound

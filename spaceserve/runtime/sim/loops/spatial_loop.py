@@ -278,6 +278,9 @@ class SpatialLoop(ComputeLane, StepLoop):
     def _account_piped(self, rec: Piped) -> None:
         self.num_steps += 1
         self.account(rec.batch)
+        sis = self.sim.sis  # SIS measures the turns' intervals (`SpatialRuntime._read_back`)
+        if sis is not None and rec.batch.drawn_reqs:
+            sis.spread.read(self.sim.now, sis.turns and self.current == 0)
 
     def complete(self, op: Op) -> None:
         """An op ended now: the decode step's tokens are read back; a compute launch is done
