@@ -47,9 +47,8 @@ followed by a whole-device step carrying at most the plan's prefill budget; the 
 first in first out, `sis_goodput.order_encoder`) - what temporal-chunked runs - until the
 arrivals fall below ``turns_until`` x the sharing capacity and no waiting request is predicted
 to miss at that cap. Each change waits ``turns_dwell_s``. Window and budget keep the decode
-SLO's margin - under an ITL bound, measured on the intervals the requests see
-(`sis_goodput.IntervalSpread`); where no window fits, SIS shares. `action_counts` counts every
-action.
+SLO's margin (under an ITL bound, on the gaps measured: `sis_goodput.IntervalSpread`); where no
+window fits, SIS shares. `action_counts` counts every action.
 """
 
 from __future__ import annotations
@@ -108,7 +107,7 @@ class SpaceInferenceScheduler:
         self.turns = False  # the superset's regime: taking turns on the whole GPU
         self._turns_since = -math.inf
         self.last_window_s, self.last_turn_tokens = 0.0, 0  # the last window and its budget
-        self._turns_cache: dict[tuple, goodput.Turns] = {}  # bounded: its keys are bucketed
+        self._turns_cache: dict[tuple, goodput.Turns] = {}  # keys bucketed; cleared at 1e5
         self.spread = goodput.IntervalSpread()  # the executors report each decode step's tokens
         self.counts: Counter[str] = Counter()
         require_choice("objective", objective, OBJECTIVES)
@@ -202,6 +201,8 @@ class SpaceInferenceScheduler:
         key = (patches, prompt, state.decode_batch, state.decode_context, bound)
         hit = self._turns_cache.get(key)
         if hit is None:  # under a decode bound the bound alone sizes the window
+            if len(self._turns_cache) > 100_000:
+                self._turns_cache.clear()
             hit = self._turns_cache[key] = goodput.plan_turns(
                 self.curves, self.total, state.decode_batch, state.decode_context, bound,
                 self.window_s if math.isinf(bound) else math.inf, patches, prompt)
@@ -318,9 +319,8 @@ class SpaceInferenceScheduler:
 
     def _place(self, state: SisState, enc: int, target: float, feasible: bool) -> Split:
         if enc >= self.total:  # a whole-GPU window; prompts prefill in the decode steps
-            plan = self.turns_plan(state)
+            self.spread.plan(plan := self.turns_plan(state))
             self.last_window_s, self.last_turn_tokens = plan.window_s, plan.tokens
-            self.spread.plan(plan)
             tpot = self.predict_tpot(state, enc)
             return Split(enc, 0, "decode", self.predict_ttft(state, enc), tpot, target,
                          tpot <= self.slo_target())
