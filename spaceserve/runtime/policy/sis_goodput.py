@@ -172,6 +172,7 @@ class IntervalSpread:
         self.spreads: deque[float] = deque(maxlen=SPREADS)
         self.planned = 0.0  # the last plan's interval: its window + its decode step
         self._last: float | None = None  # when the previous turns step's tokens were read
+        self._p99: float | None = None  # the spreads' p99 (None: to be computed)
 
     def plan(self, turns: Turns) -> None:
         self.planned = turns.window_s + turns.step_s
@@ -184,6 +185,7 @@ class IntervalSpread:
             return
         if self._last is not None and self.planned > 0:
             self.spreads.append(now - self._last - self.planned)
+            self._p99 = None
         self._last = now
 
     def bound(self, slo: Slo, fallback_s: float) -> float:
@@ -194,8 +196,9 @@ class IntervalSpread:
         if itl is None or (slo.tpot is not None and slo.tpot < itl) or \
                 len(self.spreads) < MIN_SPREADS:
             return fallback_s
-        spread = sorted(self.spreads)[int(0.99 * (len(self.spreads) - 1))]
-        b = max(SPREAD_FLOOR, TURNS_MARGIN - max(0.0, spread) / (itl / 1e3)) * itl / 1e3
+        if self._p99 is None:  # sorted once per new interval, not per question
+            self._p99 = sorted(self.spreads)[int(0.99 * (len(self.spreads) - 1))]
+        b = max(SPREAD_FLOOR, TURNS_MARGIN - max(0.0, self._p99) / (itl / 1e3)) * itl / 1e3
         return math.floor(b * 1e4) / 1e4
 
 
