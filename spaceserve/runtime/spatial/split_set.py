@@ -94,10 +94,6 @@ def make_partitions(config: Any, device: torch.device, splits: Sequence[int] | N
     return pset, pset.partitions()
 
 
-__all__ = ["chosen_splits", "encoder_split_set", "engine_policy",
-           "make_partitions"]
-
-
 def check_tp_partitions(runner: Any, pset: Any, mode: str, total: int) -> None:
     """Under tensor parallelism the other ranks built their partitions from the runner's spec:
     ValueError (after closing `pset`) unless they are rank 0's."""
@@ -112,3 +108,7 @@ def check_tp_partitions(runner: Any, pset: Any, mode: str, total: int) -> None:
         raise ValueError(f"the tensor-parallel workers built partitions for {built}, rank 0 "
                          f"for {mine[0]} splits {mine[1]}: build the runner with "
                          "TensorParallelRunner.for_engine(config)")
+
+
+__all__ = ["check_tp_partitions", "chosen_splits", "encoder_split_set", "engine_policy",
+           "make_partitions"]

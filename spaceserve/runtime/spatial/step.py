@@ -246,9 +246,7 @@ class SpatialRuntime:
         while self._prefills and (self._prefills[0].event is None
                                   or self._prefills[0].event.query()):
             fl = self._prefills.popleft()
-            if isinstance(fl.event, torch.cuda.Event):
-                for stream in self.partitions.decoder_streams():  # its KV writes come first
-                    stream.wait_event(fl.event)
+            self.partitions.decoder_wait(fl.event)  # its KV writes come first
             batch = fl.launched.batch
             seqs = (*batch.reqs, *(c for _, c in batch.forks))
             for r in seqs:
