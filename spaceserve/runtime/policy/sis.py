@@ -48,12 +48,12 @@ first in first out, `sis_goodput.order_encoder`) - what temporal-chunked runs - 
 arrivals fall below ``turns_until`` x the sharing capacity and no waiting request is predicted
 to miss at that cap. Each change waits ``turns_dwell_s``. Window and budget keep the decode
 SLO's margin (under an ITL bound, on the gaps measured: `sis_goodput.IntervalSpread`); where no
-window fits, SIS shares. `action_counts` counts every action.
+window fits, SIS shares. The encoder passes its window (``hold``) while the embedded prompts
+already outlast a third of the TTFT bound (`sis_goodput.hold_encoder`). `action_counts` counts.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from collections import Counter
@@ -107,6 +107,7 @@ class SpaceInferenceScheduler:
         self.turns = False  # the superset's regime: taking turns on the whole GPU
         self._turns_since = -math.inf
         self.last_window_s, self.last_turn_tokens = 0.0, 0  # the last window and its budget
+        self.hold = False  # the last window is passed: the encoder is ahead of the prefill
         self._turns_cache: dict[tuple, goodput.Turns] = {}  # keys bucketed; cleared at 1e5
         self.spread = goodput.IntervalSpread()  # the executors report each decode step's tokens
         self.counts: Counter[str] = Counter()
@@ -135,7 +136,6 @@ class SpaceInferenceScheduler:
         self.chunk_tokens, self.clock = chunk_tokens, clock
         self.current: Split | None = None
         self._since = -math.inf
-        self._sat_cache: dict[tuple, int] = {}
         self._cap_cache: dict[tuple, tuple[int, bool]] = {}
         self._tpot_cache: dict[tuple, float] = {}
         self._slo_key, self._slo_target = None, math.inf  # slo_target's cache
@@ -249,27 +249,6 @@ class SpaceInferenceScheduler:
             self.turns, self._turns_since = not self.turns, now
             self.counts["regime:turns" if self.turns else "regime:share"] += 1
 
-    def _saturation(self, kind: str, work: float, cap: int, cands: list[int]) -> int:
-        """Fewest candidate SMs at which `work` runs within tolerance of its time at `cap`, over
-        curve grid points up to the first >= `work` (so it never falls as the work grows)."""
-        if kind == "encoder":
-            grid = self.curves.encoder_curve.grid["patches"]
-            fn = lambda x, n: self.curves.encoder(x, 1, n, True)
-        else:
-            grid = self.curves.prefill_curve.grid["tokens"]
-            fn = lambda x, n: self.curves.prefill(x, 0, n, True)
-        top = min(bisect.bisect_left(grid, work), len(grid) - 1)
-        key = (kind, cap, top)
-        hit = self._sat_cache.get(key)
-        if hit is not None:
-            return hit
-        best = cands[0]
-        for x in grid[: top + 1]:
-            limit = fn(x, cap) * (1.0 + self.tie_tolerance)
-            best = max(best, next(n for n in cands if fn(x, n) <= limit))
-        self._sat_cache[key] = best
-        return best
-
     # -- the decision ------------------------------------------------------------------------
     def propose(self, state: SisState) -> Split:
         """The split SIS wants for `state`, ignoring hysteresis."""
@@ -282,11 +261,12 @@ class SpaceInferenceScheduler:
         cap, feasible = self._cap(state, target)
         cands = [e for e in self.allowed if e <= cap]
         enc = cands[0]
-        view = self.predictor.view(state)  # saturation never falls as work grows: the largest
-        if view.keys:                      # job and prompt decide
-            enc = max(enc, self._saturation("encoder", view.max_patches, cap, cands))
+        view, sat = self.predictor.view(state), self.predictor.table.saturation
+        tol = self.tie_tolerance  # saturation never falls as work grows: the largest job and
+        if view.keys:             # prompt decide
+            enc = max(enc, sat("encoder", view.max_patches, cap, cands, tol))
         if view.max_prompt > 0:
-            enc = max(enc, self._saturation("prefill", view.max_prompt, cap, cands))
+            enc = max(enc, sat("prefill", view.max_prompt, cap, cands, tol))
         if self.objective == "goodput":
             enc, target, feasible = self._pressure(state, enc, target, feasible)
         return self._place(state, enc, target, feasible)
@@ -319,7 +299,9 @@ class SpaceInferenceScheduler:
 
     def _place(self, state: SisState, enc: int, target: float, feasible: bool) -> Split:
         if enc >= self.total:  # a whole-GPU window; prompts prefill in the decode steps
-            self.spread.plan(plan := self.turns_plan(state))
+            plan, ttft = self.turns_plan(state), self.slo.ttft
+            self.hold = goodput.hold_encoder(plan, sum(state.prefill), ttft and ttft / 1e3)
+            self.spread.plan(plan, self.hold)
             self.last_window_s, self.last_turn_tokens = plan.window_s, plan.tokens
             tpot = self.predict_tpot(state, enc)
             return Split(enc, 0, "decode", self.predict_ttft(state, enc), tpot, target,
@@ -357,15 +339,17 @@ class SpaceInferenceScheduler:
 
     def _count(self, state: SisState, split: Split) -> Split:
         e = split.encoder_sms
-        self.counts["window" if e >= self.total else "decoder-only" if e == 0
-                    else f"split:{e}"] += 1
+        window = e >= self.total
+        self.counts["window:held" if window and self.hold else "window" if window else
+                    "decoder-only" if e == 0 else f"split:{e}"] += 1
         if e and self.predictor.view(state).max_prompt > 0:
             self.counts[f"prefill:{split.prefill_on}"] += 1
         return split
 
     def action_counts(self) -> dict[str, int]:
         """How often each action was chosen: ``split:E`` (E encoder SMs shared), ``window``
-        (the whole GPU to the encoder), ``decoder-only``, and ``prefill:compute`` /
+        (the whole GPU to the encoder) or ``window:held`` (that window passed: `hold_encoder`),
+        ``decoder-only``, and ``prefill:compute`` /
         ``prefill:decode`` (where prompts went, in rounds that had some)."""
         return dict(sorted(self.counts.items()))
 

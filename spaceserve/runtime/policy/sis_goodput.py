@@ -130,6 +130,28 @@ class Turns:
     rate: float
     step_s: float = 0.0  # the predicted decode step carrying `tokens` (interval = window + it)
 
+    def drain_s(self, tokens: float) -> float:
+        """Seconds these turns take to prefill `tokens` (one budget per interval)."""
+        return tokens / self.tokens * (self.window_s + self.step_s) if self.tokens else math.inf
+
+
+# The encoder passes its turn while the prompts it has already embedded would take at least
+# AHEAD_OF_TTFT x the TTFT bound to prefill at the turns' pace (`hold_encoder`): another window
+# then only lengthens the queue those requests wait in - where admission ends some of them after
+# their encode, which is wasted - and delays every decode step and the prefill behind it. Past
+# saturation under a TPOT bound (long windows) this is what separates SIS's turns from
+# temporal-chunked's best short window; a third leaves the prefill a backlog while the request
+# encoded next still has the rest of its bound (sim-best-temporal.md: a quarter passes too, a
+# half does not).
+AHEAD_OF_TTFT = 1 / 3
+
+
+def hold_encoder(plan: Turns, backlog_tokens: int, ttft_s: float | None) -> bool:
+    """Whether the turns' encoder passes its window: its embedded prompts' `backlog_tokens`
+    take at least ``AHEAD_OF_TTFT`` x the TTFT bound `ttft_s` to prefill (None: never)."""
+    return ttft_s is not None and backlog_tokens > 0 and \
+        plan.drain_s(backlog_tokens) >= AHEAD_OF_TTFT * ttft_s
+
 
 def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s: float,
                window_max_s: float, patches: int, prompt: int) -> Turns:
@@ -174,8 +196,9 @@ class IntervalSpread:
         self._last: float | None = None  # when the previous turns step's tokens were read
         self._p99: float | None = None  # the spreads' p99 (None: to be computed)
 
-    def plan(self, turns: Turns) -> None:
-        self.planned = turns.window_s + turns.step_s
+    def plan(self, turns: Turns, held: bool = False) -> None:
+        """The interval `turns` predict: its decode step, after its window unless `held`."""
+        self.planned = turns.step_s + (0.0 if held else turns.window_s)
 
     def read(self, now: float, turns: bool) -> None:
         """A decode step's tokens read back at `now`; `turns`: it ran on the whole GPU while SIS

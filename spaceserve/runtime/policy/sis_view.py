@@ -18,7 +18,9 @@ same floats (tests/runtime/policy/test_sis_fast.py checks decisions against the 
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Sequence
 from itertools import accumulate, compress, repeat
 from operator import add, attrgetter, itemgetter, mul
 
@@ -44,6 +46,30 @@ class WorkTable:
         self._pre: dict[int, dict[int, float]] = {}
         self._mixed: dict[tuple, float] = {}
         self._chunked: dict[tuple, dict[int, float]] = {}
+        self._sat: dict[tuple, int] = {}
+
+    def saturation(self, kind: str, work: float, cap: int, cands: Sequence[int],
+                   tolerance: float) -> int:
+        """Fewest of `cands` SMs at which `kind` ("encoder" or "prefill") `work` runs within
+        `tolerance` of its time at `cap`, over curve grid points up to the first >= `work` (so
+        it never falls as the work grows)."""
+        c = self.curves
+        if kind == "encoder":
+            grid, fn = c.encoder_curve.grid["patches"], lambda x, n: c.encoder(x, 1, n, True)
+        else:
+            grid, fn = c.prefill_curve.grid["tokens"], lambda x, n: c.prefill(x, 0, n, True)
+        top = min(bisect.bisect_left(grid, work), len(grid) - 1)
+        key = (kind, cap, top, tuple(cands), tolerance)
+        hit = self._sat.get(key)
+        if hit is None:
+            hit = cands[0]
+            for x in grid[: top + 1]:
+                limit = fn(x, cap) * (1.0 + tolerance)
+                hit = max(hit, next(n for n in cands if fn(x, n) <= limit))
+            if len(self._sat) > CACHE_LIMIT:
+                self._sat.clear()
+            self._sat[key] = hit
+        return hit
 
     def runs(self, e: int, keys: list[tuple[int, int]]) -> list[float]:
         """Encoder seconds of each (patches, layers left) at `e` SMs co-running with the decoder

@@ -190,3 +190,37 @@ def test_under_an_itl_bound_the_window_follows_the_measured_intervals() -> None:
     before = tpot.turns_plan(state)
     feed(tpot, [0.001] * SPREADS)
     assert tpot.turns_plan(state) == before
+
+
+def test_the_turns_encoder_passes_its_window_while_the_prefill_is_a_third_of_the_bound_behind(
+) -> None:
+    """Taking turns, the encoder passes its window (``hold``, counted as ``window:held``)
+    while the prompts already embedded take at least a third of the TTFT bound to prefill at
+    the turns' pace (one budget per interval); the interval then predicted is the decode step
+    alone. Without a TTFT bound it never passes."""
+    from spaceserve.runtime.policy.sis_goodput import AHEAD_OF_TTFT, hold_encoder
+
+    assert AHEAD_OF_TTFT == pytest.approx(1 / 3)
+    s = sis()
+    s.turns = True
+    plan = s.turns_plan(backlog(batch=64))
+    cycle = plan.window_s + plan.step_s
+    edge = 2.0 * AHEAD_OF_TTFT / cycle * plan.tokens  # prompt tokens drained in 2 s / 3
+    for tokens, held in ((0, False), (int(edge * 0.97), False), (int(edge * 1.03), True)):
+        prompts = (tokens // 2, tokens - tokens // 2) if tokens else ()
+        state = SisState(backlog(batch=64).encode, prompts, 64, 1152.0, arrival_rate=20.0,
+                         arrival_patches=5000, arrival_prompt=1300)
+        assert s.turns_plan(state) == plan
+        split = s.decide(state)
+        assert split.encoder_sms == s.total and s.hold is held, tokens
+        assert s.spread.planned == pytest.approx(plan.step_s + (0 if held else plan.window_s))
+        assert s.last_window_s == plan.window_s  # admission still prices the turns' window
+    assert s.action_counts()["window:held"] == 1 and s.action_counts()["window"] == 2
+    assert plan.drain_s(plan.tokens) == pytest.approx(cycle)
+    assert hold_encoder(plan, int(edge * 1.03), 2.0) and not hold_encoder(plan, 10**6, None)
+    tpot_only = sis(slo=Slo.parse("tpot:50"))  # no TTFT bound: never passes
+    tpot_only.turns = True
+    split = tpot_only.decide(SisState(backlog(batch=64).encode, (10**6,), 64, 1152.0,
+                                      arrival_rate=20.0, arrival_patches=5000,
+                                      arrival_prompt=1300))
+    assert split.encoder_sms == tpot_only.total and not tpot_only.hold

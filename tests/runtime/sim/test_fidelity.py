@@ -366,3 +366,34 @@ def test_the_turns_window_follows_the_measured_intervals_alike(calm_curves, monk
         m.setattr(IntervalSpread, "read", lambda self, now, turns: None)
         blind = summary(run_sim(c, cfg, wl))
     assert worst(eng, blind) > 1e-3, (eng, blind)  # 0.6%: its windows are 0.8 x the bound
+
+
+def test_the_turns_encoder_passes_its_window_alike(calm_curves, monkeypatch) -> None:
+    """Taking turns with the embedded prompts a third of a tight TTFT bound behind, SIS passes
+    the encoder's window (`sis_goodput.hold_encoder`): the engine and the simulator pass the
+    same windows and agree as closely; a simulator that runs every window is caught."""
+    c, path = calm_curves
+    cfg = SimConfig(mode="spatial", background=0, slo=Slo.parse("ttft:300,tpot:50"),
+                    allowed_encoder_sms=(32, 64, 96), sis_actions="superset")
+    wl = dataclasses.replace(WORKLOAD, image_rate=40.0)
+    engines, sims = [], []
+    eng = summary(run_engine(c, path, cfg, monkeypatch, wl, engines))
+    sim = summary(run_sim(c, cfg, wl, sims))
+    mine, theirs = engines[0].spatial.sis.action_counts(), sims[0].sis.action_counts()
+    assert mine["window:held"] == theirs["window:held"] > 5, (mine, theirs)
+    assert engines[0].spatial.num_windows == sims[0].loop.num_windows > 0
+    assert worst(eng, sim) < 0.01, (eng, sim)  # the figure reached
+    step = spatial_loop_module.SpatialLoop._window_step
+
+    def every_window(loop: Any) -> bool:
+        sis, held = loop.sim.sis, loop.sim.sis.hold
+        sis.hold = False
+        try:
+            return step(loop)
+        finally:
+            sis.hold = held
+
+    with monkeypatch.context() as m:
+        m.setattr(spatial_loop_module.SpatialLoop, "_window_step", every_window)
+        blind = summary(run_sim(c, cfg, wl))
+    assert worst(eng, blind) > 0.05, (eng, blind)  # 8.6%
