@@ -306,6 +306,20 @@ def test_the_simulator_predicts_the_colocated_engine(calm_curves, mode, monkeypa
     assert worst(eng, other) > TOLERANCE, (eng, other)  # a divergence is caught
 
 
+def turns_run(calm: tuple[CurveSet, str], slo: str, monkeypatch, rate: float = 30.0, **kw
+              ) -> tuple[dict, dict, Any, Any, SimConfig, Workload]:
+    """The superset past what sharing sustains, run by the engine and by the simulator: their
+    summaries, the engine, the simulator's GPU, the config and the workload."""
+    c, path = calm
+    cfg = SimConfig(mode="spatial", background=0, slo=Slo.parse(slo),
+                    allowed_encoder_sms=(32, 64, 96), sis_actions="superset", **kw)
+    wl = dataclasses.replace(WORKLOAD, image_rate=rate)
+    engines, sims = [], []
+    eng = summary(run_engine(c, path, cfg, monkeypatch, wl, engines))
+    sim = summary(run_sim(c, cfg, wl, sims))
+    return eng, sim, engines[0], sims[0], cfg, wl
+
+
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_the_simulator_predicts_the_colocated_engine_taking_turns(calm_curves, pipelined,
                                                                    monkeypatch) -> None:
@@ -316,22 +330,18 @@ def test_the_simulator_predicts_the_colocated_engine_taking_turns(calm_curves, p
     out runs) and without. Getting the host time wrong either way (charged on top of the device
     time while the engine pipelines, or hidden while it does not; the host waiting out every
     window) is caught."""
-    c, path = calm_curves
-    cfg = SimConfig(mode="spatial", background=0, slo=SLO, allowed_encoder_sms=(32, 64, 96),
-                    sis_actions="superset", async_scheduling=pipelined)
-    wl = dataclasses.replace(WORKLOAD, image_rate=30.0)
-    engines, sims = [], []
-    eng = summary(run_engine(c, path, cfg, monkeypatch, wl, engines))
-    sim = summary(run_sim(c, cfg, wl, sims))
-    counts, theirs = engines[0].spatial.sis.action_counts(), sims[0].sis.action_counts()
+    c = calm_curves[0]
+    eng, sim, engine, gpu, cfg, wl = turns_run(calm_curves, "ttft:2000,tpot:50", monkeypatch,
+                                               async_scheduling=pipelined)
+    counts, theirs = engine.spatial.sis.action_counts(), gpu.sis.action_counts()
     for idle in (counts, theirs):  # the test's driver steps an idle engine a few times more
         idle.pop("decoder-only", None)
     assert counts == theirs, (counts, theirs)
     assert counts["regime:turns"] >= 1 and counts["window"] > 0 and counts["prefill:compute"] > 0
-    assert engines[0].spatial.num_windows == sims[0].loop.num_windows > 0
-    assert (sims[0].loop.num_pipelined > 100) == pipelined, sims[0].loop.num_pipelined
-    hidden = engines[0].spatial.num_hidden  # windows the host did not wait out
-    assert hidden == sims[0].loop.num_hidden > 0, (hidden, sims[0].loop.num_hidden)
+    assert engine.spatial.num_windows == gpu.loop.num_windows > 0
+    assert (gpu.loop.num_pipelined > 100) == pipelined, gpu.loop.num_pipelined
+    hidden = engine.spatial.num_hidden  # windows the host did not wait out
+    assert hidden == gpu.loop.num_hidden > 0, (hidden, gpu.loop.num_hidden)
     assert worst(eng, sim) < 0.01, (eng, sim)  # the figure reached: the same step, two lanes
     if pipelined:  # the simulator's host waiting out every window is caught (~1.2%)
         with monkeypatch.context() as m:
@@ -349,14 +359,9 @@ def test_the_turns_window_follows_the_measured_intervals_alike(calm_curves, monk
     """Under an ITL bound SIS sizes the turns' window from the intervals the requests see
     (`IntervalSpread`): the engine and the simulator measure the same intervals, plan the same
     windows and agree as closely; a simulator that does not measure them is caught."""
-    c, path = calm_curves
-    cfg = SimConfig(mode="spatial", background=0, slo=Slo.parse("ttft:2000,itl:40"),
-                    allowed_encoder_sms=(32, 64, 96), sis_actions="superset")
-    wl = dataclasses.replace(WORKLOAD, image_rate=30.0)
-    engines, sims = [], []
-    eng = summary(run_engine(c, path, cfg, monkeypatch, wl, engines))
-    sim = summary(run_sim(c, cfg, wl, sims))
-    mine, theirs = engines[0].spatial.sis, sims[0].sis
+    c = calm_curves[0]
+    eng, sim, engine, gpu, cfg, wl = turns_run(calm_curves, "ttft:2000,itl:40", monkeypatch)
+    mine, theirs = engine.spatial.sis, gpu.sis
     assert len(mine.spread.spreads) >= MIN_SPREADS
     assert list(mine.spread.spreads) == pytest.approx(list(theirs.spread.spreads), abs=1e-9)
     fallback = mine.slo_target()
@@ -372,16 +377,11 @@ def test_the_turns_encoder_passes_its_window_alike(calm_curves, monkeypatch) -> 
     """Taking turns with the embedded prompts a third of a tight TTFT bound behind, SIS passes
     the encoder's window (`sis_goodput.hold_encoder`): the engine and the simulator pass the
     same windows and agree as closely; a simulator that runs every window is caught."""
-    c, path = calm_curves
-    cfg = SimConfig(mode="spatial", background=0, slo=Slo.parse("ttft:300,tpot:50"),
-                    allowed_encoder_sms=(32, 64, 96), sis_actions="superset")
-    wl = dataclasses.replace(WORKLOAD, image_rate=40.0)
-    engines, sims = [], []
-    eng = summary(run_engine(c, path, cfg, monkeypatch, wl, engines))
-    sim = summary(run_sim(c, cfg, wl, sims))
-    mine, theirs = engines[0].spatial.sis.action_counts(), sims[0].sis.action_counts()
+    c = calm_curves[0]
+    eng, sim, engine, gpu, cfg, wl = turns_run(calm_curves, "ttft:300,tpot:50", monkeypatch, 40.0)
+    mine, theirs = engine.spatial.sis.action_counts(), gpu.sis.action_counts()
     assert mine["window:held"] == theirs["window:held"] > 5, (mine, theirs)
-    assert engines[0].spatial.num_windows == sims[0].loop.num_windows > 0
+    assert engine.spatial.num_windows == gpu.loop.num_windows > 0
     assert worst(eng, sim) < 0.01, (eng, sim)  # the figure reached
     step = spatial_loop_module.SpatialLoop._window_step
 
