@@ -48,8 +48,8 @@ first in first out, `sis_goodput.order_encoder`) - what temporal-chunked runs - 
 arrivals fall below ``turns_until`` x the sharing capacity and no waiting request is predicted
 to miss at that cap. Each change waits ``turns_dwell_s``. Window and budget keep the decode
 SLO's margin (under an ITL bound, on the gaps measured: `sis_goodput.IntervalSpread`); where no
-window fits, SIS shares. The encoder passes its window (``hold``) while the embedded prompts
-already outlast a third of the TTFT bound (`sis_goodput.hold_encoder`). `action_counts` counts.
+window fits, SIS shares. Under a TPOT bound the encoder passes its window (``hold``) while the
+embedded prompts outlast a third of the TTFT bound (`sis_goodput.hold_encoder`).
 """
 
 from __future__ import annotations
@@ -299,8 +299,8 @@ class SpaceInferenceScheduler:
 
     def _place(self, state: SisState, enc: int, target: float, feasible: bool) -> Split:
         if enc >= self.total:  # a whole-GPU window; prompts prefill in the decode steps
-            plan, ttft = self.turns_plan(state), self.slo.ttft
-            self.hold = goodput.hold_encoder(plan, sum(state.prefill), ttft and ttft / 1e3)
+            plan = self.turns_plan(state)
+            self.hold = goodput.hold_encoder(plan, sum(state.prefill), self.slo)
             self.spread.plan(plan, self.hold)
             self.last_window_s, self.last_turn_tokens = plan.window_s, plan.tokens
             tpot = self.predict_tpot(state, enc)

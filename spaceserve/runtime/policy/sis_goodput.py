@@ -135,22 +135,30 @@ class Turns:
         return tokens / self.tokens * (self.window_s + self.step_s) if self.tokens else math.inf
 
 
-# The encoder passes its turn while the prompts it has already embedded would take at least
-# AHEAD_OF_TTFT x the TTFT bound to prefill at the turns' pace (`hold_encoder`): another window
-# then only lengthens the queue those requests wait in - where admission ends some of them after
-# their encode, which is wasted - and delays every decode step and the prefill behind it. Past
-# saturation under a TPOT bound (long windows) this is what separates SIS's turns from
-# temporal-chunked's best short window; a third leaves the prefill a backlog while the request
-# encoded next still has the rest of its bound (sim-best-temporal.md: a quarter passes too, a
-# half does not).
+# Under a TPOT bound the encoder passes its turn while the prompts it has already embedded
+# would take at least AHEAD_OF_TTFT x the TTFT bound to prefill at the turns' pace
+# (`hold_encoder`): another window then only lengthens the queue those requests wait in - where
+# admission ends some of them after their encode, which is wasted - and stretches every decode
+# interval. A TPOT bound (a mean) lets the window grow to most of the bound (20 ms against
+# temporal-chunked's best 3.5-7 ms past saturation with 128 decodes): there the encoder outruns
+# the prefill. Under an ITL bound the window is already what each gap leaves
+# (`IntervalSpread`), and passing it starves the encoder (`--batch 128`, `ttft:2000,itl:21`:
+# 3-15% fewer served at 14-20 img/s). A third: a quarter and a half hold the bar as well
+# (sim-best-temporal.md).
 AHEAD_OF_TTFT = 1 / 3
 
 
-def hold_encoder(plan: Turns, backlog_tokens: int, ttft_s: float | None) -> bool:
-    """Whether the turns' encoder passes its window: its embedded prompts' `backlog_tokens`
-    take at least ``AHEAD_OF_TTFT`` x the TTFT bound `ttft_s` to prefill (None: never)."""
-    return ttft_s is not None and backlog_tokens > 0 and \
-        plan.drain_s(backlog_tokens) >= AHEAD_OF_TTFT * ttft_s
+def itl_governs(slo: Slo) -> bool:
+    """Whether `slo`'s decode bound is an ITL bound (no TPOT bound, or a looser one)."""
+    return slo.itl is not None and (slo.tpot is None or slo.tpot >= slo.itl)
+
+
+def hold_encoder(plan: Turns, backlog_tokens: int, slo: Slo) -> bool:
+    """Whether the turns' encoder passes its window: under a TPOT bound, its embedded prompts'
+    `backlog_tokens` take at least ``AHEAD_OF_TTFT`` x `slo`'s TTFT bound to prefill (no TTFT
+    bound, or an ITL bound: never)."""
+    return slo.ttft is not None and backlog_tokens > 0 and not itl_governs(slo) and \
+        plan.drain_s(backlog_tokens) >= AHEAD_OF_TTFT * slo.ttft / 1e3
 
 
 def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s: float,
@@ -215,10 +223,9 @@ class IntervalSpread:
         """The interval bound the turns are planned against under `slo` (module comment
         above), rounded down to 0.1 ms: `fallback_s` (``decode_margin`` x the decode bound)
         unless an ITL bound is the tighter and enough intervals are measured."""
-        itl = slo.itl
-        if itl is None or (slo.tpot is not None and slo.tpot < itl) or \
-                len(self.spreads) < MIN_SPREADS:
+        if not itl_governs(slo) or len(self.spreads) < MIN_SPREADS:
             return fallback_s
+        itl = slo.itl
         if self._p99 is None:  # sorted once per new interval, not per question
             self._p99 = sorted(self.spreads)[int(0.99 * (len(self.spreads) - 1))]
         b = max(SPREAD_FLOOR, TURNS_MARGIN - max(0.0, self._p99) / (itl / 1e3)) * itl / 1e3

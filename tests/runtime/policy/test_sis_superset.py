@@ -194,10 +194,10 @@ def test_under_an_itl_bound_the_window_follows_the_measured_intervals() -> None:
 
 def test_the_turns_encoder_passes_its_window_while_the_prefill_is_a_third_of_the_bound_behind(
 ) -> None:
-    """Taking turns, the encoder passes its window (``hold``, counted as ``window:held``)
-    while the prompts already embedded take at least a third of the TTFT bound to prefill at
-    the turns' pace (one budget per interval); the interval then predicted is the decode step
-    alone. Without a TTFT bound it never passes."""
+    """Taking turns under a TPOT bound, the encoder passes its window (``hold``, counted as
+    ``window:held``) while the prompts already embedded take at least a third of the TTFT bound
+    to prefill at the turns' pace (one budget per interval); the interval then predicted is the
+    decode step alone. Without a TTFT bound, or under an ITL bound, it never passes."""
     from spaceserve.runtime.policy.sis_goodput import AHEAD_OF_TTFT, hold_encoder
 
     assert AHEAD_OF_TTFT == pytest.approx(1 / 3)
@@ -217,10 +217,13 @@ def test_the_turns_encoder_passes_its_window_while_the_prefill_is_a_third_of_the
         assert s.last_window_s == plan.window_s  # admission still prices the turns' window
     assert s.action_counts()["window:held"] == 1 and s.action_counts()["window"] == 2
     assert plan.drain_s(plan.tokens) == pytest.approx(cycle)
-    assert hold_encoder(plan, int(edge * 1.03), 2.0) and not hold_encoder(plan, 10**6, None)
-    tpot_only = sis(slo=Slo.parse("tpot:50"))  # no TTFT bound: never passes
-    tpot_only.turns = True
-    split = tpot_only.decide(SisState(backlog(batch=64).encode, (10**6,), 64, 1152.0,
+    assert hold_encoder(plan, int(edge * 1.03), SLO_A)
+    assert not hold_encoder(plan, int(edge * 0.97), SLO_A)
+    for slo in ("tpot:50", "ttft:2000,itl:21", "ttft:2000,itl:40,tpot:50"):
+        other = sis(slo=Slo.parse(slo))  # no TTFT bound, or an ITL bound: never passes
+        other.turns = True
+        split = other.decide(SisState(backlog(batch=64).encode, (10**6,), 64, 1152.0,
                                       arrival_rate=20.0, arrival_patches=5000,
                                       arrival_prompt=1300))
-    assert split.encoder_sms == tpot_only.total and not tpot_only.hold
+        assert split.encoder_sms == other.total and not other.hold, slo
+    assert hold_encoder(plan, 10**6, Slo.parse("ttft:2000,itl:60,tpot:50"))  # TPOT governs
