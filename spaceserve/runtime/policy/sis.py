@@ -205,7 +205,8 @@ class SpaceInferenceScheduler:
                 self._turns_cache.clear()
             hit = self._turns_cache[key] = goodput.plan_turns(
                 self.curves, self.total, state.decode_batch, state.decode_context, bound,
-                self.window_s if math.isinf(bound) else math.inf, patches, prompt)
+                self.window_s if math.isinf(bound) else math.inf, patches, prompt,
+                goodput.itl_governs(self.slo))
         return hit
 
     def _stretch(self, state: SisState) -> float:

@@ -34,10 +34,11 @@ def sis(actions: str = "superset", slo: Slo = SLO_A, **kw) -> SpaceInferenceSche
                                    clock=Clock(), **kw)
 
 
-def backlog(batch: int, n: int = 24, age: float = 1.0, rate: float = 20.0) -> SisState:
+def backlog(batch: int, n: int = 24, age: float = 1.0, rate: float = 20.0,
+            prompt: int = 1300) -> SisState:
     jobs = tuple(PendingEncode(10764, 32, 2755, age_s=age) for _ in range(n))
     return SisState(jobs, (), batch, 1152.0, arrival_rate=rate, arrival_patches=5000,
-                    arrival_prompt=1300)
+                    arrival_prompt=prompt)
 
 
 def test_arrivals_past_what_sharing_sustains_take_turns() -> None:
@@ -163,7 +164,7 @@ def test_under_an_itl_bound_the_window_follows_the_measured_intervals() -> None:
     (and under a TPOT bound) against the flat 0.8 margin; never below half the bound."""
     from spaceserve.runtime.policy.sis_goodput import MIN_SPREADS, SPREADS
 
-    state = backlog(batch=64)
+    state = backlog(batch=64, prompt=900)  # windows short of what a step absorbs (next test)
     s = sis(slo=SLO_B)
     s.turns = True
     s.decide(state)
@@ -227,3 +228,33 @@ def test_the_turns_encoder_passes_its_window_while_the_prefill_is_a_third_of_the
                                       arrival_prompt=1300))
         assert split.encoder_sms == other.total and not other.hold, slo
     assert hold_encoder(plan, 10**6, Slo.parse("ttft:2000,itl:60,tpot:50"))  # TPOT governs
+
+
+def test_under_an_itl_bound_the_window_is_cut_to_what_the_next_step_absorbs() -> None:
+    """Under an ITL bound the turns' window is at most the mean images the next step's prefill
+    budget, less one token per decoding request, takes in (`plan_turns`' ``absorb``); the rate
+    (the regime's choice) is the uncut plan's. Under a TPOT bound the window is not cut."""
+    from spaceserve.runtime.policy.sis_goodput import MIN_WINDOW_S, plan_turns
+
+    inf, total = float("inf"), CURVES.num_sms
+    free = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 1300)
+    cut = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 1300, absorb=True)
+    enc = CURVES.encoder(5000, CURVES.encoder_depth, total)
+    assert cut.window_s == pytest.approx((free.tokens - 64) / 1300 * enc)
+    assert cut.window_s < free.window_s
+    assert (cut.tokens, cut.rate, cut.step_s) == (free.tokens, free.rate, free.step_s)
+    loose = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 900, absorb=True)
+    assert loose == plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 900)
+    full = plan_turns(CURVES, total, 5000, 1152.0, 1.0, inf, 5000, 1300, absorb=True)
+    assert full.rate > 0 and full.window_s == MIN_WINDOW_S  # decodes fill every budget
+    # SIS plans for the mean arrival in buckets of 64: 4992 patches, 1280 prompt tokens
+    sis_cut = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 4992, 1280, absorb=True)
+    for slo, want in ((SLO_B, sis_cut.window_s), (SLO_A, None)):
+        s = sis(slo=slo)
+        s.turns = True
+        s.decide(backlog(batch=64))
+        plan = s.turns_plan(backlog(batch=64))
+        if want is None:  # TPOT: as the bound leaves
+            assert plan.window_s + plan.step_s == pytest.approx(s.slo_target())
+        else:
+            assert plan.window_s == pytest.approx(want) and s.last_window_s == plan.window_s
