@@ -377,7 +377,7 @@ def test_the_turns_window_follows_the_measured_intervals_alike(calm_curves, monk
 
 def test_the_turns_encoder_passes_its_window_alike(calm_curves, monkeypatch) -> None:
     """Taking turns with the embedded prompts a third of a tight TTFT bound behind, SIS passes
-    the encoder's window (`sis_goodput.hold_encoder`): the engine and the simulator pass the
+    the encoder's window (`sis_goodput.pace_turns`): the engine and the simulator pass the
     same windows and agree as closely; a simulator that runs every window is caught."""
     c = calm_curves[0]
     eng, sim, engine, gpu, cfg, wl = turns_run(calm_curves, "ttft:300,tpot:50", monkeypatch, 40.0)
