@@ -48,8 +48,8 @@ first in first out, `sis_goodput.order_encoder`) - what temporal-chunked runs - 
 arrivals fall below ``turns_until`` x the sharing capacity and no waiting request is predicted
 to miss at that cap. Each change waits ``turns_dwell_s``. Window and budget keep the decode
 SLO's margin (under an ITL bound, on the gaps measured: `sis_goodput.IntervalSpread`); where no
-window fits, SIS shares. Each round the encoder is paced to the prefill (`sis_goodput.pace_turns`:
-under a TPOT bound it passes its window, ``hold``; under an ITL bound its window is cut).
+window fits, SIS shares. Under a TPOT bound the encoder passes its window (``hold``) while the
+embedded prompts outlast a third of the TTFT bound (`sis_goodput.hold_encoder`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class SpaceInferenceScheduler:
         self.turns = False  # the superset's regime: taking turns on the whole GPU
         self._turns_since = -math.inf
         self.last_window_s, self.last_turn_tokens = 0.0, 0  # the last window and its budget
-        self.hold, self.pace = False, "window"  # the last window passed / how it was paced
+        self.hold = False  # the last window is passed: the encoder is ahead of the prefill
         self._turns_cache: dict[tuple, goodput.Turns] = {}  # keys bucketed; cleared at 1e5
         self.spread = goodput.IntervalSpread()  # the executors report each decode step's tokens
         self.counts: Counter[str] = Counter()
@@ -205,7 +205,8 @@ class SpaceInferenceScheduler:
                 self._turns_cache.clear()
             hit = self._turns_cache[key] = goodput.plan_turns(
                 self.curves, self.total, state.decode_batch, state.decode_context, bound,
-                self.window_s if math.isinf(bound) else math.inf, patches, prompt)
+                self.window_s if math.isinf(bound) else math.inf, patches, prompt,
+                goodput.itl_governs(self.slo))
         return hit
 
     def _stretch(self, state: SisState) -> float:
@@ -299,9 +300,8 @@ class SpaceInferenceScheduler:
 
     def _place(self, state: SisState, enc: int, target: float, feasible: bool) -> Split:
         if enc >= self.total:  # a whole-GPU window; prompts prefill in the decode steps
-            plan, self.pace = goodput.pace_turns(self.turns_plan(state), self.slo,
-                                                 self.predictor.view(state), state.decode_batch)
-            self.hold = self.pace == "held"
+            plan = self.turns_plan(state)
+            self.hold = goodput.hold_encoder(plan, sum(state.prefill), self.slo)
             self.spread.plan(plan, self.hold)
             self.last_window_s, self.last_turn_tokens = plan.window_s, plan.tokens
             tpot = self.predict_tpot(state, enc)
@@ -340,16 +340,16 @@ class SpaceInferenceScheduler:
 
     def _count(self, state: SisState, split: Split) -> Split:
         e = split.encoder_sms
-        pace = "window" if self.pace == "window" else f"window:{self.pace}"
-        self.counts[pace if e >= self.total else "decoder-only" if e == 0 else f"split:{e}"] += 1
+        window = e >= self.total
+        self.counts["window:held" if window and self.hold else "window" if window else
+                    "decoder-only" if e == 0 else f"split:{e}"] += 1
         if e and self.predictor.view(state).max_prompt > 0:
             self.counts[f"prefill:{split.prefill_on}"] += 1
         return split
 
     def action_counts(self) -> dict[str, int]:
         """How often each action was chosen: ``split:E`` (E encoder SMs shared), ``window``
-        (the whole GPU to the encoder; ``window:held``: that window passed, ``window:paced``:
-        cut, `sis_goodput.pace_turns`),
+        (the whole GPU to the encoder) or ``window:held`` (that window passed: `hold_encoder`),
         ``decoder-only``, and ``prefill:compute`` /
         ``prefill:decode`` (where prompts went, in rounds that had some)."""
         return dict(sorted(self.counts.items()))

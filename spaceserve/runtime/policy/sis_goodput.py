@@ -135,19 +135,16 @@ class Turns:
         return tokens / self.tokens * (self.window_s + self.step_s) if self.tokens else math.inf
 
 
-# The turns' encoder is paced to the prefill each round (`pace_turns`): encoder time spent ahead
-# of it only lengthens the queue the embedded requests wait in - where admission ends some of
-# them after their encode, which is wasted - and stretches every decode interval.
-# - Under a TPOT bound (a mean) the window may grow to most of the bound (20 ms against
-#   temporal-chunked's best 3.5-7 ms past saturation with 128 decodes), and the encoder passes
-#   its window ("held") while the embedded prompts would take AHEAD_OF_TTFT x the TTFT bound or
-#   more to prefill at the turns' pace (a quarter and a half hold the bar as well; cutting the
-#   window as below starves the encoder at SLO A 20 img/s: 0.983x).
-# - Under an ITL bound the window is what each gap leaves; passing it starves the encoder
-#   (`--batch 128`: 3-15% fewer served at 14-20 img/s). Instead the window is cut ("paced") to
-#   what drains the encoder's queue in as many intervals as the prefill needs for its own: its
-#   whole-device work x (budget less one token per decoding request) / the prefill backlog.
-# sim-best-temporal.md has the figures.
+# Under a TPOT bound the encoder passes its turn while the prompts it has already embedded
+# would take at least AHEAD_OF_TTFT x the TTFT bound to prefill at the turns' pace
+# (`hold_encoder`): another window then only lengthens the queue those requests wait in - where
+# admission ends some of them after their encode, which is wasted - and stretches every decode
+# interval. A TPOT bound (a mean) lets the window grow to most of the bound (20 ms against
+# temporal-chunked's best 3.5-7 ms past saturation with 128 decodes): there the encoder outruns
+# the prefill. Under an ITL bound the window is already what each gap leaves
+# (`IntervalSpread`), and passing it starves the encoder (`--batch 128`, `ttft:2000,itl:21`:
+# 3-15% fewer served at 14-20 img/s). A third: a quarter and a half hold the bar as well
+# (sim-best-temporal.md).
 AHEAD_OF_TTFT = 1 / 3
 
 
@@ -156,28 +153,21 @@ def itl_governs(slo: Slo) -> bool:
     return slo.itl is not None and (slo.tpot is None or slo.tpot >= slo.itl)
 
 
-def pace_turns(plan: Turns, slo: Slo, view: StateView, batch: int) -> tuple[Turns, str]:
-    """This round's turns for `plan` under `slo` with `view`'s queues and `batch` decoding
-    requests, and how the encoder is paced: "window" (as planned), "held" (passes its window)
-    or "paced" (a shorter window) - the module comment above."""
-    backlog = sum(view.ready)
-    if not backlog or (slo.ttft is None and not itl_governs(slo)):
-        return plan, "window"
-    if not itl_governs(slo):
-        held = plan.drain_s(backlog) >= AHEAD_OF_TTFT * slo.ttft / 1e3
-        return plan, "held" if held else "window"
-    window = sum(view.runs(0)) * max(1, plan.tokens - batch) / backlog
-    if window >= plan.window_s:
-        return plan, "window"
-    return replace(plan, window_s=max(MIN_WINDOW_S, window)), "paced"
+def hold_encoder(plan: Turns, backlog_tokens: int, slo: Slo) -> bool:
+    """Whether the turns' encoder passes its window: under a TPOT bound, its embedded prompts'
+    `backlog_tokens` take at least ``AHEAD_OF_TTFT`` x `slo`'s TTFT bound to prefill (no TTFT
+    bound, or an ITL bound: never)."""
+    return slo.ttft is not None and backlog_tokens > 0 and not itl_governs(slo) and \
+        plan.drain_s(backlog_tokens) >= AHEAD_OF_TTFT * slo.ttft / 1e3
 
 
 def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s: float,
-               window_max_s: float, patches: int, prompt: int) -> Turns:
+               window_max_s: float, patches: int, prompt: int, absorb: bool = False) -> Turns:
     """The turn-taking schedule sustaining the most arrivals within the decode bound: for each
     prefill budget, the largest window (up to `window_max_s`) whose interval - window plus the
     step carrying that budget - keeps `bound_s`; a cycle encodes window / (a mean image's
-    whole-device encode) images and prefills budget / (its prompt) of them."""
+    whole-device encode) images and prefills budget / (its prompt) of them. With `absorb` the
+    chosen window is cut to what the next step's prefill absorbs (module comment below)."""
     best = Turns(0.0, TURN_BUDGETS[0], 0.0)
     enc = curves.encoder(max(1, patches), curves.encoder_depth, total)
     for tokens in TURN_BUDGETS:
@@ -188,9 +178,20 @@ def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s
         rate = min(window / enc, tokens / max(1, prompt)) / (window + step)
         if rate > best.rate:
             best = Turns(window, tokens, rate, step)
+    if absorb and best.rate > 0:  # the budget less the decode tokens, of mean prompts
+        held = max(0, best.tokens - batch) / max(1, prompt) * enc
+        best = replace(best, window_s=max(MIN_WINDOW_S, min(best.window_s, held)))
     return best
 
 
+# Under an ITL bound the turns' window is also cut to what the step after it absorbs
+# (`plan_turns`' `absorb`): the mean images the step's prefill budget, less one token for each
+# decoding request, can take in. Encoder time past that only queues embeddings, and each
+# interval is the bound's to spend, not the encoder's: with 128 decodes under
+# `ttft:2000,itl:21` the 7.5 ms window the bound leaves served 0.95-1.00x `best-temporal` at
+# 14-20 img/s, cut to about 5 ms 1.01-1.03x; it costs SLO B with 32 decodes at 20 img/s
+# (1.012x to 0.992x). Under a TPOT bound `hold_encoder` does this by feedback instead: the cut,
+# from the mean image, starves the encoder at SLO A 20 img/s (0.983x). sim-best-temporal.md.
 # Under an ITL bound (each request's own p99 gap) the turns' interval - window plus decode
 # step - is held to what the requests measure, not to a flat margin over its prediction: SIS
 # plans against TURNS_MARGIN x the bound less the p99 of the recent intervals' excess over their

@@ -189,7 +189,7 @@ class SpatialRuntime:
     def _window_step(self) -> bool:
         """SIS's whole-GPU window: every other step once the full partition is current is the
         encoder's (`_window_launch`); False when it is the decode step's turn or SIS passes
-        the window (`sis_goodput.pace_turns`)."""
+        the window (`sis_goodput.hold_encoder`)."""
         if not self._window_ready() or self.sis.hold:
             return False
         self._encoder_turn = not self._encoder_turn

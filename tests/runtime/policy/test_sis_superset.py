@@ -34,10 +34,11 @@ def sis(actions: str = "superset", slo: Slo = SLO_A, **kw) -> SpaceInferenceSche
                                    clock=Clock(), **kw)
 
 
-def backlog(batch: int, n: int = 24, age: float = 1.0, rate: float = 20.0) -> SisState:
+def backlog(batch: int, n: int = 24, age: float = 1.0, rate: float = 20.0,
+            prompt: int = 1300) -> SisState:
     jobs = tuple(PendingEncode(10764, 32, 2755, age_s=age) for _ in range(n))
     return SisState(jobs, (), batch, 1152.0, arrival_rate=rate, arrival_patches=5000,
-                    arrival_prompt=1300)
+                    arrival_prompt=prompt)
 
 
 def test_arrivals_past_what_sharing_sustains_take_turns() -> None:
@@ -163,7 +164,7 @@ def test_under_an_itl_bound_the_window_follows_the_measured_intervals() -> None:
     (and under a TPOT bound) against the flat 0.8 margin; never below half the bound."""
     from spaceserve.runtime.policy.sis_goodput import MIN_SPREADS, SPREADS
 
-    state = backlog(batch=64)
+    state = backlog(batch=64, prompt=900)  # windows short of what a step absorbs (next test)
     s = sis(slo=SLO_B)
     s.turns = True
     s.decide(state)
@@ -198,7 +199,7 @@ def test_the_turns_encoder_passes_its_window_while_the_prefill_is_a_third_of_the
     ``window:held``) while the prompts already embedded take at least a third of the TTFT bound
     to prefill at the turns' pace (one budget per interval); the interval then predicted is the
     decode step alone. Without a TTFT bound, or under an ITL bound, it never passes."""
-    from spaceserve.runtime.policy.sis_goodput import AHEAD_OF_TTFT, pace_turns
+    from spaceserve.runtime.policy.sis_goodput import AHEAD_OF_TTFT, hold_encoder
 
     assert AHEAD_OF_TTFT == pytest.approx(1 / 3)
     s = sis()
@@ -217,11 +218,8 @@ def test_the_turns_encoder_passes_its_window_while_the_prefill_is_a_third_of_the
         assert s.last_window_s == plan.window_s  # admission still prices the turns' window
     assert s.action_counts()["window:held"] == 1 and s.action_counts()["window"] == 2
     assert plan.drain_s(plan.tokens) == pytest.approx(cycle)
-    view = s.predictor.view(backlog(batch=64))
-    ready = SisState(view.state.encode, (int(edge * 1.03),), 64, 1152.0)
-    assert pace_turns(plan, SLO_A, s.predictor.view(ready), 64) == (plan, "held")
-    ready = SisState(view.state.encode, (int(edge * 0.97),), 64, 1152.0)
-    assert pace_turns(plan, SLO_A, s.predictor.view(ready), 64) == (plan, "window")
+    assert hold_encoder(plan, int(edge * 1.03), SLO_A)
+    assert not hold_encoder(plan, int(edge * 0.97), SLO_A)
     for slo in ("tpot:50", "ttft:2000,itl:21", "ttft:2000,itl:40,tpot:50"):
         other = sis(slo=Slo.parse(slo))  # no TTFT bound, or an ITL bound: never passes
         other.turns = True
@@ -229,42 +227,34 @@ def test_the_turns_encoder_passes_its_window_while_the_prefill_is_a_third_of_the
                                       arrival_rate=20.0, arrival_patches=5000,
                                       arrival_prompt=1300))
         assert split.encoder_sms == other.total and not other.hold, slo
-    ready = SisState(view.state.encode, (10**6,), 64, 1152.0)  # TPOT the tighter: it governs
-    both = Slo.parse("ttft:2000,itl:60,tpot:50")
-    assert pace_turns(plan, both, s.predictor.view(ready), 64) == (plan, "held")
+    assert hold_encoder(plan, 10**6, Slo.parse("ttft:2000,itl:60,tpot:50"))  # TPOT governs
 
 
-def test_under_an_itl_bound_the_window_is_paced_to_the_prefill() -> None:
-    """Under an ITL bound the turns' window is cut ("paced", counted as ``window:paced``) to what
-    drains the encoder's queue in as many intervals as the prefill needs for its backlog: the
-    queue's whole-device work x (budget less one token per decoding request) / the backlog;
-    never below MIN_WINDOW_S, never above the plan. Under a TPOT bound it is not cut."""
-    from spaceserve.runtime.policy.sis_goodput import MIN_WINDOW_S
+def test_under_an_itl_bound_the_window_is_cut_to_what_the_next_step_absorbs() -> None:
+    """Under an ITL bound the turns' window is at most the mean images the next step's prefill
+    budget, less one token per decoding request, takes in (`plan_turns`' ``absorb``); the rate
+    (the regime's choice) is the uncut plan's. Under a TPOT bound the window is not cut."""
+    from spaceserve.runtime.policy.sis_goodput import MIN_WINDOW_S, plan_turns
 
-    state = backlog(batch=64)
-    s = sis(slo=SLO_B)
-    s.turns = True
-    s.decide(state)
-    plan = s.turns_plan(state)
-    assert s.pace == "window" and s.last_window_s == plan.window_s  # nothing to prefill
-    work = sum(s.predictor.view(state).runs(0))
-    per_step = plan.tokens - 64
-    for ratio, pace in ((0.5, "paced"), (2.0, "window")):
-        tokens = int(work * per_step / (ratio * plan.window_s))
-        ready = SisState(state.encode, (tokens // 2, tokens - tokens // 2), 64, 1152.0,
-                         arrival_rate=20.0, arrival_patches=5000, arrival_prompt=1300)
-        assert s.turns_plan(ready) == plan
-        split = s.decide(ready)
-        assert split.encoder_sms == s.total and s.pace == pace and not s.hold
-        want = work * per_step / tokens if pace == "paced" else plan.window_s
-        assert s.last_window_s == pytest.approx(want) and want <= plan.window_s
-        assert s.spread.planned == pytest.approx(plan.step_s + want)
-    huge = SisState(state.encode, (10**9,), 64, 1152.0, arrival_rate=20.0,
-                    arrival_patches=5000, arrival_prompt=1300)
-    s.decide(huge)
-    assert s.last_window_s == MIN_WINDOW_S and s.pace == "paced"
-    assert s.action_counts()["window:paced"] == 2 and s.action_counts()["window"] == 2
-    tpot = sis()  # under a TPOT bound the window is whole (or passed)
-    tpot.turns = True
-    tpot.decide(ready)
-    assert tpot.last_window_s == tpot.turns_plan(ready).window_s and tpot.pace != "paced"
+    inf, total = float("inf"), CURVES.num_sms
+    free = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 1300)
+    cut = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 1300, absorb=True)
+    enc = CURVES.encoder(5000, CURVES.encoder_depth, total)
+    assert cut.window_s == pytest.approx((free.tokens - 64) / 1300 * enc)
+    assert cut.window_s < free.window_s
+    assert (cut.tokens, cut.rate, cut.step_s) == (free.tokens, free.rate, free.step_s)
+    loose = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 900, absorb=True)
+    assert loose == plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 900)
+    full = plan_turns(CURVES, total, 5000, 1152.0, 1.0, inf, 5000, 1300, absorb=True)
+    assert full.rate > 0 and full.window_s == MIN_WINDOW_S  # decodes fill every budget
+    # SIS plans for the mean arrival in buckets of 64: 4992 patches, 1280 prompt tokens
+    sis_cut = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 4992, 1280, absorb=True)
+    for slo, want in ((SLO_B, sis_cut.window_s), (SLO_A, None)):
+        s = sis(slo=slo)
+        s.turns = True
+        s.decide(backlog(batch=64))
+        plan = s.turns_plan(backlog(batch=64))
+        if want is None:  # TPOT: as the bound leaves
+            assert plan.window_s + plan.step_s == pytest.approx(s.slo_target())
+        else:
+            assert plan.window_s == pytest.approx(want) and s.last_window_s == plan.window_s

@@ -360,10 +360,8 @@ def test_the_turns_window_follows_the_measured_intervals_alike(calm_curves, monk
     (`IntervalSpread`): the engine and the simulator measure the same intervals, plan the same
     windows and agree as closely; a simulator that does not measure them is caught."""
     c = calm_curves[0]
-    eng, sim, engine, gpu, cfg, wl = turns_run(calm_curves, "ttft:2000,itl:40", monkeypatch)
+    eng, sim, engine, gpu, cfg, wl = turns_run(calm_curves, "ttft:2000,itl:30", monkeypatch)
     mine, theirs = engine.spatial.sis, gpu.sis
-    paced = mine.action_counts().get("window:paced", 0)  # windows cut to the prefill's pace
-    assert paced == theirs.action_counts().get("window:paced", 0) > 0, paced
     assert len(mine.spread.spreads) >= MIN_SPREADS
     assert list(mine.spread.spreads) == pytest.approx(list(theirs.spread.spreads), abs=1e-9)
     fallback = mine.slo_target()
@@ -372,12 +370,12 @@ def test_the_turns_window_follows_the_measured_intervals_alike(calm_curves, monk
     with monkeypatch.context() as m:  # the simulator's SIS never measures an interval
         m.setattr(IntervalSpread, "read", lambda self, now, turns: None)
         blind = summary(run_sim(c, cfg, wl))
-    assert worst(eng, blind) > 0.01, (eng, blind)  # 1.6%: its windows are 0.8 x the bound
+    assert worst(eng, blind) > 0.02, (eng, blind)  # 6.9%: its windows are 0.8 x the bound
 
 
 def test_the_turns_encoder_passes_its_window_alike(calm_curves, monkeypatch) -> None:
     """Taking turns with the embedded prompts a third of a tight TTFT bound behind, SIS passes
-    the encoder's window (`sis_goodput.pace_turns`): the engine and the simulator pass the
+    the encoder's window (`sis_goodput.hold_encoder`): the engine and the simulator pass the
     same windows and agree as closely; a simulator that runs every window is caught."""
     c = calm_curves[0]
     eng, sim, engine, gpu, cfg, wl = turns_run(calm_curves, "ttft:300,tpot:50", monkeypatch, 40.0)

@@ -304,7 +304,7 @@ class SpatialLoop(ComputeLane, StepLoop):
         return self.current == 0 and not self.paused and self.num_pending > 0
 
     def _window_step(self) -> bool:  # SIS's whole-GPU window: every other step the encoder's
-        if not self._window_ready() or self.sim.sis.hold:  # passed: `pace_turns`
+        if not self._window_ready() or self.sim.sis.hold:  # passed: `hold_encoder`
             return False
         self.encoder_turn = not self.encoder_turn
         return self.encoder_turn and window_launch(self, hide=True)
