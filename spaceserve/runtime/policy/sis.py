@@ -48,8 +48,10 @@ first in first out, `sis_goodput.order_encoder`) - what temporal-chunked runs - 
 arrivals fall below ``turns_until`` x the sharing capacity and no waiting request is predicted
 to miss at that cap. Each change waits ``turns_dwell_s``. Window and budget keep the decode
 SLO's margin (under an ITL bound, on the gaps measured: `sis_goodput.IntervalSpread`); where no
-window fits, SIS shares. Under a TPOT bound the encoder passes its window (``hold``) while the
-embedded prompts outlast a third of the TTFT bound (`sis_goodput.hold_encoder`).
+window fits, SIS shares. The encoder is held to the prefill's pace: under a TPOT bound it passes
+its window (``hold``) while the embedded prompts outlast a third of the TTFT bound
+(`sis_goodput.hold_encoder`); under an ITL bound each window is cut to what the next step's
+prefill absorbs (`plan_turns`' ``absorb``). `action_counts` counts every action.
 """
 
 from __future__ import annotations

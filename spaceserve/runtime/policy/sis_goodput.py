@@ -179,8 +179,8 @@ def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s
         if rate > best.rate:
             best = Turns(window, tokens, rate, step)
     if absorb and best.rate > 0:  # the budget less the decode tokens, of mean prompts
-        held = max(0, best.tokens - batch) / max(1, prompt) * enc
-        best = replace(best, window_s=max(MIN_WINDOW_S, min(best.window_s, held)))
+        absorbed = max(0, best.tokens - batch) / max(1, prompt) * enc
+        best = replace(best, window_s=max(MIN_WINDOW_S, min(best.window_s, absorbed)))
     return best
 
 
@@ -192,6 +192,7 @@ def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s
 # 14-20 img/s, cut to about 5 ms 1.01-1.03x; it costs SLO B with 32 decodes at 20 img/s
 # (1.012x to 0.992x). Under a TPOT bound `hold_encoder` does this by feedback instead: the cut,
 # from the mean image, starves the encoder at SLO A 20 img/s (0.983x). sim-best-temporal.md.
+
 # Under an ITL bound (each request's own p99 gap) the turns' interval - window plus decode
 # step - is held to what the requests measure, not to a flat margin over its prediction: SIS
 # plans against TURNS_MARGIN x the bound less the p99 of the recent intervals' excess over their
