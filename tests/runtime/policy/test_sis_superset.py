@@ -164,7 +164,8 @@ def test_under_an_itl_bound_the_window_follows_the_measured_intervals() -> None:
     (and under a TPOT bound) against the flat 0.8 margin; never below half the bound."""
     from spaceserve.runtime.policy.sis_goodput import MIN_SPREADS, SPREADS
 
-    state = backlog(batch=64, prompt=900)  # windows short of what a step absorbs (next test)
+    state = backlog(batch=64, prompt=900)  # windows short of what a step absorbs
+    # (`test_under_an_itl_bound_the_window_is_cut_to_what_the_next_step_absorbs`)
     s = sis(slo=SLO_B)
     s.turns = True
     s.decide(state)
