@@ -50,8 +50,8 @@ to miss at that cap. Each change waits ``turns_dwell_s``. Window and budget keep
 SLO's margin (under an ITL bound, on the gaps measured: `sis_goodput.IntervalSpread`); where no
 window fits, SIS shares. The encoder is held to the prefill's pace: under a TPOT bound it passes
 its window (``hold``) while the embedded prompts outlast a third of the TTFT bound
-(`sis_goodput.hold_encoder`); under an ITL bound each window is cut to what the next step's
-prefill absorbs (`plan_turns`' ``absorb``). `action_counts` counts every action.
+(`sis_goodput.hold_encoder`); under an ITL bound its window shrinks while they do and grows
+back when they do not (``pace``, `sis_goodput.pace_window`). `action_counts` counts every action.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spaceserve.checks import require_choice, require_int, require_number
 from spaceserve.runtime.modes import OBJECTIVES, SIS_ACTIONS
@@ -110,6 +110,7 @@ class SpaceInferenceScheduler:
         self._turns_since = -math.inf
         self.last_window_s, self.last_turn_tokens = 0.0, 0  # the last window and its budget
         self.hold = False  # the last window is passed: the encoder is ahead of the prefill
+        self.pace = 1.0  # the share of the planned window the encoder runs (`pace_window`)
         self._turns_cache: dict[tuple, goodput.Turns] = {}  # keys bucketed; cleared at 1e5
         self.spread = goodput.IntervalSpread()  # the executors report each decode step's tokens
         self.counts: Counter[str] = Counter()
@@ -207,8 +208,7 @@ class SpaceInferenceScheduler:
                 self._turns_cache.clear()
             hit = self._turns_cache[key] = goodput.plan_turns(
                 self.curves, self.total, state.decode_batch, state.decode_context, bound,
-                self.window_s if math.isinf(bound) else math.inf, patches, prompt,
-                goodput.itl_governs(self.slo))
+                self.window_s if math.isinf(bound) else math.inf, patches, prompt)
         return hit
 
     def _stretch(self, state: SisState) -> float:
@@ -302,8 +302,13 @@ class SpaceInferenceScheduler:
 
     def _place(self, state: SisState, enc: int, target: float, feasible: bool) -> Split:
         if enc >= self.total:  # a whole-GPU window; prompts prefill in the decode steps
-            plan = self.turns_plan(state)
-            self.hold = goodput.hold_encoder(plan, sum(state.prefill), self.slo)
+            plan, backlog = self.turns_plan(state), sum(state.prefill)
+            self.hold = goodput.hold_encoder(plan, backlog, self.slo)
+            self.pace = goodput.pace_window(self.pace, plan, backlog, state.decode_batch,
+                                            self.slo)
+            if self.pace < 1:
+                plan = replace(plan, window_s=max(goodput.MIN_WINDOW_S,
+                                                  self.pace * plan.window_s))
             self.spread.plan(plan, self.hold)
             self.last_window_s, self.last_turn_tokens = plan.window_s, plan.tokens
             tpot = self.predict_tpot(state, enc)
@@ -343,7 +348,8 @@ class SpaceInferenceScheduler:
     def _count(self, state: SisState, split: Split) -> Split:
         e = split.encoder_sms
         window = e >= self.total
-        self.counts["window:held" if window and self.hold else "window" if window else
+        self.counts["window:held" if window and self.hold else "window:paced" if window and
+                    self.pace < 1 else "window" if window else
                     "decoder-only" if e == 0 else f"split:{e}"] += 1
         if e and self.predictor.view(state).max_prompt > 0:
             self.counts[f"prefill:{split.prefill_on}"] += 1
@@ -351,7 +357,8 @@ class SpaceInferenceScheduler:
 
     def action_counts(self) -> dict[str, int]:
         """How often each action was chosen: ``split:E`` (E encoder SMs shared), ``window``
-        (the whole GPU to the encoder) or ``window:held`` (that window passed: `hold_encoder`),
+        (the whole GPU to the encoder), ``window:held`` (that window passed: `hold_encoder`) or
+        ``window:paced`` (a share of it: `pace_window`),
         ``decoder-only``, and ``prefill:compute`` /
         ``prefill:decode`` (where prompts went, in rounds that had some)."""
         return dict(sorted(self.counts.items()))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from spaceserve.runtime.policy.curves import CurveSet
@@ -162,12 +162,11 @@ def hold_encoder(plan: Turns, backlog_tokens: int, slo: Slo) -> bool:
 
 
 def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s: float,
-               window_max_s: float, patches: int, prompt: int, absorb: bool = False) -> Turns:
+               window_max_s: float, patches: int, prompt: int) -> Turns:
     """The turn-taking schedule sustaining the most arrivals within the decode bound: for each
     prefill budget, the largest window (up to `window_max_s`) whose interval - window plus the
     step carrying that budget - keeps `bound_s`; a cycle encodes window / (a mean image's
-    whole-device encode) images and prefills budget / (its prompt) of them. With `absorb` the
-    chosen window is cut to what the next step's prefill absorbs (module comment below)."""
+    whole-device encode) images and prefills budget / (its prompt) of them."""
     best = Turns(0.0, TURN_BUDGETS[0], 0.0)
     enc = curves.encoder(max(1, patches), curves.encoder_depth, total)
     for tokens in TURN_BUDGETS:
@@ -178,20 +177,35 @@ def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s
         rate = min(window / enc, tokens / max(1, prompt)) / (window + step)
         if rate > best.rate:
             best = Turns(window, tokens, rate, step)
-    if absorb and best.rate > 0:  # the budget less the decode tokens, of mean prompts
-        absorbed = max(0, best.tokens - batch) / max(1, prompt) * enc
-        best = replace(best, window_s=max(MIN_WINDOW_S, min(best.window_s, absorbed)))
     return best
 
 
-# Under an ITL bound the turns' window is also cut to what the step after it absorbs
-# (`plan_turns`' `absorb`): the mean images the step's prefill budget, less one token for each
-# decoding request, can take in. Encoder time past that only queues embeddings, and each
-# interval is the bound's to spend, not the encoder's: with 128 decodes under
-# `ttft:2000,itl:21` the 7.5 ms window the bound leaves served 0.95-1.00x `best-temporal` at
-# 14-20 img/s, cut to about 5 ms 1.01-1.03x; it costs SLO B with 32 decodes at 20 img/s
-# (1.012x to 0.992x). Under a TPOT bound `hold_encoder` does this by feedback instead: the cut,
-# from the mean image, starves the encoder at SLO A 20 img/s (0.983x). sim-best-temporal.md.
+# Under an ITL bound the turns' window is paced to the prefill (`pace_window`): a pace - the
+# share of the planned window the encoder runs - falls by a factor exp(PACE_STEP) each turns
+# round while the prompts already embedded would take AHEAD_OF_TTFT x the TTFT bound or more to
+# prefill at the paced turns' pace (the budget less one token per decoding request, each
+# interval), and rises back otherwise, never below PACE_FLOOR. The queue then forms before the
+# encoder, where admission ends a request before its encode, not after it. Past saturation
+# temporal-chunked's best window is 0.6-0.7x the SLO-derived one with 128 decodes and the derived
+# one or longer with 32 (sim-best-temporal.md); a window cut to what a mean image's prefill
+# absorbs (the rule this replaced) missed both ways, 0.97x and 0.98x `best-temporal` there.
+# Under a TPOT bound `hold_encoder` passes whole windows instead.
+PACE_STEP = 0.02
+PACE_FLOOR = 0.5
+
+
+def pace_window(pace: float, plan: Turns, backlog_tokens: int, batch: int, slo: Slo) -> float:
+    """The turns' next pace (module comment above) from `pace`, for `plan` with
+    `backlog_tokens` embedded prompt tokens waiting and `batch` decoding requests under `slo`:
+    1 (the planned window) unless an ITL bound governs and a TTFT bound is set."""
+    if slo.ttft is None or not itl_governs(slo):
+        return 1.0
+    if plan.rate <= 0:
+        return pace
+    drain = backlog_tokens / max(1, plan.tokens - batch) * (pace * plan.window_s + plan.step_s)
+    step = -PACE_STEP if drain > AHEAD_OF_TTFT * slo.ttft / 1e3 else PACE_STEP
+    return min(1.0, max(PACE_FLOOR, pace * math.exp(step)))
+
 
 # Under an ITL bound (each request's own p99 gap) the turns' interval - window plus decode
 # step - is held to what the requests measure, not to a flat margin over its prediction: SIS

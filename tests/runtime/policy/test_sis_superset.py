@@ -164,8 +164,7 @@ def test_under_an_itl_bound_the_window_follows_the_measured_intervals() -> None:
     (and under a TPOT bound) against the flat 0.8 margin; never below half the bound."""
     from spaceserve.runtime.policy.sis_goodput import MIN_SPREADS, SPREADS
 
-    state = backlog(batch=64, prompt=900)  # windows short of what a step absorbs
-    # (`test_under_an_itl_bound_the_window_is_cut_to_what_the_next_step_absorbs`)
+    state = backlog(batch=64, prompt=900)  # no embedded prompt waits: the window is unpaced
     s = sis(slo=SLO_B)
     s.turns = True
     s.decide(state)
@@ -231,31 +230,56 @@ def test_the_turns_encoder_passes_its_window_while_the_prefill_is_a_third_of_the
     assert hold_encoder(plan, 10**6, Slo.parse("ttft:2000,itl:60,tpot:50"))  # TPOT governs
 
 
-def test_under_an_itl_bound_the_window_is_cut_to_what_the_next_step_absorbs() -> None:
-    """Under an ITL bound the turns' window is at most the mean images the next step's prefill
-    budget, less one token per decoding request, takes in (`plan_turns`' ``absorb``); the rate
-    (the regime's choice) is the uncut plan's. Under a TPOT bound the window is not cut."""
-    from spaceserve.runtime.policy.sis_goodput import MIN_WINDOW_S, plan_turns
+def test_under_an_itl_bound_the_window_is_paced_to_the_prefill() -> None:
+    """Under an ITL bound the turns' pace (the share of the planned window the encoder runs)
+    falls by exp(PACE_STEP) each turns round while the embedded prompts take more than a third
+    of the TTFT bound to prefill at the paced turns' pace (the budget less one token per
+    decoding request, each interval), down to PACE_FLOOR, and rises back to 1 otherwise;
+    counted as ``window:paced``. Under a TPOT bound, or without a TTFT bound, it stays 1."""
+    import math
 
-    inf, total = float("inf"), CURVES.num_sms
-    free = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 1300)
-    cut = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 1300, absorb=True)
-    enc = CURVES.encoder(5000, CURVES.encoder_depth, total)
-    assert cut.window_s == pytest.approx((free.tokens - 64) / 1300 * enc)
-    assert cut.window_s < free.window_s
-    assert (cut.tokens, cut.rate, cut.step_s) == (free.tokens, free.rate, free.step_s)
-    loose = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 900, absorb=True)
-    assert loose == plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 5000, 900)
-    full = plan_turns(CURVES, total, 5000, 1152.0, 1.0, inf, 5000, 1300, absorb=True)
-    assert full.rate > 0 and full.window_s == MIN_WINDOW_S  # decodes fill every budget
-    # SIS plans for the mean arrival in buckets of 64: 4992 patches, 1280 prompt tokens
-    sis_cut = plan_turns(CURVES, total, 64, 1152.0, 0.0168, inf, 4992, 1280, absorb=True)
-    for slo, want in ((SLO_B, sis_cut.window_s), (SLO_A, None)):
-        s = sis(slo=slo)
-        s.turns = True
-        s.decide(backlog(batch=64))
-        plan = s.turns_plan(backlog(batch=64))
-        if want is None:  # TPOT: as the bound leaves
-            assert plan.window_s + plan.step_s == pytest.approx(s.slo_target())
-        else:
-            assert plan.window_s == pytest.approx(want) and s.last_window_s == plan.window_s
+    from spaceserve.runtime.policy.sis_goodput import (
+        AHEAD_OF_TTFT,
+        PACE_FLOOR,
+        PACE_STEP,
+        Turns,
+        pace_window,
+    )
+
+    def waiting(tokens: int) -> SisState:
+        prompts = (tokens // 2, tokens - tokens // 2) if tokens else ()
+        return SisState(backlog(batch=64).encode, prompts, 64, 1152.0, arrival_rate=20.0,
+                        arrival_patches=5000, arrival_prompt=1300)
+
+    s = sis(slo=SLO_B)
+    s.turns = True
+    plan = s.turns_plan(waiting(0))
+    for k in range(1, 4):  # far behind: the pace falls a step a round
+        split = s.decide(waiting(10**6))
+        assert split.encoder_sms == s.total and not s.hold
+        assert s.pace == pytest.approx(math.exp(-k * PACE_STEP))
+        assert s.last_window_s == pytest.approx(s.pace * plan.window_s)
+        assert s.spread.planned == pytest.approx(s.last_window_s + plan.step_s)
+    for _ in range(200):
+        s.decide(waiting(10**6))
+    assert s.pace == PACE_FLOOR and s.last_window_s == pytest.approx(PACE_FLOOR * plan.window_s)
+    paced = s.action_counts()["window:paced"]
+    assert paced == 203
+    pace = s.pace  # the edge: a third of the TTFT bound at the paced interval
+    interval = pace * plan.window_s + plan.step_s
+    edge = AHEAD_OF_TTFT * 2.0 / interval * (plan.tokens - 64)
+    s.decide(waiting(int(edge * 1.03)))
+    assert s.pace == PACE_FLOOR
+    s.decide(waiting(int(edge * 0.97)))
+    assert s.pace == pytest.approx(PACE_FLOOR * math.exp(PACE_STEP))
+    for _ in range(200):  # caught up: back to the planned window
+        s.decide(waiting(0))
+    assert s.pace == 1.0 and s.last_window_s == pytest.approx(plan.window_s)
+    assert s.action_counts()["window"] >= 1
+    assert pace_window(0.7, Turns(0.0, 512, 0.0), 10**6, 64, SLO_B) == 0.7  # no window fits
+    for slo in (SLO_A, Slo.parse("itl:21"), Slo.parse("ttft:2000,itl:60,tpot:50")):
+        other = sis(slo=slo)  # a TPOT bound governs, or no TTFT bound: never paced
+        other.turns = True
+        for _ in range(5):
+            other.decide(waiting(10**6))
+        assert other.pace == 1.0 and "window:paced" not in other.action_counts(), slo

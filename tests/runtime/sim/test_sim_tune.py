@@ -13,7 +13,13 @@ from spaceserve.runtime.policy.slo import Slo
 from spaceserve.runtime.sim.cli import main
 from spaceserve.runtime.sim.config import SimConfig, chunked_window_s
 from spaceserve.runtime.sim.engine import Simulator
-from spaceserve.runtime.sim.sweep.tune import TUNE_BUDGETS, candidates
+from spaceserve.runtime.sim.sweep.tune import (
+    REFINE_STEPS,
+    TUNE_BUDGETS,
+    WINDOW_STEPS,
+    candidates,
+    refined,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +52,41 @@ def test_candidates_cover_budget_window_and_order(h200) -> None:
         assert (cfg.mode, cfg.max_num_batched_tokens) == (k["mode"], k["max_num_batched_tokens"])
         if k["window_ms"] is not None:
             assert cfg.window_s == pytest.approx(k["window_ms"] / 1e3, abs=1e-6)
+    derived = chunked_window_s(h200, SimConfig(mode="temporal-chunked", slo=base.slo,
+                                               max_num_batched_tokens=1024))
+    for policy in ("fifo", "twsrft"):  # each order at each step of the derived window
+        assert sorted(k["window_ms"] for k, _ in got if k["encoder_policy"] == policy
+                      and k["mode"] == "temporal-chunked" and k["max_num_batched_tokens"] == 1024
+                      ) == pytest.approx([round(1e3 * f * derived, 3) for f in WINDOW_STEPS])
+    itl = candidates(h200, SimConfig(slo=Slo.parse("ttft:2000,itl:21")))
+    assert len(itl) == len({str(k) for k, _ in itl})  # windows clamped to 1 ms: tried once
+    assert all(k["window_ms"] is None or k["window_ms"] >= 1.0 for k, _ in itl)
+
+
+def test_the_window_is_refined_around_the_best_pairs(h200) -> None:
+    """The second stage tries REFINE_STEPS x the window of the two best chunked (budget, order)
+    pairs of the grid at that rate - not of a worse pair, not a window already run."""
+    base = SimConfig(slo=Slo.parse("ttft:2000,itl:21"))
+
+    def row(good: float) -> dict:
+        return {"goodput": {"rate_per_s": good}, "image": {"ttft": {"p99_ms": 900.0}}}
+
+    def knobs(budget: int, policy: str, window_ms: float | None, mode="temporal-chunked"):
+        return {"mode": mode, "max_num_batched_tokens": budget, "encoder_policy": policy,
+                "window_ms": window_ms}
+
+    rows = [(knobs(512, "fifo", None, "temporal"), row(19.0)),  # not chunked: not refined
+            (knobs(512, "fifo", 6.8), row(15.0)), (knobs(512, "fifo", 3.4), row(16.0)),
+            (knobs(512, "twsrft", 6.8), row(15.5)), (knobs(1024, "fifo", 2.0), row(12.0)),
+            (knobs(512, "fifo", 4.76), row(1.0))]  # already run: 1.4 x 3.4
+    got = refined(base, rows)
+    want = [(512, "fifo", round(f * 3.4, 3)) for f in REFINE_STEPS if round(f * 3.4, 3) != 4.76]
+    want += [(512, "twsrft", round(f * 6.8, 3)) for f in REFINE_STEPS]
+    assert [(k["max_num_batched_tokens"], k["encoder_policy"], k["window_ms"])
+            for k, _ in got] == want
+    for k, cfg in got:
+        assert cfg.mode == "temporal-chunked" and cfg.encoder_policy == k["encoder_policy"]
+        assert cfg.window_s == pytest.approx(k["window_ms"] / 1e3)
 
 
 def test_best_temporal_in_the_sweep_names_its_knobs(tmp_path, capsys) -> None:
@@ -57,7 +98,9 @@ def test_best_temporal_in_the_sweep_names_its_knobs(tmp_path, capsys) -> None:
     best, plain = res["sweep"]["best-temporal"], res["sweep"]["temporal"]
     for b, t in zip(best, plain, strict=True):
         assert b["knobs"]["mode"] in ("temporal", "temporal-chunked")
-        assert len(b["tuned"]) == 4 * len(TUNE_BUDGETS)
+        grid = len(TUNE_BUDGETS) * (1 + 2 * len(WINDOW_STEPS))  # SLO A: no window clamped
+        assert grid < len(b["tuned"]) <= grid + 2 * len(REFINE_STEPS)  # the grid, refined
+        assert len({json.dumps(k, sort_keys=True) for k in b["tuned"]}) == len(b["tuned"])
         assert b["goodput"]["rate_per_s"] == max(c["rate_per_s"] for c in b["tuned"])
         assert b["goodput"]["rate_per_s"] >= t["goodput"]["rate_per_s"]  # temporal is a candidate
         for row in (b, t):
