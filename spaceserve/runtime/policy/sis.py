@@ -50,8 +50,9 @@ to miss at that cap. Each change waits ``turns_dwell_s``. Window and budget keep
 SLO's margin (under an ITL bound, on the gaps measured: `sis_goodput.IntervalSpread`); where no
 window fits, SIS shares. The encoder is held to the prefill's pace: under a TPOT bound it passes
 its window (``hold``) while the embedded prompts outlast a third of the TTFT bound
-(`sis_goodput.hold_encoder`); under an ITL bound its window shrinks while they do and grows
-back when they do not (``pace``, `sis_goodput.pace_window`). `action_counts` counts every action.
+(`sis_goodput.hold_encoder`), and under any TTFT bound its window shrinks while they do and
+grows back when they do not (``pace``, `sis_goodput.pace_window`). `action_counts` counts every
+action.
 """
 
 from __future__ import annotations
