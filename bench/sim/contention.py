@@ -8,7 +8,7 @@ level, and counts goodput (image requests/s within the SLO, `runtime.policy.slo`
 SLOs, each from runs scheduled for it: A ``ttft:2000,tpot:50`` (the default) and B
 ``ttft:2000,itl:21``. Modes: temporal (vLLM-like defaults), temporal-chunked, best-temporal
 (the strongest time-multiplexed configuration, tuned per SLO, rate and level; `sim.sweep.tune`:
-16 candidates, so it costs 16x a temporal sweep) and spatial.
+up to 36 candidates, so it costs up to 36x a temporal sweep) and spatial.
 It prints a goodput table per level and which conclusions hold at which levels, and writes
 both as JSON and markdown under --out.
 

@@ -232,7 +232,7 @@ def test_the_turns_encoder_passes_its_window_while_the_prefill_is_a_third_of_the
     assert hold_encoder(plan, 10**6, Slo.parse("ttft:2000,itl:60,tpot:50"))  # TPOT governs
 
 
-def test_under_an_itl_bound_the_window_is_paced_to_the_prefill() -> None:
+def test_the_turns_window_is_paced_to_the_prefill() -> None:
     """Under an ITL bound the turns' pace (the share of the planned window the encoder runs)
     falls by exp(PACE_STEP) each turns round while the embedded prompts take more than a third
     of the TTFT bound to prefill at the paced turns' pace (the budget less one token per
