@@ -143,8 +143,8 @@ class Turns:
 # temporal-chunked's best 3.5-7 ms past saturation with 128 decodes): there the encoder outruns
 # the prefill. Under an ITL bound the window is already what each gap leaves
 # (`IntervalSpread`), and passing it starves the encoder (`--batch 128`, `ttft:2000,itl:21`:
-# 3-15% fewer served at 14-20 img/s). A third: a quarter and a half hold the bar as well
-# (sim-best-temporal.md).
+# 3-15% fewer served at 14-20 img/s). A third: a quarter and a half held the bar as well
+# against the grid tuner (sim-best-temporal.md).
 AHEAD_OF_TTFT = 1 / 3
 
 
