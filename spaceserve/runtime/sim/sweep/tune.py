@@ -9,9 +9,10 @@ engine's whole FIFO encoder passes) and ``temporal-chunked`` in FIFO and in TWSR
 at `WINDOW_STEPS` x the SLO-derived window (`chunked_window_s` at that budget). Then, at each
 rate, the window is refined (`refined`) around the `REFINE` best chunked (budget, order) pairs
 of the grid: `REFINE_STEPS` x the window each chose. A coarse grid alone misses the best window
-by up to 4% of goodput past saturation (docs/results/sim-best-temporal.md): with 128 decodes
-under ``ttft:2000,itl:21`` the best window is 0.7x the derived one, under ``ttft:2000,tpot:50``
-0.4x at a 1024-token budget. ``temporal`` in a sweep keeps the vLLM-like defaults.
+by up to 7% of goodput at a point past saturation (docs/results/sim-best-temporal.md): with
+128 decodes under ``ttft:2000,itl:21`` the best window is 0.7x the derived one, under
+``ttft:2000,tpot:50`` 0.4x at a 1024-token budget. ``temporal`` in a sweep keeps the vLLM-like
+defaults.
 """
 from __future__ import annotations
 
