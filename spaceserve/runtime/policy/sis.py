@@ -348,10 +348,11 @@ class SpaceInferenceScheduler:
 
     def _count(self, state: SisState, split: Split) -> Split:
         e = split.encoder_sms
-        window = e >= self.total
-        self.counts["window:held" if window and self.hold else "window:paced" if window and
-                    self.pace < 1 else "window" if window else
-                    "decoder-only" if e == 0 else f"split:{e}"] += 1
+        if e >= self.total:
+            name = "window:held" if self.hold else "window:paced" if self.pace < 1 else "window"
+        else:
+            name = "decoder-only" if e == 0 else f"split:{e}"
+        self.counts[name] += 1
         if e and self.predictor.view(state).max_prompt > 0:
             self.counts[f"prefill:{split.prefill_on}"] += 1
         return split

@@ -14,6 +14,7 @@ by up to 7% of goodput at a point past saturation (docs/results/sim-best-tempora
 ``ttft:2000,tpot:50`` 0.4x at a 1024-token budget. ``temporal`` in a sweep keeps the vLLM-like
 defaults.
 """
+
 from __future__ import annotations
 
 import dataclasses
