@@ -76,13 +76,12 @@ def test_warm_cases_launch_at_tiny_shapes(monkeypatch: pytest.MonkeyPatch) -> No
     """The warm-up's case functions call the launchers and the sections' suites as they expect
     (tiny shapes and configs on CPU here; the sections' own shapes on the GPU). A wrong call
     would cost its case on the GPU: here it fails."""
-    from models.conftest import tiny_config  # tests/ is on sys.path (rootdir insertion)
-    from models.test_qwen2_5_vl import tiny_config as tiny_25
-
     from bench.gpu import warm_cases as wc
     from bench.kernels import models as bench_models
     from bench.kernels import qwen25_vision as bench_qwen25_vision
     from spaceserve.runtime.policy.analytic import model as analytic
+    from tests.models.conftest import tiny_config
+    from tests.models.test_qwen2_5_vl import tiny_config as tiny_25
 
     calls: list[float] = []
 

@@ -3,9 +3,9 @@
 import time
 
 import torch
-from models.conftest import tiny_config  # tests/ is on sys.path (rootdir insertion)
 
 from bench.kernels.models import image_grid, qwen2_vl_7b_config, run, run_suite
+from tests.models.conftest import tiny_config
 
 
 def _once(fn) -> float:

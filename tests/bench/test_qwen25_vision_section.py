@@ -4,10 +4,10 @@
 import time
 
 import torch
-from models.test_qwen2_5_vl import tiny_config  # tests/ is on sys.path
 
 from bench.gpu.harness import SECTIONS
 from bench.kernels.qwen25_vision import run, run_suite
+from tests.models.test_qwen2_5_vl import tiny_config
 
 
 def _once(fn) -> float:
