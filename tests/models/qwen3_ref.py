@@ -145,3 +145,16 @@ def hf_processor(path: Path) -> Any:
     return Reference(image_processor=AutoImageProcessor.from_pretrained(path),
                      tokenizer=AutoTokenizer.from_pretrained(path),
                      video_processor=HFVideos(settings))
+
+
+VIDEO_WRAPPER = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def chat_text(proc: Any, messages: list[dict]) -> str:
+    """The chat template's text for `messages` with each video's ``<|vision_start|>`` /
+    ``<|vision_end|>`` pair dropped around its placeholder: the processor gives every timed
+    temporal patch a pair of its own, and transformers >= 5.25 (and vLLM) drop the template's
+    pair as SpaceServe does; older transformers kept it, so the reference drops it itself."""
+    text = proc.tokenizer.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=True)
+    return text.replace(VIDEO_WRAPPER, "<|video_pad|>")

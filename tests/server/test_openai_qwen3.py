@@ -80,8 +80,7 @@ def _transformers_prompt_len(path, kind: str) -> int:
     proc = ref.hf_processor(path)
     theirs = [{"role": "user", "content": [{"type": kind},
                                            {"type": "text", "text": "Describe the picture."}]}]
-    text = proc.tokenizer.apply_chat_template(theirs, tokenize=False,
-                                              add_generation_prompt=True)
+    text = ref.chat_text(proc, theirs)
     if kind == "image":
         media = {"images": [Image.open(io.BytesIO(IMAGE)).convert("RGB")]}
     else:

@@ -166,26 +166,33 @@ class PromptEncoder:
         nth_video = 0
         for slot, kind in slots:
             out += ids[prev:slot]
+            prev = slot + 1
             if kind == "video":
                 grid = prompt["video_grid_thw"][nth_video].tolist()
-                out += self._video_ids(ids[slot], videos[nth_video], grid)
+                video, timed = self._video_ids(ids[slot], videos[nth_video], grid)
+                if timed and out[-1:] == [self.vision_start_id] \
+                        and ids[prev:prev + 1] == [self.vision_end_id]:
+                    out.pop()  # each timed patch has its own pair: the template's goes
+                    prev += 1
+                out += video
                 nth_video += 1
             else:
                 out += [ids[slot]] * int(counts[kind].pop(0))
-            prev = slot + 1
         out += ids[prev:]
         return {"prompt_token_ids": out, **prompt, "mm_hashes": hashes}
 
-    def _video_ids(self, pad: int, video: Any, grid: list[int]) -> list[int]:
+    def _video_ids(self, pad: int, video: Any, grid: list[int]) -> tuple[list[int], bool]:
         """The tokens a video's placeholder becomes: its ``t * h * w / merge^2`` pad tokens in
         one run, or, when its sampling times them (Qwen3-VL), per temporal patch the time as
         text (``<1.5 seconds>``) then ``<|vision_start|>``, that patch's pad tokens and
-        ``<|vision_end|>``."""
+        ``<|vision_end|>`` (and True: timed). `encode` then drops the chat template's own
+        ``<|vision_start|>`` / ``<|vision_end|>`` around the placeholder, as transformers >=
+        5.25 and vLLM do: no extra pair encloses the timed patches."""
         m = self.video_sampling.merge_size
         per_patch = grid[1] * grid[2] // m ** 2
         stamps = self.video_sampling.timestamps(video.indices, video.source_fps)
         if stamps is None:
-            return [pad] * (grid[0] * per_patch)
+            return [pad] * (grid[0] * per_patch), False
         if self.vision_start_id is None or self.vision_end_id is None:
             raise InputError("this tokenizer lacks <|vision_start|> / <|vision_end|>, which "
                              "a timestamped video needs", kind="unsupported")
@@ -196,7 +203,7 @@ class PromptEncoder:
         for seconds in stamps:
             out += encode_marked(self.tokenizer, timestamp_text(seconds))
             out += [self.vision_start_id, *([pad] * per_patch), self.vision_end_id]
-        return out
+        return out, True
 
     def _pixels(self, images: Sequence[Any], deadline: float | None,
                 hashes: list[str] | None = None) -> tuple[Any, Any]:
