@@ -147,8 +147,16 @@ def scheduling_policy(curves: CurveSet, slo: Slo | None = None, *, objective: st
     return SchedulingPolicy(tuple(sorted(set(splits))), total, objective, slo, **knobs)
 
 
+MIN_SPAN_S = 0.25  # the shortest time a cold-start rate is taken over
+
+
 class RateEstimator:
-    """Image arrivals over a sliding window: rate, mean ViT patches and prompt tokens."""
+    """Image arrivals over a sliding window: rate, mean ViT patches and prompt tokens.
+
+    From a cold start (the first arrival, or the first after a window without any) less than
+    a window has been seen: the rate is then the arrivals after the first over the time since
+    it (at least `MIN_SPAN_S`), so a burst is seen as it comes, not over a window it has not
+    filled yet."""
 
     def __init__(self, window_s: float = 2.0) -> None:
         if not window_s > 0:
@@ -156,8 +164,12 @@ class RateEstimator:
         self.window_s = window_s
         self._seen: deque[tuple[float, int, int]] = deque()
         self._patches = self._prompt = 0
+        self._start = 0.0  # the first arrival since the window was last empty
 
     def add(self, t: float, patches: int, prompt_tokens: int) -> None:
+        self._trim(t)
+        if not self._seen:
+            self._start = t
         self._seen.append((t, patches, prompt_tokens))
         self._patches += patches
         self._prompt += prompt_tokens
@@ -169,12 +181,15 @@ class RateEstimator:
             self._prompt -= q
 
     def estimate(self, now: float) -> tuple[float, float, float]:
-        """(images/s, mean patches, mean prompt tokens) over the last window."""
+        """(images/s, mean patches, mean prompt tokens) over the last window (or since a
+        cold start)."""
         self._trim(now)
         n = len(self._seen)
         if not n:
             return 0.0, 0.0, 0.0
-        return n / self.window_s, self._patches / n, self._prompt / n
+        span = now - self._start
+        rate = n / self.window_s if span >= self.window_s else (n - 1) / max(span, MIN_SPAN_S)
+        return rate, self._patches / n, self._prompt / n
 
 
 def graph_count(policy: SchedulingPolicy) -> int:

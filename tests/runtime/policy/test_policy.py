@@ -77,6 +77,30 @@ def test_policy_validation_and_launch_model() -> None:
     assert est.estimate(3.2) == (0.5, 200.0, 10.0)  # only the arrival at 1.5 s is left
 
 
+def test_a_burst_is_seen_before_the_window_fills() -> None:
+    """From a cold start the rate is taken over the time seen, not over a whole window: 20/s
+    read as 20/s after 0.3 s (not 3/s), at least `MIN_SPAN_S` (one arrival is no rate), and
+    again after a window without arrivals."""
+    from spaceserve.runtime.policy.scheduling import MIN_SPAN_S
+
+    est = RateEstimator(2.0)
+    assert est.estimate(0.0) == (0.0, 0.0, 0.0)
+    for i in range(7):
+        est.add(10.0 + 0.05 * i, 100, 10)
+    assert est.estimate(10.3) == pytest.approx((20.0, 100.0, 10.0))
+    est2 = RateEstimator(2.0)
+    est2.add(1.0, 100, 10)
+    est2.add(1.01, 100, 10)
+    assert est2.estimate(1.01)[0] == pytest.approx(1 / MIN_SPAN_S)
+    for t in (1.5, 2.0, 2.5, 3.0):  # a full window: the count over the window
+        est2.add(t, 100, 10)
+    assert est2.estimate(3.1)[0] == pytest.approx(4 / 2.0)  # 1.5 to 3.0 s
+    est2.add(6.0, 100, 10)  # after 2.9 s without arrivals: a cold start again
+    est2.add(6.1, 100, 10)
+    est2.add(6.2, 100, 10)
+    assert est2.estimate(6.5)[0] == pytest.approx(2 / 0.5)
+
+
 def test_time_multiplexed_baselines_get_the_same_encoder_scheduling() -> None:
     """The baselines are not weakened: temporal-chunked runs the deadline-aware TWSRFT of
     spatial (each request alone, as the engine's chunked stage), in the simulator and in the
