@@ -192,7 +192,7 @@ def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s
 # `hold_encoder`, which passes whole windows (0-1.3% more served with 128 decodes and under
 # `ttft:1000,tpot:30` at 16-20 img/s; SLO A unchanged). The floor, 0.65 of the plan: with 128
 # decodes under an ITL bound a half let the window swing between 3.7 and 7.5 ms around
-# temporal-chunked's best 4.8 ms; 0.65 serves 1.5% more at 20 img/s on 8 seeds (1.0% on 8
+# temporal-chunked's best 4.8 ms; 0.65 serves 1.5% more at 20 img/s on 8 seeds (0.9% on 8
 # others), 0.3-0.6% less with 128 decodes under a TPOT bound (sim-best-temporal.md).
 PACE_STEP = 0.02
 PACE_FLOOR = 0.65
