@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from spaceserve.runtime.policy.curves import CurveSet
@@ -206,8 +206,9 @@ def pace_window(pace: float, plan: Turns, backlog_tokens: int, batch: int, slo: 
         return 1.0
     if plan.rate <= 0:
         return pace
-    drain = backlog_tokens / max(1, plan.tokens - batch) * (pace * plan.window_s + plan.step_s)
-    step = -PACE_STEP if drain > AHEAD_OF_TTFT * slo.ttft / 1e3 else PACE_STEP
+    paced = replace(plan, window_s=pace * plan.window_s, tokens=max(1, plan.tokens - batch))
+    step = -PACE_STEP if paced.drain_s(backlog_tokens) > AHEAD_OF_TTFT * slo.ttft / 1e3 \
+        else PACE_STEP
     return min(1.0, max(PACE_FLOOR, pace * math.exp(step)))
 
 
