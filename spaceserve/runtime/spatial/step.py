@@ -189,8 +189,10 @@ class SpatialRuntime:
     def _window_step(self) -> bool:
         """SIS's whole-GPU window: every other step once the full partition is current is the
         encoder's (`_window_launch`); False when it is the decode step's turn or SIS passes
-        the window (`sis_goodput.hold_encoder`)."""
+        the window (`sis_goodput.hold_encoder`). A step without a window is a decode step, so
+        the next step with encoder work is the encoder's, as temporal-chunked's."""
         if not self._window_ready() or self.sis.hold:
+            self._encoder_turn = False
             return False
         self._encoder_turn = not self._encoder_turn
         return self._encoder_turn and self._window_launch(hide=True)

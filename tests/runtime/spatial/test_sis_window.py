@@ -162,3 +162,33 @@ def test_turns_order_the_encoder_fifo_and_admission_prices_them() -> None:
         assert (eng.spatial.turns_order, plain.spatial.turns_order) == ("fifo", "twsrft")
     finally:
         plain.close()
+
+
+@pytest.mark.parametrize("executor", ["engine", "simulator"])
+def test_encoder_work_arriving_after_decode_steps_gets_the_next_window(executor, monkeypatch
+                                                                       ) -> None:
+    """Taking turns, a window alternates with a decode step; once the encoder has had nothing
+    to run (decode steps only), the first step with encoder work is the encoder's, as
+    temporal-chunked starts each step with its window - not a decode step more first. Both
+    executors follow the rule (`SpatialRuntime._window_step`, `SpatialLoop._window_step`)."""
+    from types import SimpleNamespace
+
+    from spaceserve.runtime.sim.loops import spatial_loop
+    from spaceserve.runtime.spatial.step import SpatialRuntime
+
+    ready = iter([True, False, True, True, True, False, False, True, True])
+    launched: list[bool] = []
+    stub = SimpleNamespace(sis=SimpleNamespace(hold=False), _encoder_turn=False,
+                           encoder_turn=False)
+    stub._window_ready = lambda: next(ready)
+    stub.sim = SimpleNamespace(sis=stub.sis)
+    if executor == "engine":
+        stub._window_launch = lambda hide=False: True
+        step = SpatialRuntime._window_step
+    else:
+        monkeypatch.setattr(spatial_loop, "window_launch", lambda loop, hide=False: True)
+        step = spatial_loop.SpatialLoop._window_step
+    for _ in range(9):
+        launched.append(step(stub))
+    # window, idle (decode), window at once, decode, window, idle, idle, window at once, decode
+    assert launched == [True, False, True, False, True, False, False, True, False]

@@ -305,6 +305,7 @@ class SpatialLoop(ComputeLane, StepLoop):
 
     def _window_step(self) -> bool:  # SIS's whole-GPU window: every other step the encoder's
         if not self._window_ready() or self.sim.sis.hold:  # passed: `hold_encoder`
+            self.encoder_turn = False  # a decode step runs: the next window comes first
             return False
         self.encoder_turn = not self.encoder_turn
         return self.encoder_turn and window_launch(self, hide=True)
