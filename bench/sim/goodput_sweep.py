@@ -93,6 +93,7 @@ def strongest(name: str, res: dict[str, Any]) -> list[tuple[bool, str]]:
     knobs = "; ".join(f"{r:g}/s: {b['knobs']['mode']} budget "
                       f"{b['knobs']['max_num_batched_tokens']} {b['knobs']['encoder_policy']}"
                       + (f" {b['knobs']['window_ms']:g} ms" if b["knobs"]["window_ms"] else "")
+                      + ("" if b["knobs"].get("async_scheduling", True) else " unpipelined")
                       for r, b in sorted(best.items()) if r > 0)
     return [(bool(ratios) and worst[0] >= 0.99,
              f"SLO {name}: spatial >= 0.99x best-temporal at every rate (worst {worst[0]:.3f}x "

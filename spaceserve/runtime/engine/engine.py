@@ -7,7 +7,10 @@ logprobs) to the host: the step's only device-to-host transfer.
 
 Steps are pipelined (``EngineConfig.async_scheduling``, as vLLM's asynchronous scheduling): a
 step schedules and launches step n+1 before it reads back step n, so the host's work for both
-steps (planning; appending tokens, stop checks, streaming) runs while the device computes.
+steps (planning; appending tokens, stop checks, streaming) runs while the device computes. While
+the encoder stage has work left, a step is read back at once instead: the next window runs after
+it anyway (the host plans the next step while that window runs), and the next step then sees
+the held-embedding slots it frees and the requests that arrived meanwhile.
 Step n+1 is scheduled as if every request of step n drew a token (a placeholder); the decode
 inputs that are still placeholders are taken on the device from the sampler's last-token table,
 so nothing waits for the host. A request that step n finishes has drawn one token too many in
@@ -235,8 +238,12 @@ class Engine(EngineFrontends, RequestControl):
                 previous, self._inflight = self._inflight, launched
                 if previous is not None:
                     self._complete(previous, count_step=False)
-                if launched is not None and (not self.config.async_scheduling or not self._active):
-                    self._inflight = None  # unpipelined, or every request of it has ended
+                if launched is not None and (not self.config.async_scheduling or not self._active
+                                             or self.encoder.num_pending):
+                    # unpipelined; every request of it has ended; or the encoder has work left:
+                    # its next window runs after this step anyway, and planned after it the
+                    # next step sees the slots it frees and the requests arriving meanwhile
+                    self._inflight = None
                     self._complete(launched, count_step=False)
             out, self._outbox = self._outbox, []
             return out

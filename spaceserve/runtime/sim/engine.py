@@ -9,20 +9,18 @@ Modes:
 - ``temporal``: the engine's temporal mode, as vLLM runs it: each step the encoder runs the
   oldest requests' whole passes on the whole GPU, then one continuous batch (decodes plus
   chunked prefills of several requests under ``max_num_batched_tokens``) - the engine's own
-  scheduler objects, see stepped.py;
-- ``temporal-chunked``: the same step loop, the encoder running TWSRFT-ordered layer chunks for
-  one time window (``window_s``, default 20 ms) per step instead of whole passes (stepped.py);
+  scheduler objects, pipelined as the engine's (pipelined.py) or not (stepped.py);
+- ``temporal-chunked``: the same loop, TWSRFT-ordered layer chunks for one window per step;
 - ``spatial-static`` / ``spatial``: the engine's co-located step (spatial_loop.py) on a fixed
   split (``static_encoder_sms``) or SIS's split and prefill placement, chosen every step;
 - ``shared``: both stages on all SMs without a partition; while both run, decode gets
   ``shared_decode_share`` of the SMs' throughput (default half, an optimistic view).
 
-With ``encoder_ranks`` > 1 (a data-parallel vision encoder at TP, `analytic_tp`) that many
-encoder queues run in rounds on the one encoder lane (`RoundTwsrft`); decode is in lockstep.
+With ``encoder_ranks`` > 1 (a data-parallel vision encoder at TP, `analytic_tp`) encoder
+queues run in rounds on the one encoder lane (`RoundTwsrft`); decode is in lockstep.
 
 A launch keeps its SMs until it ends. While both lanes run, each op takes its isolated latency
-times ``1 + slowdown`` from the curves' contention table at the current (encoder SMs, decoder
-SMs) pair, re-evaluated whenever the other lane changes.
+x ``1 + slowdown`` from the contention table at the (encoder, decoder) SMs, kept current.
 """
 
 from __future__ import annotations
@@ -48,6 +46,7 @@ from spaceserve.runtime.sim.config import (
     engine_objects,
     sim_policy,
 )
+from spaceserve.runtime.sim.loops.pipelined import PipelinedStepLoop
 from spaceserve.runtime.sim.loops.sis_window import dispatch_sis_window
 from spaceserve.runtime.sim.loops.spatial_loop import SpatialLoop
 from spaceserve.runtime.sim.loops.stepped import StepLoop
@@ -89,7 +88,8 @@ class Simulator:
         ranks = int(self.curves.model.get("encoder_ranks", 1))  # a data-parallel encoder
         stepped = c.mode in ("spatial", "spatial-static") and ranks == 1  # the engine's step
         engine = engine_objects() if temporal or stepped else None
-        self.loop = StepLoop(self, policy, deadline, engine) if temporal else \
+        loop = PipelinedStepLoop if c.async_scheduling else StepLoop
+        self.loop = loop(self, policy, deadline, engine) if temporal else \
             SpatialLoop(self, engine) if stepped else None
         if self.loop is not None:  # the engine's stage: None for temporal's FIFO passes
             self.sched = self.loop.twsrft if c.mode != "temporal" else None

@@ -3,6 +3,7 @@ results.json; the SLO-derived chunked window; the tail reported beside goodput."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,10 +15,12 @@ from spaceserve.runtime.sim.cli import main
 from spaceserve.runtime.sim.config import SimConfig, chunked_window_s
 from spaceserve.runtime.sim.engine import Simulator
 from spaceserve.runtime.sim.sweep.tune import (
+    FLIPS,
     REFINE_STEPS,
     TUNE_BUDGETS,
     WINDOW_STEPS,
     candidates,
+    flipped,
     refined,
 )
 
@@ -73,7 +76,7 @@ def test_the_window_is_refined_around_the_best_pairs(h200) -> None:
 
     def knobs(budget: int, policy: str, window_ms: float | None, mode="temporal-chunked"):
         return {"mode": mode, "max_num_batched_tokens": budget, "encoder_policy": policy,
-                "window_ms": window_ms}
+                "window_ms": window_ms, "async_scheduling": True}
 
     rows = [(knobs(512, "fifo", None, "temporal"), row(19.0)),  # not chunked: not refined
             (knobs(512, "fifo", 6.8), row(15.0)), (knobs(512, "fifo", 3.4), row(16.0)),
@@ -89,6 +92,28 @@ def test_the_window_is_refined_around_the_best_pairs(h200) -> None:
         assert cfg.window_s == pytest.approx(k["window_ms"] / 1e3)
 
 
+def test_the_best_configurations_run_again_with_the_other_scheduling(h200) -> None:
+    """The last stage runs the FLIPS best configurations (any stage) with the engine's other
+    scheduling - unpipelined when the sweep pipelines, and back - once each."""
+    base = SimConfig(slo=Slo.parse("ttft:2000,tpot:50"))
+    tried = candidates(h200, base)
+    configs = {repr(k): c for k, c in tried}
+    goods = [10.0 + i for i in range(len(tried))]  # the last two are the best
+
+    def row(good: float) -> dict:
+        return {"goodput": {"rate_per_s": good}, "image": {"ttft": {"p99_ms": 900.0}}}
+
+    rows = [(k, row(g)) for (k, _), g in zip(tried, goods, strict=True)]
+    got = flipped(rows, configs)
+    assert len(got) == FLIPS == 2
+    for (k, cfg), (want, _) in zip(got, reversed(tried[-2:]), strict=True):
+        assert k == {**want, "async_scheduling": False} and cfg.async_scheduling is False
+        assert cfg == dataclasses.replace(configs[repr(want)], async_scheduling=False)
+    done = rows + [(k, row(99.0)) for k, _ in got]  # flipped already run: not again
+    configs.update((repr(k), c) for k, c in got)
+    assert flipped(done, configs) == []  # the best two flip back to what already ran
+
+
 def test_best_temporal_in_the_sweep_names_its_knobs(tmp_path, capsys) -> None:
     rc = main(["--modes", "temporal,best-temporal", "--rates", "0,10", "--duration", "3",
                "--seeds", "0", "--no-plot", "--batch", "8", "--out", str(tmp_path)])
@@ -99,7 +124,10 @@ def test_best_temporal_in_the_sweep_names_its_knobs(tmp_path, capsys) -> None:
     for b, t in zip(best, plain, strict=True):
         assert b["knobs"]["mode"] in ("temporal", "temporal-chunked")
         grid = len(TUNE_BUDGETS) * (1 + 2 * len(WINDOW_STEPS))  # SLO A: no window clamped
-        assert grid < len(b["tuned"]) <= grid + 2 * len(REFINE_STEPS)  # the grid, refined
+        assert grid < len(b["tuned"]) <= grid + 2 * len(REFINE_STEPS) + FLIPS  # refined, flipped
+        flips = [k for k in b["tuned"] if not k["async_scheduling"]]
+        assert 0 < len(flips) <= FLIPS  # the best again, unpipelined
+        assert "async_scheduling" in b["knobs"]
         assert len({json.dumps(k, sort_keys=True) for k in b["tuned"]}) == len(b["tuned"])
         assert b["goodput"]["rate_per_s"] == max(c["rate_per_s"] for c in b["tuned"])
         assert b["goodput"]["rate_per_s"] >= t["goodput"]["rate_per_s"]  # temporal is a candidate

@@ -1,6 +1,7 @@
 """The time-multiplexed modes in the simulator: the engine's own step loop, priced by curves.
 
-``temporal`` and ``temporal-chunked`` run what `engine.Engine.step` runs (unpipelined): each
+``temporal`` and ``temporal-chunked`` run what `engine.Engine.step` runs unpipelined
+(``async_scheduling`` off; pipelined.py runs it pipelined, the engine's default): each
 step first lets the encoder stage work on the whole GPU, then the engine's `core.Scheduler`
 (over a `core.BlockManager`) picks a continuous batch - decodes plus chunked prefills of several
 requests under ``max_num_batched_tokens``, at most ``max_num_seqs`` sequences, KV blocks with
@@ -147,8 +148,7 @@ class StepLoop:
             if batch:
                 self.num_preemptions += len(batch.preempted)
                 t = batch_seconds(self.curves, batch, self.total)
-                host = sim.config.host_s
-                t = max(t, host) if sim.config.async_scheduling else t + host
+                t += sim.config.host_s  # unpipelined: the host plans, then the step runs
                 sim.ops["decode"] = Op("decode", "decode", self.total, lambda n, o, t=t: t,
                                        batch)
                 return

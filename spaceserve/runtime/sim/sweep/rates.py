@@ -188,7 +188,8 @@ def table(sweep: dict[str, list[dict[str, Any]]]) -> str:
             k = r.get("knobs")
             knobs = "" if k is None else (
                 f"  {k['mode']} budget {k['max_num_batched_tokens']} {k['encoder_policy']}"
-                + ("" if k["window_ms"] is None else f" window {k['window_ms']:g} ms"))
+                + ("" if k["window_ms"] is None else f" window {k['window_ms']:g} ms")
+                + ("" if k.get("async_scheduling", True) else " unpipelined"))
             lines.append(f"{mode:<17}{r['rate']:>7.2f}{a['tpot']['mean_ms']:>9.2f}"
                          f"{a['itl']['p99_ms']:>9.2f}{a['ttft']['mean_ms']:>10.1f}"
                          f"{a['ttft']['p99_ms']:>10.1f}{r['image']['ttft']['p99_ms']:>10.1f}"

@@ -11,8 +11,11 @@ rate, the window is refined (`refined`) around the `REFINE` best chunked (budget
 of the grid: `REFINE_STEPS` x the window each chose. A coarse grid alone misses the best window
 by up to 7% of goodput at a point past saturation (docs/results/sim-best-temporal.md): with
 128 decodes under ``ttft:2000,itl:21`` the best window is 0.7x the derived one, under
-``ttft:2000,tpot:50`` 0.4x at a 1024-token budget. ``temporal`` in a sweep keeps the vLLM-like
-defaults.
+``ttft:2000,tpot:50`` 0.4x at a 1024-token budget. Last, the `FLIPS` best configurations run
+again with the engine's other scheduling (``async_scheduling``): pipelined steps hide the
+host's time but see new arrivals and freed embedding slots one interval later
+(`loops.pipelined`), unpipelined ones pay the host's time each step; past saturation either
+may serve more. ``temporal`` in a sweep keeps the vLLM-like defaults.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ TUNE_BUDGETS = (512, 1024, 2048, 4096)
 WINDOW_STEPS = (0.5, 1.0, 2.0)  # the grid's windows: x the SLO-derived window, both orders
 REFINE = 2  # chunked (budget, order) pairs of the grid refined at each rate
 REFINE_STEPS = (0.7, 0.85, 1.2, 1.4)  # the refined windows: x the window the pair chose
+FLIPS = 2  # the best configurations at each rate also run with the other async_scheduling
 
 Row = dict[str, Any]
 
@@ -38,7 +42,8 @@ def _chunked(budget: int, policy: str, window_s: float, cfg: SimConfig
              ) -> tuple[dict[str, Any], SimConfig]:
     window_s = max(MIN_WINDOW_S, window_s)  # a shorter window runs no layer
     return ({"mode": "temporal-chunked", "max_num_batched_tokens": budget,
-             "encoder_policy": policy, "window_ms": round(1e3 * window_s, 3)},
+             "encoder_policy": policy, "window_ms": round(1e3 * window_s, 3),
+             "async_scheduling": cfg.async_scheduling},
             dataclasses.replace(cfg, mode="temporal-chunked", max_num_batched_tokens=budget,
                                 encoder_policy=policy, window_s=window_s))
 
@@ -50,7 +55,8 @@ def candidates(curves: CurveSet, base: SimConfig,
     for budget in budgets:
         b = dataclasses.replace(base, max_num_batched_tokens=budget)
         out.append(({"mode": "temporal", "max_num_batched_tokens": budget,
-                     "encoder_policy": "fifo", "window_ms": None},
+                     "encoder_policy": "fifo", "window_ms": None,
+                     "async_scheduling": base.async_scheduling},
                     dataclasses.replace(b, mode="temporal", encoder_policy=None, window_s=None)))
         window = chunked_window_s(curves, dataclasses.replace(b, mode="temporal-chunked"))
         for policy in ("fifo", "twsrft"):
@@ -74,6 +80,22 @@ def refined(base: SimConfig, rows: Sequence[tuple[dict[str, Any], Row]],
                                              f * k["window_ms"] / 1e3, base)
                                     for k, _ in ranked for f in REFINE_STEPS])
             if kc[0] not in seen]
+
+
+def flipped(rows: Sequence[tuple[dict[str, Any], Row]], configs: dict[str, SimConfig],
+            top: int = FLIPS) -> list[tuple[dict[str, Any], SimConfig]]:
+    """The last stage: the `top` best of `rows` (knobs, row) with the engine's other
+    scheduling (`configs`: each knobs' config, by ``repr``)."""
+    ranked = sorted(rows, key=lambda kr: _key(kr[1]), reverse=True)[:top]
+    seen = [knobs for knobs, _ in rows]
+    out = []
+    for knobs, _ in ranked:
+        cfg = configs[repr(knobs)]
+        flip = not cfg.async_scheduling
+        k = {**knobs, "async_scheduling": flip}
+        if k not in seen:
+            out.append((k, dataclasses.replace(cfg, async_scheduling=flip)))
+    return out
 
 
 def _distinct(tried: list[tuple[dict[str, Any], SimConfig]]
@@ -100,8 +122,12 @@ def best_rows(curves: CurveSet, base: SimConfig, rates: Sequence[float],
     tried = candidates(curves, base, budgets)
     out = []
     for rate in rates:
+        configs = dict(((repr(k), c) for k, c in tried))
         rows = [(knobs, run_point(cfg, rate)) for knobs, cfg in tried]
-        rows += [(knobs, run_point(cfg, rate)) for knobs, cfg in refined(base, rows)]
+        more = refined(base, rows)
+        configs.update((repr(k), c) for k, c in more)
+        rows += [(knobs, run_point(cfg, rate)) for knobs, cfg in more]
+        rows += [(knobs, run_point(cfg, rate)) for knobs, cfg in flipped(rows, configs)]
         knobs, best = max(rows, key=lambda kr: _key(kr[1]))
         best = dict(best, knobs=knobs, tuned=[
             {**k, "rate_per_s": r["goodput"]["rate_per_s"],
