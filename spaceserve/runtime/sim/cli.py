@@ -143,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="spatial: host time of SIS's decisions, charged with the step's")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine's asynchronous scheduling: the time-multiplexed modes' "
-                        "steps, and the co-located decode steps while SIS takes turns, run "
-                        "while the step before computes; --no-async-scheduling runs every "
-                        "step to completion")
+                        "steps, and the co-located decode steps while SIS takes turns, are "
+                        "planned while the step before computes (what a step frees reaches the "
+                        "step after next; read back at once while the encoder has work left); "
+                        "--no-async-scheduling runs every step to completion")
     p.add_argument("--shared-decode-share", type=float, default=0.5,
                    help="shared mode: decode's share of SM throughput when both stages run")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (one engine each)")
