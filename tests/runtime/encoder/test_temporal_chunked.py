@@ -49,7 +49,9 @@ def test_same_tokens_as_temporal_on_the_null_model() -> None:
 
 def test_decode_steps_run_between_encoder_chunks() -> None:
     """One layer per step (a window shorter than a layer): a request already decoding gets a
-    token in every step while an image is encoded over the runner's four layers."""
+    token in every step while an image is encoded over the runner's four layers (counted when
+    drawn: pipelined, the step in flight is read back by the next one; while the encoder has
+    work left, at once)."""
     gen = torch.Generator().manual_seed(1)
     runner = NullModelRunner(encoder_layers=4)
     eng = make("temporal-chunked", runner, encoder_window_s=1e-9)
@@ -64,7 +66,9 @@ def test_decode_steps_run_between_encoder_chunks() -> None:
         before = runner.num_encoder_layers_run
         outs = eng.step()
         layers.append(runner.num_encoder_layers_run - before)
-        decoded.append(eng._active[text].num_output_tokens)
+        req, flight = eng._active[text], eng._inflight
+        decoded.append(req.num_output_tokens + (flight is not None
+                                                and req in flight.batch.drawn_reqs))
     assert layers == [1, 1, 1, 1]  # one chunk per step, the pass spread over four steps
     assert decoded == sorted(decoded) and decoded[-1] - decoded[0] == 3  # a token each step
     assert eng.encoder.num_held == 1 and eng.encoder.num_chunks == 4 and outs is not None
