@@ -114,11 +114,19 @@ def _paused_stream(client, port: int, body: dict) -> socket.socket:
     return s
 
 
-def test_a_deaf_stream_is_paused_and_resumes_with_the_same_text(tiny_engine) -> None:
+def test_a_deaf_stream_is_paused_and_resumes_with_the_same_text(tiny_engine, monkeypatch
+                                                                ) -> None:
     from spaceserve.server.app import ServerLimits
     from tests.server.conftest import MODEL, make_app
 
     engine, pre = tiny_engine
+    execute = engine.runner.execute
+
+    def paced(*args, **kwargs):  # 400 tokens outlast the stall on any machine: the stream
+        time.sleep(0.002)  # stalls, and is paused, long before the request could finish
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", paced)
     limits = ServerLimits(max_body_bytes=1 << 20,
                           stream=StreamLimits(stall_s=0.3, write_timeout_s=30))
     client, app = make_app(engine, pre, limits=limits)
