@@ -93,8 +93,7 @@ class PipelinedStepLoop(StepLoop):
         """Whether encoder work could launch now (the host then plans another step at once)."""
         room = len(self.held) + len(self.jobs) < self.sim.config.max_held
         if self.chunked:
-            return bool(self.twsrft.jobs()) and any(not j.running for j in self.twsrft.jobs()) \
-                or bool(self.backlog and room)
+            return any(not j.running for j in self.twsrft.jobs()) or bool(self.backlog and room)
         return bool(self.backlog and room)
 
     def _plan(self) -> _Launch | None:

@@ -82,15 +82,15 @@ def refined(base: SimConfig, rows: Sequence[tuple[dict[str, Any], Row]],
             if kc[0] not in seen]
 
 
-def flipped(rows: Sequence[tuple[dict[str, Any], Row]], configs: dict[str, SimConfig],
+def flipped(runs: Sequence[tuple[dict[str, Any], SimConfig]],
+            rows: Sequence[tuple[dict[str, Any], Row]],
             top: int = FLIPS) -> list[tuple[dict[str, Any], SimConfig]]:
-    """The last stage: the `top` best of `rows` (knobs, row) with the engine's other
-    scheduling (`configs`: each knobs' config, by ``repr``)."""
-    ranked = sorted(rows, key=lambda kr: _key(kr[1]), reverse=True)[:top]
+    """The last stage: the `top` best of `runs` (knobs, config), by their `rows` (knobs, row),
+    with the engine's other scheduling - each once."""
+    ranked = sorted(zip(runs, rows, strict=True), key=lambda rr: _key(rr[1][1]), reverse=True)
     seen = [knobs for knobs, _ in rows]
     out = []
-    for knobs, _ in ranked:
-        cfg = configs[repr(knobs)]
+    for (knobs, cfg), _ in ranked[:top]:
         flip = not cfg.async_scheduling
         k = {**knobs, "async_scheduling": flip}
         if k not in seen:
@@ -122,12 +122,10 @@ def best_rows(curves: CurveSet, base: SimConfig, rates: Sequence[float],
     tried = candidates(curves, base, budgets)
     out = []
     for rate in rates:
-        configs = dict(((repr(k), c) for k, c in tried))
         rows = [(knobs, run_point(cfg, rate)) for knobs, cfg in tried]
         more = refined(base, rows)
-        configs.update((repr(k), c) for k, c in more)
         rows += [(knobs, run_point(cfg, rate)) for knobs, cfg in more]
-        rows += [(knobs, run_point(cfg, rate)) for knobs, cfg in flipped(rows, configs)]
+        rows += [(knobs, run_point(cfg, rate)) for knobs, cfg in flipped(tried + more, rows)]
         knobs, best = max(rows, key=lambda kr: _key(kr[1]))
         best = dict(best, knobs=knobs, tuned=[
             {**k, "rate_per_s": r["goodput"]["rate_per_s"],
