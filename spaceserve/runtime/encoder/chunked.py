@@ -193,10 +193,12 @@ class ChunkedEncoderStage:
     # -- internals --------------------------------------------------------------------------
     def _admit(self) -> list[tuple[Request, str]]:
         """Start backlogged jobs while fewer than `max_held` requests hold or compute
-        embeddings."""
+        embeddings, in the order TWSRFT's deadline enters them (`TwsrftScheduler.entry`)."""
         failed = []
         while self._backlog and len(self._held) + len(self._jobs) < self.max_held:
-            job = self._backlog.popleft()
+            i = self.sched.entry((j.req.arrival_time, j.patches) for j in self._backlog)
+            job = self._backlog[i]
+            del self._backlog[i]
             try:
                 if self.ranked is not None:  # the rank with the least predicted work queued
                     job.rank = self.ranked.pick()

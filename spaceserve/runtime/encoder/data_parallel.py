@@ -17,7 +17,7 @@ embeddings, so every rank holds the full input for prefill). Both encoder stages
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from spaceserve.checks import require_int
@@ -86,6 +86,11 @@ class RankedTwsrft:
         self._rank_of[request_id] = r
         self.submitted[r] += 1
         return r
+
+    def entry(self, waiting: Iterable[tuple[float | None, int]]) -> int:
+        """Which backlogged request enters next (`TwsrftScheduler.entry`; every rank orders
+        alike)."""
+        return self.scheds[0].entry(waiting)
 
     def rank_of(self, request_id: Hashable) -> int | None:
         return self._rank_of.get(request_id)

@@ -30,6 +30,13 @@ one aged grant per ``max_wait_s``. It is off by default because the slack it tak
 arrivals' (simulated: it cuts the p99 TTFT but costs goodput near saturation). All times come
 from the injected ``clock``, so a fake clock makes every decision reproducible.
 
+Entry (`entry`): an encoder stage queues jobs here only while fewer than its held-embedding cap
+hold or compute embeddings, the rest waiting in its backlog. Under a deadline the backlog is
+entered by it too: the oldest request whose whole encode still fits its deadline goes before
+older ones that cannot meet theirs (they follow once none can), so past saturation the cap's
+slots do not all go to requests already late, which would leave the deadline nothing live to
+order (without admission every request after that would be late).
+
 Batching: a waiting job at the chosen job's depth joins its launch only where that cannot delay
 the chosen job - the merged launch costs no more than the chosen job alone (within
 ``BATCH_TOLERANCE``) - and within ``token_budget``. Under the curves' cost model (and the
@@ -49,7 +56,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -227,6 +234,20 @@ class TwsrftScheduler:
             if not job.images:
                 del self._jobs[job_id]
         return found
+
+    def entry(self, waiting: Iterable[tuple[float | None, int]]) -> int:
+        """Which of `waiting` - backlogged requests as (arrival, patches), oldest first -
+        enters the queue next (module docstring): the first whose whole encode, started now,
+        still ends by its arrival + ``deadline_s``; 0 when none can, and always 0 without a
+        deadline or under ``fifo`` (arrival order)."""
+        if self.deadline_s is None or self.policy == "fifo":
+            return 0
+        now = self.clock()
+        for i, (arrival, patches) in enumerate(waiting):
+            arrived = now if arrival is None else min(float(arrival), now)
+            if now + self.cost(max(1, patches), self.num_layers) <= arrived + self.deadline_s:
+                return i
+        return 0
 
     # -- policy ------------------------------------------------------------------------------
     def _key(self, job: _Job) -> tuple:

@@ -263,12 +263,16 @@ class SpatialEncoderStage(EncoderLaunches):
 
     def _admit(self) -> None:
         """Start backlogged jobs while fewer than `max_held` requests hold or compute
-        embeddings: pin and upload the pixels on the encoder stream, set up the job."""
+        embeddings, in the order TWSRFT's deadline enters them (`TwsrftScheduler.entry`): pin
+        and upload the pixels on the encoder stream, set up the job."""
         while True:
             with self._lock:
                 if not self._backlog or len(self._held) + self._active >= self.max_held:
                     return
-                enc = self._backlog.popleft()
+                i = self.sched.entry((self._arrived.get(e.key), e.patches)
+                                     for e in self._backlog)
+                enc = self._backlog[i]
+                del self._backlog[i]
                 enc.state = "active"
                 self._active += 1
                 rank = self.sched.pick()

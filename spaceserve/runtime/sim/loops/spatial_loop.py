@@ -129,7 +129,9 @@ class SpatialLoop(ComputeLane, StepLoop):
 
     def _admit(self) -> None:
         while self.backlog and len(self.held) + len(self.active) < self.sim.config.max_held:
-            req = self.backlog.popleft()
+            i = self.twsrft.entry((self.arrived.get(r.rid), r.patches) for r in self.backlog)
+            req = self.backlog[i]
+            del self.backlog[i]
             self.active[req.rid] = 0
             self.twsrft.submit(req.rid, max(1, req.patches), self.twsrft.pick(),
                                arrival=self.arrived.get(req.rid))
