@@ -18,7 +18,7 @@ time-multiplexed configuration tuned per rate over prefill budgets 512, 1024 and
 saturation (its best over those rates). Writes sensitivity.json and a heat map of goodput
 ratios (sharing / best-temporal, superset / best-temporal) per cell, and prints the table.
 
-    python -m bench.sim.sensitivity --out runs/sensitivity [--quick]
+    python -m bench.sim.sensitivity --out runs/sensitivity [--quick] [--admission slo]
 
 A GPU run settles it by measuring exactly these: the co-run slowdown of each stage at the
 splits SIS uses, the decode step against SMs (where it flattens) and the encoder layer against
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spaceserve.runtime.modes import ADMISSIONS
 from spaceserve.runtime.policy.analytic.model import PRESETS, analytic_curves, qwen2_vl_7b_config
 from spaceserve.runtime.policy.curves import Curve, CurveSet
 from spaceserve.runtime.policy.slo import Slo
@@ -140,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, help="seconds of arrivals (default 15, quick 8)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds pooled per point")
     p.add_argument("--slo", default=SLO_A, help="goodput SLO (default SLO A)")
+    p.add_argument("--admission", default="queue", choices=ADMISSIONS,
+                   help="both sides' admission: queue (admit everything, the default) or slo "
+                        "(refuse or end the requests predicted to miss the TTFT bound)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     from spaceserve.runtime.sim.workload import Workload
 
     workload = Workload(0.0, duration, seed=seeds[0])
-    base = SimConfig(mode="spatial", slo=slo)
+    base = SimConfig(mode="spatial", slo=slo, admission=args.admission)
     cells = []
     for n in grid["decoder_sms"]:
         for a in grid["alpha"]:
@@ -170,14 +174,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"decoder {n:>3} SMs  encoder a={a:<4g} contention {100 * x:>4g}%  "
                       f"best-temporal {got[BEST]:6.2f}/s  {ratio}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"slo": slo.to_dict(), "duration_s": duration, "seeds": seeds, "grid": grid,
+    meta = {"slo": slo.to_dict(), "admission": args.admission, "duration_s": duration,
+            "seeds": seeds, "grid": grid,
             "model": "Qwen2-VL-7B", "device": "H200 (modelled)"}
     (args.out / "sensitivity.json").write_text(json.dumps({"meta": meta, "cells": cells},
                                                           indent=1))
     print(f"results: {args.out / 'sensitivity.json'}")
     if not args.no_plot:
         fig = heatmap(cells, args.out / "sensitivity.png",
-                      f"Qwen2-VL-7B, H200 analytic curves (modelled), SLO {args.slo}")
+                      f"Qwen2-VL-7B, H200 analytic curves (modelled), SLO {args.slo}, "
+                      f"admission {args.admission}")
         if fig is not None:
             print(f"heat map: {fig}")
     print(f"({time.perf_counter() - t0:.0f} s)")

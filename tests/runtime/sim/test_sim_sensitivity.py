@@ -35,3 +35,24 @@ def test_quick_mode_writes_every_cell_and_the_map(tmp_path, capsys) -> None:
         assert c["best_knobs"]["mode"] in ("temporal", "temporal-chunked")
         assert c["superset_x"] == pytest.approx(c["superset"] / c["best-temporal"])
     assert (tmp_path / "sensitivity.png").stat().st_size > 0 and "heat map" in out
+
+
+def test_admission_reaches_both_sides(tmp_path, monkeypatch) -> None:
+    """``--admission slo`` runs every mode of every cell under SLO-aware admission."""
+    import bench.sim.sensitivity as sens
+
+    seen = []
+    real = sens.run_sweep
+
+    def spy(curves, modes, rates, workload, cfg, **kw):
+        seen.append(cfg.admission)
+        return real(curves, modes, rates, workload, cfg, **kw)
+
+    monkeypatch.setattr(sens, "run_sweep", spy)
+    grid = dict(QUICK, contention=(0.0,), alpha=(1.0,), factors=(1.0,))
+    monkeypatch.setattr(sens, "QUICK", grid)
+    out = tmp_path / "slo"
+    assert main(["--quick", "--duration", "1.0", "--admission", "slo", "--no-plot",
+                 "--out", str(out)]) == 0
+    assert seen == ["slo"] * 3  # pure sharing, the superset, best-temporal
+    assert json.loads((out / "sensitivity.json").read_text())["meta"]["admission"] == "slo"
