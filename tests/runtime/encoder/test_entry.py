@@ -19,6 +19,7 @@ from spaceserve.runtime.sim.config import SimConfig
 from spaceserve.runtime.sim.workload import Workload
 from spaceserve.runtime.worker.null import NullModelRunner
 from tests.runtime.engine.test_engine_null import image_prompt
+from tests.runtime.policy.test_twsrft import Clock, cost  # 1 ms per 1000 patches per layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -26,20 +27,9 @@ CFG = dict(num_kv_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_toke
            max_held_embeddings=1, slo="ttft:1000,tpot:50")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def cost(patches: int, layers: int) -> float:
-    return patches * layers * 1e-6  # 1 ms per 1000 patches per layer
-
-
 def test_entry_picks_the_oldest_request_that_can_still_meet_its_deadline() -> None:
     clock = Clock()
+    clock.t = 1000.0
     s = TwsrftScheduler(10, cost, deadline_s=0.1, clock=clock)
     now = clock.t
     # late: arrived 0.5 s ago; late: 30 ms of work, 20 ms left; live: 5 ms of work, 50 ms left
