@@ -69,7 +69,8 @@ class EngineConfig:
     max_encoder_tokens_per_step: int = setting(
         16384, "vision tokens the encoder stage takes on per step at most")
     max_held_embeddings: int = setting(
-        64, "encoded images held for prefill at most (the encoder waits beyond)")
+        64, "encoded images held for prefill at most (the encoder waits beyond; under a TTFT "
+        "SLO the waiting requests that can still meet it go first)")
     gpu_memory_utilization: float = setting(
         0.9, "fraction of device memory the engine may use (weights, KV cache, graphs)")
     graph_reserve_bytes: int = setting(
