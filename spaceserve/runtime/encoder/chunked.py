@@ -196,9 +196,7 @@ class ChunkedEncoderStage:
         embeddings, in the order TWSRFT's deadline enters them (`TwsrftScheduler.entry`)."""
         failed = []
         while self._backlog and len(self._held) + len(self._jobs) < self.max_held:
-            i = self.sched.entry((j.req.arrival_time, j.patches) for j in self._backlog)
-            job = self._backlog[i]
-            del self._backlog[i]
+            job = self.sched.take(self._backlog, lambda j: (j.req.arrival_time, j.patches))
             try:
                 if self.ranked is not None:  # the rank with the least predicted work queued
                     job.rank = self.ranked.pick()

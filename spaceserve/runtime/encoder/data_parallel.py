@@ -17,11 +17,11 @@ embeddings, so every rank holds the full input for prefill). Both encoder stages
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, MutableSequence, Sequence
 from typing import Any
 
 from spaceserve.checks import require_int
-from spaceserve.runtime.policy.twsrft import Grant, JobView, TwsrftScheduler
+from spaceserve.runtime.policy.twsrft import Grant, JobView, T, TwsrftScheduler
 
 
 class EncodingFailed(RuntimeError):
@@ -91,6 +91,11 @@ class RankedTwsrft:
         """Which backlogged request enters next (`TwsrftScheduler.entry`; every rank orders
         alike)."""
         return self.scheds[0].entry(waiting)
+
+    def take(self, backlog: MutableSequence[T],
+             describe: Callable[[T], tuple[float | None, int]]) -> T:
+        """Remove and return the backlogged item that enters next (`TwsrftScheduler.take`)."""
+        return self.scheds[0].take(backlog, describe)
 
     def rank_of(self, request_id: Hashable) -> int | None:
         return self._rank_of.get(request_id)

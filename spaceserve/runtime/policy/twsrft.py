@@ -56,13 +56,14 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, MutableSequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from spaceserve.checks import require_choice, require_int, require_number
 from spaceserve.runtime.modes import ENCODER_POLICIES
 
+T = TypeVar("T")
 Cost = Callable[[int, int], float]
 POLICIES = ENCODER_POLICIES
 BATCH_TOLERANCE = 1e-9  # a merge may cost this fraction more than the chosen job alone
@@ -248,6 +249,15 @@ class TwsrftScheduler:
             if now + self.cost(max(1, patches), self.num_layers) <= arrived + self.deadline_s:
                 return i
         return 0
+
+    def take(self, backlog: MutableSequence[T],
+             describe: Callable[[T], tuple[float | None, int]]) -> T:
+        """Remove and return the item of `backlog` (oldest first) that enters next (`entry`);
+        `describe` gives an item's (arrival, patches)."""
+        i = self.entry(map(describe, backlog))
+        item = backlog[i]
+        del backlog[i]
+        return item
 
     # -- policy ------------------------------------------------------------------------------
     def _key(self, job: _Job) -> tuple:

@@ -269,10 +269,8 @@ class SpatialEncoderStage(EncoderLaunches):
             with self._lock:
                 if not self._backlog or len(self._held) + self._active >= self.max_held:
                     return
-                i = self.sched.entry((self._arrived.get(e.key), e.patches)
-                                     for e in self._backlog)
-                enc = self._backlog[i]
-                del self._backlog[i]
+                enc = self.sched.take(self._backlog,
+                                      lambda e: (self._arrived.get(e.key), e.patches))
                 enc.state = "active"
                 self._active += 1
                 rank = self.sched.pick()

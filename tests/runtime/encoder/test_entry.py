@@ -37,7 +37,10 @@ def test_entry_picks_the_oldest_request_that_can_still_meet_its_deadline() -> No
     assert s.entry(waiting) == 2
     assert s.entry(iter(waiting)) == 2  # any iterable, read once
     assert s.entry(waiting[:2]) == 0  # none can: arrival order
-    assert s.entry([(now + 5.0, 500)]) == 0  # an arrival ahead of the clock counts as now
+    # an arrival ahead of the clock counts as now: 200 ms of work cannot meet 100 ms
+    assert s.entry([(now - 0.5, 500), (now + 5.0, 20_000)]) == 0
+    backlog = list(waiting)
+    assert s.take(backlog, lambda w: w) == waiting[2] and backlog == waiting[:2] + waiting[3:]
     assert TwsrftScheduler(10, cost, clock=clock).entry(waiting) == 0  # no deadline
     fifo = TwsrftScheduler(10, cost, deadline_s=0.1, policy="fifo", clock=clock)
     assert fifo.entry(waiting) == 0

@@ -129,9 +129,7 @@ class SpatialLoop(ComputeLane, StepLoop):
 
     def _admit(self) -> None:
         while self.backlog and len(self.held) + len(self.active) < self.sim.config.max_held:
-            i = self.twsrft.entry((self.arrived.get(r.rid), r.patches) for r in self.backlog)
-            req = self.backlog[i]
-            del self.backlog[i]
+            req = self.twsrft.take(self.backlog, lambda r: (self.arrived.get(r.rid), r.patches))
             self.active[req.rid] = 0
             self.twsrft.submit(req.rid, max(1, req.patches), self.twsrft.pick(),
                                arrival=self.arrived.get(req.rid))

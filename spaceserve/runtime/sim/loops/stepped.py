@@ -122,9 +122,7 @@ class StepLoop:
         if not self.chunked:
             return
         while self.backlog and len(self.held) + len(self.jobs) < self.sim.config.max_held:
-            i = self.twsrft.entry((r.arrival, r.patches) for r in self.backlog)
-            req = self.backlog[i]
-            del self.backlog[i]
+            req = self.twsrft.take(self.backlog, lambda r: (r.arrival, r.patches))
             self.jobs.add(req.rid)
             self.twsrft.submit(req.rid, req.patches, arrival=req.arrival)
 
