@@ -50,9 +50,9 @@ to miss at that cap. Each change waits ``turns_dwell_s``. Window and budget keep
 SLO's margin (under an ITL bound, on the gaps measured: `sis_goodput.IntervalSpread`); where no
 window fits, SIS shares. The encoder is held to the prefill's pace: under a TPOT bound it passes
 its window (``hold``) while the embedded prompts outlast a third of the TTFT bound
-(`sis_goodput.hold_encoder`), and under any TTFT bound its window shrinks while they do and
-grows back when they do not (``pace``, `sis_goodput.pace_window`). `action_counts` counts every
-action.
+(`sis_goodput.hold_encoder`), and under any TTFT bound its window shrinks while they do (or,
+where nothing is shed, while the oldest of them waits long) and grows back when they do not
+(``pace``, `sis_goodput.pace_window`). `action_counts` counts every action.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from spaceserve.checks import require_choice, require_int, require_number
-from spaceserve.runtime.modes import OBJECTIVES, SIS_ACTIONS
+from spaceserve.runtime.modes import ENCODER_POLICIES, OBJECTIVES, SIS_ACTIONS
 from spaceserve.runtime.policy import sis_goodput as goodput
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import decode_bound_s
@@ -98,9 +98,11 @@ class SpaceInferenceScheduler:
                  decode_margin: float = 0.8, ttft_margin: float = 0.9,
                  comfort_factor: float = 2.5, actions: str = "share",
                  window_s: float = 0.02, turns_at: float = 0.3, turns_until: float = 0.2,
-                 turns_dwell_s: float = 1.0, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 turns_dwell_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 turns_order: str = goodput.TURNS_ORDER) -> None:
         require_choice("sis actions", actions, SIS_ACTIONS)
+        # the encoder's order in turns (`sis_goodput.turns_order`); "twsrft": nothing is shed
+        self.turns_order = require_choice("turns_order", turns_order, ENCODER_POLICIES)
         require_number("window_s", window_s)
         if not 0 < turns_until <= turns_at or turns_dwell_s < 0:
             raise ValueError("need 0 < turns_until <= turns_at, turns_dwell_s >= 0; got "
@@ -305,8 +307,10 @@ class SpaceInferenceScheduler:
         if enc >= self.total:  # a whole-GPU window; prompts prefill in the decode steps
             plan, backlog = self.turns_plan(state), sum(state.prefill)
             self.hold = goodput.hold_encoder(plan, backlog, self.slo)
+            oldest = max(state.prefill_age_s, default=0.0) if self.turns_order != "fifo" \
+                else None
             self.pace = goodput.pace_window(self.pace, plan, backlog, state.decode_batch,
-                                            self.slo)
+                                            self.slo, oldest)
             if self.pace < 1:
                 plan = replace(plan, window_s=max(goodput.MIN_WINDOW_S,
                                                   self.pace * plan.window_s))

@@ -197,19 +197,43 @@ def plan_turns(curves: CurveSet, total: int, batch: int, context: float, bound_s
 PACE_STEP = 0.02
 PACE_FLOOR = 0.65
 
+# Where nothing is shed (no SLO-aware admission: the turns' encoder runs TWSRFT with the
+# deadline, `turns_order`), a request that waits after its encode - for a decoding slot or for
+# its prefill - waits in arrival order whatever its deadline, and no one ends it: a queue there
+# grows until every request is late. With 128 decodes at the sequence cap a request waits for a
+# slot about (its place in the queue) x the interval, and the queue ahead grows with the
+# interval too: the turns' 20 ms windows under a TPOT bound left 0.34-0.86x of `best-temporal`
+# (4.8 ms windows) at 16-20 img/s, and 0.55-0.77x under an ITL bound. So there the pace also
+# falls while the oldest request waiting for its prefill arrived more than AGE_HIGH x the TTFT
+# bound ago, rises only while it arrived less than AGE_LOW x ago, and under a TPOT bound may
+# fall to QUEUE_PACE_FLOOR: 0.998-1.025x and 0.916-1.002x there (0.25 / 0.1 x the bound: 0.85x
+# with 128 decodes under an ITL bound at 20 img/s; sim-best-temporal.md).
+AGE_HIGH = 0.5
+AGE_LOW = 0.2
+QUEUE_PACE_FLOOR = 0.25
 
-def pace_window(pace: float, plan: Turns, backlog_tokens: int, batch: int, slo: Slo) -> float:
-    """The turns' next pace (module comment above) from `pace`, for `plan` with
-    `backlog_tokens` embedded prompt tokens waiting and `batch` decoding requests under `slo`:
-    1 (the planned window) without a TTFT bound; unchanged where no window fits."""
+
+def pace_window(pace: float, plan: Turns, backlog_tokens: int, batch: int, slo: Slo,
+                oldest_s: float | None = None) -> float:
+    """The turns' next pace (module comments above) from `pace`, for `plan` with
+    `backlog_tokens` embedded prompt tokens waiting and `batch` decoding requests under `slo`;
+    `oldest_s`: where nothing is shed, the age of the oldest request waiting for its prefill
+    (None: SLO-aware admission sheds). 1 (the planned window) without a TTFT bound; unchanged
+    where no window fits."""
     if slo.ttft is None:
         return 1.0
     if plan.rate <= 0:
         return pace
+    ttft = slo.ttft / 1e3
     paced = replace(plan, window_s=pace * plan.window_s, tokens=max(1, plan.tokens - batch))
-    step = -PACE_STEP if paced.drain_s(backlog_tokens) > AHEAD_OF_TTFT * slo.ttft / 1e3 \
-        else PACE_STEP
-    return min(1.0, max(PACE_FLOOR, pace * math.exp(step)))
+    down = paced.drain_s(backlog_tokens) > AHEAD_OF_TTFT * ttft
+    floor = PACE_FLOOR
+    if oldest_s is not None:
+        down = down or oldest_s > AGE_HIGH * ttft
+        if not down and oldest_s >= AGE_LOW * ttft:
+            return pace  # neither falls nor rises
+        floor = PACE_FLOOR if itl_governs(slo) else QUEUE_PACE_FLOOR
+    return min(1.0, max(floor, pace * math.exp(-PACE_STEP if down else PACE_STEP)))
 
 
 # Under an ITL bound (each request's own p99 gap) the turns' interval - window plus decode

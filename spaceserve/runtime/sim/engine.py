@@ -1,9 +1,8 @@
 """Discrete-event simulation of one GPU serving a multimodal LLM under five execution modes.
 
-The simulator drives the real `TwsrftScheduler` and `SpaceInferenceScheduler`; every stage's
+The simulator drives the real `TwsrftScheduler` and `SpaceInferenceScheduler`; each stage's
 latency comes from a `CurveSet` at its launch's SM count (co-running while the other stage is
-busy). Work proceeds as a fraction per second, so a launch continues at the new speed when the
-other stage starts or stops.
+busy); work proceeds as a fraction per second, at the new speed once the other starts or stops.
 
 Modes:
 - ``temporal``: the engine's temporal mode, as vLLM runs it: each step the encoder runs the
@@ -37,6 +36,7 @@ from spaceserve.runtime.modes import MODES, PLACEMENTS, TEMPORAL_MODES
 from spaceserve.runtime.policy.curves import CurveSet
 from spaceserve.runtime.policy.scheduling import RateEstimator
 from spaceserve.runtime.policy.sis import PendingEncode, SisState, SpaceInferenceScheduler, Split
+from spaceserve.runtime.policy.sis_goodput import turns_order
 from spaceserve.runtime.policy.twsrft import Grant, TwsrftScheduler, curve_cost
 from spaceserve.runtime.sim.admission import SimAdmission
 from spaceserve.runtime.sim.config import (
@@ -97,15 +97,15 @@ class Simulator:
             self.sched = TwsrftScheduler(self.curves.encoder_depth, cost, **kw)
         else:
             self.sched = RoundTwsrft(ranks, self.curves.encoder_depth, cost, **kw)
-        self.sis = None
+        self.sis, p = None, self.policy
         if c.mode == "spatial":
-            p = self.policy
             self.sis = SpaceInferenceScheduler(
                 self.curves, self.allowed, total_sms=self.total, tpot_factor=c.tpot_factor,
                 min_gain=c.min_gain, min_dwell_s=c.min_dwell_s, chunk_tokens=c.chunk_tokens,
                 objective=p.objective, slo=p.slo, decode_margin=p.decode_margin,
                 ttft_margin=p.ttft_margin, comfort_factor=p.comfort_factor,
-                actions=c.sis_actions, window_s=p.window_s, clock=clock)
+                actions=c.sis_actions, window_s=p.window_s, clock=clock,
+                turns_order=turns_order(c.admission))
         # the engine's cooperative driver launches at most this many layers per decode step
         self._launch_model = c.mode in ("spatial", "spatial-static")
         self.layers_per_step = self.policy.layers_per_step() if self._launch_model else 1 << 30

@@ -390,11 +390,11 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
             curves, sorted(pset.splits), total_sms=total, objective=policy.objective,
             slo=policy.slo, tpot_factor=policy.tpot_factor, decode_margin=policy.decode_margin,
             ttft_margin=policy.ttft_margin, comfort_factor=policy.comfort_factor,
-            actions=config.sis_actions, window_s=policy.window_s, clock=clock)
+            actions=config.sis_actions, window_s=policy.window_s, clock=clock,
+            turns_order=turns_order(config.admission))
     runtime = SpatialRuntime(runner, stage, pset, mode=mode, target=target, sis=sis,
                              prefill_on=config.prefill_on, curve_depth=curves.encoder_depth,
                              clock=clock, graph_batch_sizes=captured, policy=policy,
                              async_scheduling=config.async_scheduling)
-    runtime.graph_bytes = graph_bytes
-    runtime.turns_order = turns_order(config.admission)
+    runtime.graph_bytes, runtime.turns_order = graph_bytes, turns_order(config.admission)
     return stage, runtime

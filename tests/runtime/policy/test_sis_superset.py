@@ -287,3 +287,67 @@ def test_the_turns_window_is_paced_to_the_prefill() -> None:
             other.decide(waiting(10**6))
         assert (other.pace < 1) is paced, slo
         assert ("window:paced" in other.action_counts() or other.hold) is paced, slo
+
+
+def test_where_nothing_is_shed_the_pace_also_follows_the_oldest_wait() -> None:
+    """Without SLO-aware admission (the turns' encoder runs TWSRFT with the deadline) the pace
+    also falls while the oldest request waiting for its prefill arrived more than AGE_HIGH x the
+    TTFT bound ago, holds between AGE_LOW and AGE_HIGH, rises below, and under a TPOT bound may
+    fall to QUEUE_PACE_FLOOR (under an ITL bound PACE_FLOOR stays); with admission (FIFO turns)
+    the ages are not looked at."""
+    import math
+
+    from spaceserve.runtime.policy.sis_goodput import (
+        AGE_HIGH,
+        AGE_LOW,
+        PACE_FLOOR,
+        PACE_STEP,
+        QUEUE_PACE_FLOOR,
+        Turns,
+        pace_window,
+    )
+
+    plan, up, down = Turns(0.01, 512, 1.0, 0.008), math.exp(PACE_STEP), math.exp(-PACE_STEP)
+    high, low = AGE_HIGH * 2.0, AGE_LOW * 2.0  # SLO A's TTFT bound: 2 s
+    assert pace_window(0.7, plan, 0, 64, SLO_A) == pytest.approx(0.7 * up)  # shed: no ages
+    assert pace_window(0.7, plan, 0, 64, SLO_A, high * 1.01) == pytest.approx(0.7 * down)
+    assert pace_window(0.5, plan, 0, 64, SLO_A, high * 1.01) == pytest.approx(0.5 * down)
+    assert pace_window(0.5, plan, 0, 64, SLO_A, (high + low) / 2) == 0.5
+    assert pace_window(0.5, plan, 0, 64, SLO_A, low * 0.99) == pytest.approx(0.5 * up)
+    assert pace_window(0.5, plan, 10**6, 64, SLO_A, 0.0) == pytest.approx(0.5 * down)
+    assert pace_window(0.3, plan, 0, 64, SLO_A, 9.0) == pytest.approx(0.3 * down)
+    assert pace_window(QUEUE_PACE_FLOOR, plan, 0, 64, SLO_A, 9.0) == QUEUE_PACE_FLOOR
+    assert pace_window(0.3, plan, 0, 64, SLO_A) == PACE_FLOOR  # shed: PACE_FLOOR's range
+    assert pace_window(0.3, plan, 10**6, 64, SLO_A) == PACE_FLOOR
+    assert pace_window(PACE_FLOOR, plan, 0, 64, SLO_B, 9.0) == PACE_FLOOR  # ITL: PACE_FLOOR
+
+    def old(age: float) -> SisState:
+        return SisState(backlog(batch=64).encode, (40, 40), 64, 1152.0, (age, 0.0),
+                        arrival_rate=20.0, arrival_patches=5000, arrival_prompt=1300)
+
+    queue, shed = sis(turns_order="twsrft"), sis()
+    assert (queue.turns_order, shed.turns_order) == ("twsrft", "fifo")
+    for s in (queue, shed):
+        s.turns = True
+        for _ in range(5):
+            s.decide(old(1.5))
+    assert queue.pace == pytest.approx(down ** 5) and shed.pace == 1.0
+    with pytest.raises(ValueError, match="turns_order"):
+        sis(turns_order="lifo")
+    for admission, want in (("queue", "twsrft"), ("slo", "fifo")):
+        sim = Simulator(CURVES, SimConfig(mode="spatial", slo=SLO_A, sis_actions="superset",
+                                          admission=admission))
+        assert sim.sis.turns_order == want
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_with_128_decodes_and_nothing_shed_the_turns_keep_up(seed: int) -> None:
+    """128 decodes fill the sequence cap, so an encoded request waits for a decoding slot about
+    its place in the queue x the interval. Without admission the turns' 20 ms windows under a
+    TPOT bound let that queue grow until most requests were late (45% of the arrivals met SLO A
+    at 18 img/s); paced by the oldest wait they serve 90% (temporal-chunked's best: 82%)."""
+    from spaceserve.runtime.sim.cluster import simulate
+
+    cfg = SimConfig(mode="spatial", slo=SLO_A, sis_actions="superset", background=128)
+    res = simulate(CURVES, cfg, Workload(18.0, 20.0, seed=seed), drain_s=10.0)
+    assert res.goodput(SLO_A).attainment >= 0.8

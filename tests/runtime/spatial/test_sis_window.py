@@ -160,6 +160,8 @@ def test_turns_order_the_encoder_fifo_and_admission_prices_them() -> None:
     plain = engine("spatial", sis_actions="superset")  # nothing sheds: turns keep TWSRFT
     try:
         assert (eng.spatial.turns_order, plain.spatial.turns_order) == ("fifo", "twsrft")
+        # SIS paces the turns by the oldest wait only where nothing sheds (`pace_window`)
+        assert (eng.spatial.sis.turns_order, plain.spatial.sis.turns_order) == ("fifo", "twsrft")
     finally:
         plain.close()
 
