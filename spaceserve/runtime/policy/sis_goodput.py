@@ -207,7 +207,8 @@ PACE_FLOOR = 0.65
 # falls while the oldest request waiting for its prefill arrived more than AGE_HIGH x the TTFT
 # bound ago, rises only while it arrived less than AGE_LOW x ago, and under a TPOT bound may
 # fall to QUEUE_PACE_FLOOR: 0.998-1.025x and 0.916-1.002x there (0.25 / 0.1 x the bound: 0.85x
-# with 128 decodes under an ITL bound at 20 img/s; sim-best-temporal.md).
+# with 128 decodes under an ITL bound at 20 img/s). The ages also count the encoder's queue, so
+# with 32 decodes under SLO A it costs 4-6% at 22-24 img/s (sim-best-temporal.md).
 AGE_HIGH = 0.5
 AGE_LOW = 0.2
 QUEUE_PACE_FLOOR = 0.25
