@@ -109,7 +109,6 @@ class SpatialRuntime:
         self.num_hidden = 0  # windows the host did not wait for (`_window_launch`)
         self._window = False  # SIS's split is a whole-GPU window
         self._encoder_turn = False  # the window's next step is the encoder's
-        self.turns_order = TURNS_ORDER  # the encoder's order in turns (`build_spatial` sets it)
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, eng: Any) -> None:
@@ -156,6 +155,10 @@ class SpatialRuntime:
             if launched.sampled is not None:
                 launched.sampled.fetch()  # a sync of the decoder stream only
         self._read_back(eng, launched)
+
+    @property
+    def turns_order(self) -> str:  # the encoder's order in turns: SIS's, from the admission
+        return self.sis.turns_order if self.sis is not None else TURNS_ORDER
 
     @property
     def pipelining(self) -> bool:
@@ -277,7 +280,7 @@ class SpatialRuntime:
             split = self.sis.decide(self.sis_state(eng.scheduler))
             self.last_split = split
             deadline = self.policy.deadline_s if self.policy is not None else None
-            order_encoder(self.stage.sched.scheds, self.sis.turns, deadline, self.turns_order)
+            order_encoder(self.stage.sched.scheds, self.sis.turns, deadline, self.sis.turns_order)
             self._window = split.encoder_sms >= self.partitions.total
             target = self.partitions.full if self._window else \
                 self.partitions.get(split.encoder_sms)
@@ -340,8 +343,7 @@ class SpatialRuntime:
         return len(self._prefills)
 
     def drain(self) -> None:
-        """Wait for everything launched on the compute side, then forget in-flight prefills
-        (their requests are being ended by the caller)."""
+        """Wait for the compute side's launches; forget in-flight prefills (being ended)."""
         for fl in self._prefills:
             if hasattr(fl.event, "synchronize"):
                 fl.event.synchronize()
@@ -384,17 +386,15 @@ def build_spatial(runner: Any, config: Any, graph_sizes: Sequence[int], *,
                                 launch_budget_s=config.encoder_launch_budget_s,
                                 max_held=config.max_held_embeddings, clock=clock,
                                 plan=policy, cache=cache)
-    sis = None
-    if policy is not None:
-        sis = SpaceInferenceScheduler(
-            curves, sorted(pset.splits), total_sms=total, objective=policy.objective,
-            slo=policy.slo, tpot_factor=policy.tpot_factor, decode_margin=policy.decode_margin,
-            ttft_margin=policy.ttft_margin, comfort_factor=policy.comfort_factor,
-            actions=config.sis_actions, window_s=policy.window_s, clock=clock,
-            turns_order=turns_order(config.admission))
+    sis = None if policy is None else SpaceInferenceScheduler(
+        curves, sorted(pset.splits), total_sms=total, objective=policy.objective,
+        slo=policy.slo, tpot_factor=policy.tpot_factor, decode_margin=policy.decode_margin,
+        ttft_margin=policy.ttft_margin, comfort_factor=policy.comfort_factor,
+        actions=config.sis_actions, window_s=policy.window_s, clock=clock,
+        turns_order=turns_order(config.admission))
     runtime = SpatialRuntime(runner, stage, pset, mode=mode, target=target, sis=sis,
                              prefill_on=config.prefill_on, curve_depth=curves.encoder_depth,
                              clock=clock, graph_batch_sizes=captured, policy=policy,
                              async_scheduling=config.async_scheduling)
-    runtime.graph_bytes, runtime.turns_order = graph_bytes, turns_order(config.admission)
+    runtime.graph_bytes = graph_bytes
     return stage, runtime

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spaceserve.runtime.encoder.data_parallel import RankedTwsrft
-from spaceserve.runtime.policy.sis_goodput import order_encoder, turns_order
+from spaceserve.runtime.policy.sis_goodput import order_encoder
 from spaceserve.runtime.policy.sis_state import PendingEncode, SisState
 from spaceserve.runtime.sim.loops.compute_lane import ComputeLane, _Grant, _Lane
 from spaceserve.runtime.sim.loops.sis_window import window_launch
@@ -319,7 +319,7 @@ class SpatialLoop(ComputeLane, StepLoop):
             split = sim.sis.decide(self.sis_state())
             sim.split = self.last_split = split
             order_encoder(self.twsrft.scheds, sim.sis.turns, self.plan.deadline_s,
-                          turns_order(c.admission))
+                          sim.sis.turns_order)
             self.window = split.encoder_sms >= self.total
             target = 0 if self.window else split.encoder_sms
             auto = split.prefill_on
