@@ -346,7 +346,7 @@ def test_with_128_decodes_and_nothing_shed_the_turns_keep_up(seed: int) -> None:
     its place in the queue x the interval. Without admission the turns' 20 ms windows under a
     TPOT bound let that queue grow until most requests were late (45% / 35% of the arrivals met
     SLO A at 18 img/s, seeds 0 / 1); paced by the oldest wait 91% / 88% (`best-temporal` over
-    30 s, seeds 0 and 1: 82%)."""
+    30 s, seeds 0 and 1: 83% attainment)."""
     from spaceserve.runtime.sim.cluster import simulate
 
     cfg = SimConfig(mode="spatial", slo=SLO_A, sis_actions="superset", background=128)
