@@ -28,10 +28,10 @@ while the rest of the window computes. While taking turns the decode steps are p
 (``EngineConfig.async_scheduling``, as the temporal modes' steps, engine.py): a decode step on
 the full partition is left in flight (`Engine._inflight`) and read back by the next step after
 it launched its own, scheduled with placeholders (the decode inputs still on the device come
-from the sampler's last-token table). A step that needs it settled reads it back first: one
-with encoder work waiting (its window pauses the decoder) or compute-partition prefills in
-flight, one where SIS leaves turns or changes the split (the step then ends there), one with
-nothing to decode.
+from the sampler's last-token table). A step that needs it settled - encoder work waiting (its
+window pauses the decoder) or compute-partition prefills in flight, SIS leaving turns or
+changing the split, nothing to decode - reads it back and ends there, so the next step plans
+with the arrivals, embeddings and freed slots of that wait (as temporal-chunked's step does).
 
 A request whose prefill is in flight on the compute stream is hidden from the scheduler (it can
 be neither scheduled again nor preempted: its KV blocks are being written) and an abort of it
@@ -115,7 +115,7 @@ class SpatialRuntime:
         """One engine step after new requests were drained and the encoder stage polled."""
         self._collect(eng)
         if eng._inflight is not None and not self._may_pipeline():
-            self._settle(eng)
+            return self._settle(eng)  # the next step drains what arrived while it waited
         if not self._choose(eng):
             return  # the step in flight had to be read back before SIS's choice
         if self._window and self._window_step():

@@ -90,17 +90,18 @@ def test_abort_and_pause_while_a_turns_step_is_in_flight() -> None:
         outs: dict[str, list] = {}
         ids = [eng.add_request(p, sp, sink=lambda o: outs.setdefault(o.request_id, []).append(o))
                for p, sp in zip(prompts, params, strict=True)]
-        steps, inflight = 0, 0
+        steps, inflight, paused_at = 0, 0, None
         while eng.has_unfinished():
             eng.step()
             steps += 1
             inflight += eng._inflight is not None
-            if steps == 6:
-                assert eng._inflight is not None  # the abort and the pause meet a step in flight
-                assert eng.abort(ids[0]) and eng.pause(ids[1])
-            if steps == 12:
+            if paused_at is None and steps >= 6 and eng._inflight is not None:
+                assert eng.abort(ids[0]) and eng.pause(ids[1])  # they meet a step in flight
+                paused_at = steps
+            if paused_at is not None and steps == paused_at + 6:
                 assert eng.resume(ids[1])
             assert steps < 500
+        assert paused_at is not None
         assert inflight > 5 and eng.spatial.num_pipelined > 5
         final = {rid: next(o for o in v if o.finished) for rid, v in outs.items()}
         assert final[ids[0]].finish_reason == "abort"

@@ -23,7 +23,8 @@ While SIS takes turns, with ``async_scheduling``, decode steps are pipelined as 
 the device is not), its decode step queues on the decode lane behind the one in flight and not
 before that host time has passed, and the step then reads back the one launched before (waiting
 for it if it draws tokens); a step that must settle it (encoder work waiting, a split change,
-leaving turns, nothing to decode) waits for it first.
+leaving turns, nothing to decode) waits for it and ends there, so the next step drains the
+arrivals, embeddings and freed slots of that wait before it plans (as temporal-chunked's does).
 """
 
 from __future__ import annotations
@@ -159,19 +160,20 @@ class SpatialLoop(ComputeLane, StepLoop):
         resume, self.resume = self.resume, None
         if resume == "read":  # the end of a step: read back the step it left in flight
             return self._read(self.reading)
-        if resume == "tail":  # the step waited for the step in flight to be read back
+        if resume == "tail":  # the step waited for the step in flight: it ends on reading it
             self._settle()
-        else:
-            self._drain()
-            self._admit()
-            self._poll()
-            self._admit()
-            self._collect()
-            if self.inflight is not None and not self._may_pipeline():
-                if self.inflight.waits:
-                    self.blocked, self.resume = self.inflight, "tail"
-                    return True
+            return True
+        self._drain()
+        self._admit()
+        self._poll()
+        self._admit()
+        self._collect()
+        if self.inflight is not None and not self._may_pipeline():
+            if self.inflight.waits:
+                self.blocked, self.resume = self.inflight, "tail"
+            else:
                 self._settle()
+            return True  # the next step sees what arrived, finished and freed meanwhile
         if not self._choose():  # the step in flight is read back first; the step ends there
             self.reading, self.inflight = self.inflight, None
             return self._read(self.reading)
