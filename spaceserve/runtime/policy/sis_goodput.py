@@ -205,13 +205,17 @@ PACE_FLOOR = 0.65
 # interval too: the turns' 20 ms windows under a TPOT bound left 0.34-0.86x of `best-temporal`
 # (4.8 ms windows) at 16-20 img/s, and 0.55-0.77x under an ITL bound. So there the pace also
 # falls while the oldest request waiting for its prefill arrived more than AGE_HIGH x the TTFT
-# bound ago, rises only while it arrived less than AGE_LOW x ago, and under a TPOT bound may
-# fall to QUEUE_PACE_FLOOR: 0.998-1.025x and 0.916-1.002x there (0.25 / 0.1 x the bound: 0.85x
-# with 128 decodes under an ITL bound at 20 img/s). The ages also count the encoder's queue, so
-# with 32 decodes under SLO A it costs 4-6% at 22-24 img/s (sim-best-temporal.md).
+# bound ago and rises otherwise, down to QUEUE_PACE_FLOOR under a TPOT bound and
+# QUEUE_ITL_PACE_FLOOR under an ITL bound. A band where the pace held (rising only below 0.2 x
+# the bound) made it a ratchet: each spike of the oldest age lowered it, few raised it, and with 128
+# decodes under an ITL bound it sat at the 0.65 floor, 4.6-4.9 ms windows where temporal-chunked's
+# best is 4.1 ms (6.8 ms collapses); without the band and with the lower ITL floor 1.028 / 1.035x
+# `best-temporal` at 18 / 20 img/s on seeds 0-7 and 1.003 / 0.993x on seeds 8-15, from 0.977 /
+# 0.953x and 0.958 / 0.883x (sim-best-temporal.md). The ages also count the encoder's queue, so
+# with 32 decodes under SLO A it costs 1.2% / 5.6% at 20 / 22 img/s (8 seeds).
 AGE_HIGH = 0.5
-AGE_LOW = 0.2
 QUEUE_PACE_FLOOR = 0.25
+QUEUE_ITL_PACE_FLOOR = 0.55
 
 
 def pace_window(pace: float, plan: Turns, backlog_tokens: int, batch: int, slo: Slo,
@@ -231,9 +235,7 @@ def pace_window(pace: float, plan: Turns, backlog_tokens: int, batch: int, slo: 
     floor = PACE_FLOOR
     if oldest_s is not None:
         down = down or oldest_s > AGE_HIGH * ttft
-        if not down and oldest_s >= AGE_LOW * ttft:
-            return pace  # neither falls nor rises
-        floor = PACE_FLOOR if itl_governs(slo) else QUEUE_PACE_FLOOR
+        floor = QUEUE_ITL_PACE_FLOOR if itl_governs(slo) else QUEUE_PACE_FLOOR
     return min(1.0, max(floor, pace * math.exp(-PACE_STEP if down else PACE_STEP)))
 
 
