@@ -1,7 +1,8 @@
 """A co-located step's batch cut in two: its decodes (the decoder partition's launch) and its
 prefill chunks (launched on the compute partition beside the encoder). A leaf of the spatial
 room, so the simulator's copy of the co-located step cuts batches exactly as the engine does;
-`turn_budget` likewise bounds a whole-GPU window's step."""
+`turn_budget` likewise bounds a whole-GPU window's step (decodes alone until the partition
+switches to it)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,19 @@ def split_batch(batch: ScheduledBatch) -> tuple[ScheduledBatch | None, Scheduled
 
 
 @contextmanager
-def turn_budget(sched: Any, sis: Any, taking_turns: bool) -> Iterator[None]:
+def turn_budget(sched: Any, sis: Any, taking_turns: bool, shared: bool = False) -> Iterator[None]:
     """While SIS takes turns on the whole GPU, a step's prefill budget is at most its plan's
-    (``sis.last_turn_tokens``: the window's step keeps the decode SLO's margin)."""
+    (``sis.last_turn_tokens``: the window's step keeps the decode SLO's margin).
+
+    `shared`: SIS took turns but the partition in effect is still shared (the switch waits for
+    the compute side's work in flight). Such a step carries its decodes only: a prefill chunk
+    there would run on the decoder's partition, which neither SIS's plan nor the SLO priced (a
+    1260-token chunk beside 128 decodes on 36 SMs is an 88 ms step), and on the compute side
+    it would hold the switch back. The prompts wait the step out in their queues."""
+    if taking_turns and shared:
+        with _decodes_only(sched):
+            yield
+        return
     cap = sched.max_num_batched_tokens
     if taking_turns and sis is not None and sis.last_turn_tokens:
         sched.max_num_batched_tokens = min(cap, sis.last_turn_tokens)
@@ -48,3 +59,21 @@ def turn_budget(sched: Any, sis: Any, taking_turns: bool) -> Iterator[None]:
         yield
     finally:
         sched.max_num_batched_tokens = cap
+
+
+@contextmanager
+def _decodes_only(sched: Any) -> Iterator[None]:
+    """Hide from `sched` the waiting requests and the running ones with prompt left, so the
+    step it schedules is decodes alone; put them back after, in their order (those it
+    preempted meanwhile first in the queue, as the scheduler queues them)."""
+    running, waiting = sched.running, sched.waiting
+    hidden = {id(r) for r in running
+              if len(r.token_ids) + r.num_placeholders - r.num_computed > 1}
+    sched.running = [r for r in running if id(r) not in hidden]
+    sched.waiting = []
+    try:
+        yield
+    finally:
+        kept = {id(r) for r in sched.running}
+        sched.running = [r for r in running if id(r) in hidden or id(r) in kept]
+        sched.waiting = sched.waiting + waiting

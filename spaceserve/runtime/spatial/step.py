@@ -121,7 +121,7 @@ class SpatialRuntime:
         if self._window and self._window_step():
             return
         part = self.partitions.current
-        with turn_budget(eng.scheduler, self.sis, self._window and part is self.partitions.full):
+        with turn_budget(eng.scheduler, self.sis, self._window, part is not self.partitions.full):
             batch = self._schedule(eng.scheduler)
         if self._window and not batch and self._window_ready():  # nothing decodes: encode
             self._encoder_turn = True

@@ -195,3 +195,40 @@ def test_encoder_work_arriving_after_decode_steps_gets_the_next_window(executor,
         launched.append(step(stub))
     # window, idle (decode), window at once, decode, window, idle, idle, window at once, decode
     assert launched == [True, False, True, False, True, False, False, True, False]
+
+
+def test_a_window_waiting_for_its_partition_steps_decodes_only() -> None:
+    """SIS takes a whole-GPU window while the compute side still has work in flight (here its
+    idleness is withheld two checks in three): the switch waits, and the steps run meanwhile
+    on the shared partition carry no prefill chunk - one would run on the decoder's SMs,
+    priced by nothing - and change no token."""
+    eng = engine("spatial", encoder_splits=(16, 64))
+    sp = eng.spatial
+    total = sp.partitions.total
+    plan = [(16, "compute"), (16, "compute"), (total, "decode"), (total, "decode"),
+            (0, "compute")]
+    calls, checks = iter(range(10**6)), iter(range(10**6))
+
+    def decide(state):
+        e, where = plan[next(calls) % len(plan)]
+        return Split(e, total - e, where, 0.0, 0.0, 1.0, True)
+
+    waiting: list[int] = []  # prefill tokens of each step taken while the switch waits
+    schedule, idle = sp._schedule, sp.stage.idle
+
+    def traced(sched):
+        batch = schedule(sched)
+        if sp._window and sp.partitions.current is not sp.partitions.full:
+            waiting.append(batch.num_tokens - batch.num_decodes if batch else 0)
+        return batch
+
+    sp.sis.decide, sp._schedule = decide, traced
+    sp.stage.idle = lambda: idle() and next(checks) % 3 == 2
+    try:
+        prompts, params = workload(seed=3, n=12)
+        check_outputs(eng, prompts, params, eng.generate(prompts, params))
+        assert waiting and not any(waiting), waiting
+        assert sp.num_windows > 0
+        eng.check_idle()
+    finally:
+        eng.close()

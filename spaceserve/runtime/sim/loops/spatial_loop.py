@@ -179,7 +179,7 @@ class SpatialLoop(ComputeLane, StepLoop):
             return self._read(self.reading)
         if self.window and self._window_step():
             return True
-        with self.turn_budget(self.sched, self.sim.sis, self.window and not self.current):
+        with self.turn_budget(self.sched, self.sim.sis, self.window, self.current > 0):
             batch = self._schedule()
         if self.window and not batch and self._window_ready():  # nothing decodes: encode
             self.encoder_turn = True
